@@ -1,0 +1,98 @@
+"""The small interface through which the scheduler drives a model.
+
+The scheduler owns the KV block pool's bookkeeping (which physical block holds which tokens of
+which row, see :mod:`inference.kv_cache`); a backend owns the tensors behind it and computes
+logits. A backend is called from the engine's single worker thread only.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+class Tokenizer(Protocol):
+    """Text <-> token ids for one model."""
+
+    eos_token_ids: frozenset[int]
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no special tokens added)."""
+        ...
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids``, special tokens skipped; a partial character shows as U+FFFD."""
+        ...
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Prompt ids for chat ``messages`` (``role``/``content``), generation prompt added."""
+        ...
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Prompt tokens ``[start_pos, start_pos + len(token_ids))`` of one row, to run now.
+
+    ``block_table`` covers at least ``start_pos + len(token_ids)`` token slots; the KV of positions
+    before ``start_pos`` is already in those blocks (earlier chunks or prefix-cache hits).
+    """
+
+    row_id: str
+    token_ids: Sequence[int]
+    start_pos: int
+    block_table: Sequence[int]
+
+
+@dataclass(frozen=True)
+class DecodeRow:
+    """One decode row: feed ``token_id`` at ``position``; its KV is written into ``block_table``."""
+
+    row_id: str
+    token_id: int
+    position: int
+    block_table: Sequence[int]
+
+
+class ModelBackend(ABC):
+    """A causal LM behind the scheduler: prefill chunks, decode the batch, add and remove rows.
+
+    Subclasses set ``tokenizer``, ``vocab_size`` and ``max_model_len`` (tokens).
+    """
+
+    tokenizer: Tokenizer
+    vocab_size: int
+    max_model_len: int
+
+    @abstractmethod
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV cache one token takes across all layers (sizes the pool from a budget)."""
+
+    @abstractmethod
+    def allocate_kv_pool(self, num_blocks: int, block_size: int) -> None:
+        """Allocate the KV pool once: ``num_blocks`` blocks of ``block_size`` token slots."""
+
+    def add_row(self, row_id: str) -> None:  # noqa: B027 - optional hook
+        """A row joins the batch (before its first prefill chunk)."""
+
+    def remove_row(self, row_id: str) -> None:  # noqa: B027 - optional hook
+        """A row leaves the batch; its blocks may be reused by other rows afterwards."""
+
+    @abstractmethod
+    def prefill(self, chunks: Sequence[PrefillChunk]) -> torch.Tensor:
+        """Run prompt chunks and write their KV into the pool.
+
+        Returns:
+            ``[len(chunks), vocab_size]`` float logits of each chunk's last token.
+        """
+
+    @abstractmethod
+    def decode(self, rows: Sequence[DecodeRow]) -> torch.Tensor:
+        """One batched forward pass, one token per row, writing each row's KV into the pool.
+
+        Returns:
+            ``[len(rows), vocab_size]`` float logits for each row's next token.
+        """

@@ -1,0 +1,117 @@
+"""A deterministic, model-free backend for tests and platform development.
+
+Its "KV cache" is a pool of token ids laid out exactly like a real paged KV pool
+(``[num_blocks, block_size]``); the next token is a hash of every token the row can *read back
+through its block table*, position by position. So chunked, monolithic, batched, prefix-cached and
+evicted-then-recomputed runs of a prompt all give the same output exactly when the block tables
+and the KV writes are right, and a bookkeeping bug shows up as different tokens.
+
+The tokenizer is byte-level UTF-8 (token id = byte value), so multi-byte characters span several
+tokens, as with real BPE vocabularies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from inference.backends.base import DecodeRow, ModelBackend, PrefillChunk
+
+# Letters and a few punctuation marks: what the backend "writes".
+_ALPHABET = [ord(c) for c in "abcdefghijklmnopqrstuvwxyz ,.!?"]
+_MODULUS = 1_000_003
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens (ids 0-255); id 256 is EOS and 257 BOS."""
+
+    eos_token_id = 256
+    bos_token_id = 257
+    vocab_size = 258
+
+    def __init__(self) -> None:
+        self.eos_token_ids = frozenset({self.eos_token_id})
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+        return [self.bos_token_id, *self.encode(text)]
+
+
+class ReferenceBackend(ModelBackend):
+    """Deterministic next-token function over a paged token pool.
+
+    Args:
+        max_model_len: context length in tokens.
+        eos_every: when > 0, a row emits EOS at the first position where the hash is divisible
+            by ``eos_every`` (so about one answer in ``eos_every`` tokens ends); 0 never.
+    """
+
+    def __init__(self, max_model_len: int = 8192, eos_every: int = 0):
+        self.tokenizer = ByteTokenizer()
+        self.vocab_size = ByteTokenizer.vocab_size
+        self.max_model_len = max_model_len
+        self.eos_every = eos_every
+        self._pool: torch.Tensor | None = None
+        self._block_size = 0
+        positions = torch.arange(max_model_len, dtype=torch.int64)
+        self._weights = (positions * 2654435761 + 12345) % 65521
+        self.rows: set[str] = set()
+        self.forward_calls = 0
+
+    def kv_bytes_per_token(self) -> int:
+        return 8
+
+    def allocate_kv_pool(self, num_blocks: int, block_size: int) -> None:
+        self._pool = torch.full((num_blocks, block_size), -1, dtype=torch.int64)
+        self._block_size = block_size
+
+    def add_row(self, row_id: str) -> None:
+        self.rows.add(row_id)
+
+    def remove_row(self, row_id: str) -> None:
+        self.rows.discard(row_id)
+
+    def _write(self, block_table: Sequence[int], start: int, tokens: Sequence[int]) -> None:
+        assert self._pool is not None, "allocate_kv_pool first"
+        bs = self._block_size
+        for offset, token in enumerate(tokens):
+            pos = start + offset
+            self._pool[block_table[pos // bs], pos % bs] = token
+
+    def _logits(self, block_table: Sequence[int], length: int) -> torch.Tensor:
+        assert self._pool is not None
+        table = torch.tensor(list(block_table), dtype=torch.int64)
+        tokens = self._pool[table].reshape(-1)[:length]
+        if bool((tokens < 0).any()):
+            raise RuntimeError("read a KV slot that was never written")
+        h = int((tokens * self._weights[:length]).sum()) % _MODULUS
+        logits = torch.zeros(self.vocab_size)
+        if self.eos_every and h % self.eos_every == 0:
+            logits[ByteTokenizer.eos_token_id] = 10.0
+        else:
+            logits[_ALPHABET[h % len(_ALPHABET)]] = 10.0
+            logits[_ALPHABET[(h // 7) % len(_ALPHABET)]] += 5.0
+        return logits
+
+    def prefill(self, chunks: Sequence[PrefillChunk]) -> torch.Tensor:
+        self.forward_calls += 1
+        out = []
+        for chunk in chunks:
+            self._write(chunk.block_table, chunk.start_pos, chunk.token_ids)
+            out.append(self._logits(chunk.block_table, chunk.start_pos + len(chunk.token_ids)))
+        return torch.stack(out)
+
+    def decode(self, rows: Sequence[DecodeRow]) -> torch.Tensor:
+        self.forward_calls += 1
+        out = []
+        for row in rows:
+            self._write(row.block_table, row.position, [row.token_id])
+            out.append(self._logits(row.block_table, row.position + 1))
+        return torch.stack(out)

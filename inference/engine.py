@@ -1,0 +1,336 @@
+"""The thread-safe engine: submit, abort and stats from any thread; one worker thread ticks.
+
+Submit, abort and stats never wait behind a tick: submissions and aborts go into an inbox that
+the worker drains at the start of each tick, and a stats snapshot is published after each tick.
+All tensor work happens on the worker thread (on a 2-core CPU, torch running on two OS threads
+of one process was measured 15-40 % slower per step).
+
+Example::
+
+    engine = LLMEngine(EngineConfig(BACKEND="reference"))
+    engine.start()
+    handle = engine.submit(prompt="Hello", sampling=SamplingParams(max_tokens=8))
+    for event in handle.events(timeout=10):
+        ...
+    engine.shutdown()
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from inference.backends.base import ModelBackend
+from inference.config import EngineConfig
+from inference.request import (
+    ErrorInfo,
+    Event,
+    FinalEvent,
+    Request,
+    SamplingParams,
+    TokenEvent,
+)
+from inference.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+EventSink = Callable[[list[Event]], None]
+
+
+class EngineRefusal(Exception):
+    """A request refused before it entered the engine; ``error`` says why (and the HTTP status)."""
+
+    def __init__(self, error: ErrorInfo):
+        super().__init__(error.message)
+        self.error = error
+
+
+class QueueFullError(EngineRefusal):
+    """Gate 1: the pending queue holds ``MAX_QUEUE_SIZE`` requests (HTTP 429, retryable)."""
+
+
+class InvalidRequestError(EngineRefusal):
+    """The request can never be valid for this model (HTTP 400), e.g. beyond the context."""
+
+
+class EngineStoppedError(EngineRefusal):
+    """The engine is shutting down and takes no new work (HTTP 503, retryable)."""
+
+
+class RequestHandle:
+    """The caller's side of one request: its id and its events, in order."""
+
+    def __init__(self, request_id: str, prompt_len: int):
+        self.request_id = request_id
+        self.prompt_len = prompt_len
+        self._queue: queue.SimpleQueue[Event] = queue.SimpleQueue()
+
+    def _put(self, event: Event) -> None:
+        self._queue.put(event)
+
+    def events(self, timeout: float | None = None) -> Iterator[Event]:
+        """Yield events until (and including) the final one.
+
+        Raises:
+            TimeoutError: if no event arrives within ``timeout`` seconds of the previous one.
+        """
+        while True:
+            try:
+                event = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"no event for {self.request_id} within {timeout} s") from None
+            yield event
+            if isinstance(event, FinalEvent):
+                return
+
+    def result(self, timeout: float | None = None) -> tuple[str, list[int], FinalEvent]:
+        """Wait for the end; return (text, generated token ids, final event)."""
+        text, tokens = [], []
+        final: FinalEvent | None = None
+        for event in self.events(timeout):
+            if isinstance(event, TokenEvent):
+                text.append(event.text)
+                tokens.append(event.token_id)
+            else:
+                final = event
+                text.append(event.text)
+        assert final is not None
+        return "".join(text), tokens, final
+
+
+class LLMEngine:
+    """A scheduler and a backend behind a thread-safe API.
+
+    Args:
+        config: engine settings; see :class:`inference.config.EngineConfig`.
+        backend: the model; by default loaded from ``config`` (``BACKEND``, ``MODEL_PATH``).
+        event_sink: called on the worker thread once per tick with that tick's events, in
+            order (for the Redis bridge); events also go to each request's handle.
+
+    Raises:
+        ValueError: if the KV pool cannot hold the active-KV budget.
+    """
+
+    def __init__(self, config: EngineConfig | None = None, backend: ModelBackend | None = None,
+                 event_sink: EventSink | None = None):
+        self.config = config or EngineConfig()
+        if backend is None:
+            from inference.backends import load_backend
+
+            backend = load_backend(self.config)
+        self.backend = backend
+        self.tokenizer = backend.tokenizer
+        block_bytes = backend.kv_bytes_per_token() * self.config.kv_block_size
+        num_blocks = self.config.kv_num_blocks or max(1, self.config.kv_cache_bytes // block_bytes)
+        self.max_model_len = min(filter(None, (self.config.max_model_len, backend.max_model_len)))
+        self.scheduler = Scheduler(self.config, backend, num_blocks)
+        self.event_sink = event_sink
+
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._inbox: list[tuple[str, Any]] = []
+        self._handles: dict[str, RequestHandle] = {}
+        self._queued = 0  # gate 1: submitted and not yet admitted or ended
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._started_at = time.time()
+        self._tick_seconds = 0.0
+        self._stats = self._build_stats()
+
+    # -- public API ---------------------------------------------------------------------------
+
+    def submit(self, *, prompt_token_ids: Sequence[int] | None = None, prompt: str | None = None,
+               messages: Sequence[dict[str, str]] | None = None,
+               sampling: SamplingParams | None = None, tenant: str = "default",
+               fairness_key: str = "", priority: int = 0, fairness_weight: float = 1.0,
+               request_id: str | None = None) -> RequestHandle:
+        """Queue a request; never waits for a tick.
+
+        Exactly one of ``prompt_token_ids``, ``prompt`` (text) or ``messages`` (chat, rendered
+        with the model's chat template) is given. ``priority`` is the tier (higher first);
+        ``fairness_key`` defaults to the tenant; ``fairness_weight`` scales its VTC share.
+
+        Returns:
+            A handle whose :meth:`RequestHandle.events` yields the request's events.
+
+        Raises:
+            InvalidRequestError: empty prompt, or ``prompt_len + max_tokens`` beyond the context.
+            QueueFullError: gate 1, ``MAX_QUEUE_SIZE`` requests are already waiting.
+            EngineStoppedError: the engine is shutting down.
+        """
+        sampling = sampling or SamplingParams()
+        if sum(x is not None for x in (prompt_token_ids, prompt, messages)) != 1:
+            raise InvalidRequestError(ErrorInfo(
+                "invalid_request", "give exactly one of prompt_token_ids, prompt, messages", 400))
+        if prompt_token_ids is not None:
+            ids = [int(t) for t in prompt_token_ids]
+        elif prompt is not None:
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = self.tokenizer.apply_chat_template(list(messages or ()))
+        if not ids:
+            raise InvalidRequestError(ErrorInfo(
+                "invalid_request", "the prompt is empty", 400, details={"param": "prompt"}))
+        if len(ids) + sampling.max_tokens > self.max_model_len:
+            raise InvalidRequestError(ErrorInfo(
+                "context_length_exceeded",
+                f"prompt of {len(ids)} tokens + max_tokens {sampling.max_tokens} = "
+                f"{len(ids) + sampling.max_tokens} exceeds the model's context of "
+                f"{self.max_model_len} tokens",
+                400, details={"prompt_tokens": len(ids), "max_tokens": sampling.max_tokens,
+                              "max_model_len": self.max_model_len}))
+        request = Request(
+            request_id=request_id or f"req-{uuid.uuid4().hex}", prompt_token_ids=ids,
+            sampling=sampling, tenant=tenant, fairness_key=fairness_key or tenant,
+            priority=priority, fairness_weight=fairness_weight)
+        handle = RequestHandle(request.request_id, len(ids))
+        with self._lock:
+            if self._stopping:
+                raise EngineStoppedError(ErrorInfo(
+                    "worker_shutdown", "the engine is shutting down", 503, retryable=True))
+            if self._queued >= self.config.max_queue_size:
+                raise QueueFullError(ErrorInfo(
+                    "queue_full",
+                    f"the queue holds {self._queued} requests (MAX_QUEUE_SIZE="
+                    f"{self.config.max_queue_size}); retry later",
+                    429, gate=1, retryable=True,
+                    details={"queued": self._queued, "max_queue_size": self.config.max_queue_size}))
+            if request.request_id in self._handles:
+                raise InvalidRequestError(ErrorInfo(
+                    "invalid_request", f"request id {request.request_id} is already live", 400))
+            self._queued += 1
+            self._handles[request.request_id] = handle
+            self._inbox.append(("submit", request))
+        self._wakeup.set()
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        """End a request in any phase (final event ``abort``); unknown or ended ids are ignored."""
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+        self._wakeup.set()
+
+    def num_queued(self) -> int:
+        """Gate 1's figure: requests submitted and not yet admitted (or ended)."""
+        with self._lock:
+            return self._queued
+
+    def stats(self) -> dict[str, Any]:
+        """The stats snapshot published after the latest tick (never waits for a tick)."""
+        snapshot = dict(self._stats)
+        snapshot["num_queued"] = self.num_queued()
+        return snapshot
+
+    def debug_snapshot(self) -> dict[str, Any]:
+        """Queue membership and reservations; only consistent between ticks (tests, ``step``)."""
+        return self.scheduler.debug_snapshot()
+
+    def step(self) -> list[Event]:
+        """Drain the inbox and run one tick on the calling thread; return its events.
+
+        For tests and benchmarks that drive the engine synchronously; do not mix with
+        :meth:`start`.
+        """
+        self._drain_inbox()
+        started = time.perf_counter()
+        events = self.scheduler.step()
+        self._tick_seconds = time.perf_counter() - started
+        self._after_tick(events)
+        return events
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._inbox) or self.scheduler.has_work()
+
+    def start(self) -> None:
+        """Start the worker thread that ticks while there is work."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="engine-worker", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> list[Request]:
+        """Stop taking work; end in-flight requests with a ``worker_shutdown`` error event.
+
+        Returns:
+            Pending requests that were never admitted, withdrawn without any event, so the
+            caller can hand them to another worker.
+        """
+        with self._lock:
+            self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        self._drain_inbox()
+        withdrawn = self.scheduler.withdraw_pending()
+        for request in withdrawn:
+            with self._lock:
+                self._handles.pop(request.request_id, None)
+        self.scheduler.fail_all(ErrorInfo(
+            "worker_shutdown", "the inference worker shut down while serving this request",
+            503, retryable=True))
+        self._after_tick(self.scheduler.take_events())
+        return withdrawn
+
+    # -- worker loop -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                stopping = self._stopping
+            if stopping:
+                return
+            if not self.has_work():
+                self._wakeup.wait(timeout=0.5)
+                self._wakeup.clear()
+                continue
+            try:
+                self.step()
+            except Exception as exc:  # keep serving: fail what was live, then go on
+                log.exception("tick failed")
+                self.scheduler.fail_all(ErrorInfo(
+                    "engine_error", f"the engine failed: {exc}", 500, retryable=True))
+                self._after_tick(self.scheduler.take_events())
+
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        for kind, item in inbox:
+            if kind == "submit":
+                self.scheduler.add_request(item)
+            elif not self.scheduler.abort_request(item):
+                log.debug("abort of unknown request %s ignored", item)
+
+    def _after_tick(self, events: list[Event]) -> None:
+        left = self.scheduler.left_pending
+        self.scheduler.left_pending = 0
+        finals = []
+        with self._lock:
+            self._queued -= left
+            handles = [self._handles.get(e.request_id) for e in events]
+            for event in events:
+                if isinstance(event, FinalEvent):
+                    finals.append(event.request_id)
+                    self._handles.pop(event.request_id, None)
+        for handle, event in zip(handles, events, strict=True):
+            if handle is not None:
+                handle._put(event)
+        if self.event_sink is not None and events:
+            try:
+                self.event_sink(events)
+            except Exception:
+                log.exception("event sink failed")
+        self._stats = self._build_stats()
+
+    def _build_stats(self) -> dict[str, Any]:
+        snapshot = self.scheduler.stats()
+        snapshot["last_tick_s"] = self._tick_seconds
+        snapshot["uptime_s"] = time.time() - self._started_at
+        snapshot["max_model_len"] = self.max_model_len
+        return snapshot

@@ -1,0 +1,243 @@
+"""Request state and the events a request emits.
+
+A :class:`Request` knows its prompt, its output so far, its KV block table and how many of its
+tokens are computed or came from the prefix cache. The scheduler only moves requests between
+queues; the request itself carries the state.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class FinishReason(StrEnum):
+    """Why a request ended; ``error`` carries a structured :class:`ErrorInfo`."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class RequestPhase(StrEnum):
+    """Which queue a live request is in (or ``finished``)."""
+
+    PENDING = "pending"
+    PREFILLING = "prefilling"
+    ACTIVE = "active"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding settings.
+
+    Attributes:
+        max_tokens: generated tokens at most (>= 1).
+        temperature: 0 means greedy.
+        top_p: nucleus mass in (0, 1].
+        top_k: keep the k best logits; 0 or less disables it.
+        seed: seeds this request's own generator, so its samples do not depend on its batch.
+        stop: strings that end the answer; they are never streamed, not even in part.
+        min_tokens: EOS and stop strings are ignored before this many tokens.
+        ignore_eos: never stop at EOS (fixed-length benchmarks).
+
+    Raises:
+        ValueError: for a value out of range, naming the field.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    min_tokens: int = 0
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    """A structured refusal or failure.
+
+    ``code`` names the reason (``kv_budget_exceeded``, ``kv_pool_exceeded``, ``queue_full``,
+    ``queue_timeout``, ``context_length_exceeded``, ``invalid_request``, ``engine_error``,
+    ``worker_shutdown``); ``gate`` is the backpressure gate (1 to 3) for refusals; ``status`` is
+    the HTTP status the web tier answers with; ``details`` carries the numbers.
+    """
+
+    code: str
+    message: str
+    status: int = 500
+    gate: int | None = None
+    retryable: bool = False
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "code": self.code,
+            "message": self.message,
+            "status": self.status,
+            "gate": self.gate,
+            "retryable": self.retryable,
+            "details": dict(self.details),
+        }
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts of one request; ``cached_prompt_tokens`` were prefix-cache hits."""
+
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+        }
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token: its id and the text it adds (valid UTF-8, maybe empty)."""
+
+    request_id: str
+    seq: int
+    token_id: int
+    text: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": "token", "request_id": self.request_id, "seq": self.seq,
+                "token_id": self.token_id, "text": self.text}
+
+
+@dataclass(frozen=True)
+class FinalEvent:
+    """The last event of a request: exactly one, and nothing after it.
+
+    ``text`` is text held back while a stop string might have been forming and released at the
+    end (usually empty). ``error`` is set when ``finish_reason`` is ``error``.
+    """
+
+    request_id: str
+    seq: int
+    finish_reason: FinishReason
+    usage: Usage
+    text: str = ""
+    error: ErrorInfo | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": "final", "request_id": self.request_id, "seq": self.seq,
+                "finish_reason": self.finish_reason.value, "usage": self.usage.to_dict(),
+                "text": self.text, "error": self.error.to_dict() if self.error else None,
+                "timings": dict(self.timings)}
+
+
+Event = TokenEvent | FinalEvent
+
+_arrival_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """A request inside the engine and its mutable serving state.
+
+    Attributes:
+        prompt_token_ids: the prompt, ``[prompt_len]`` token ids.
+        output_token_ids: generated tokens so far.
+        block_table: physical KV block ids, one per ``block_size`` tokens of prompt + output.
+        num_computed_tokens: tokens whose KV is in the pool (prefix hits included).
+        num_cached_tokens: prompt tokens that were prefix-cache hits at admission.
+        reserved_blocks: blocks promised to this row that it has not allocated yet (gate 3).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    tenant: str = "default"
+    fairness_key: str = ""
+    priority: int = 0
+    fairness_weight: float = 1.0
+    arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    phase: RequestPhase = RequestPhase.PENDING
+    output_token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    reserved_blocks: int = 0
+    reserved_kv_tokens: int = 0
+    event_seq: int = 0
+    abort_requested: bool = False
+    finish_reason: FinishReason | None = None
+    error: ErrorInfo | None = None
+    first_token_time: float | None = None
+    admitted_time: float | None = None
+    detokenizer: Any = None
+    sampler_state: Any = None
+
+    def __post_init__(self) -> None:
+        if not self.fairness_key:
+            self.fairness_key = self.tenant
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling.max_tokens
+
+    @property
+    def kv_demand(self) -> int:
+        """Tokens this row reserves against the active-KV budget: ``prompt_len + max_tokens``."""
+        return self.prompt_len + self.sampling.max_tokens
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.num_computed_tokens >= self.prompt_len
+
+    def next_event_seq(self) -> int:
+        seq = self.event_seq
+        self.event_seq += 1
+        return seq
+
+    def usage(self) -> Usage:
+        return Usage(self.prompt_len, self.num_cached_tokens, len(self.output_token_ids))

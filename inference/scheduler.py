@@ -1,0 +1,423 @@
+"""The continuous-batching scheduler of ``shared/design/scheduler.md``.
+
+Three queues hold every live request exactly once: ``_pending`` (ordered by the policy),
+``_prefilling`` (admitted, prompt still being fed in chunks) and ``_active`` (rows in the decode
+batch). One tick runs four phases in a fixed order:
+
+1. ``_admit_pending``: gates 2 and 3 (active-KV budget, KV block pool), soft-hold or hard-reject;
+2. ``_advance_prefill_chunk``: one chunk per prefilling row; the final chunk's logits give the
+   first token and ``_promote_to_decode`` splices the row into ``_active``;
+3. ``_evict_finished``: rows that stopped leave, free their blocks and reservation, get their
+   final event;
+4. ``_decode_step``: one batched forward pass, one token per active row.
+
+Admit comes before evict, so a row promoted in this tick streams its first token in this tick and
+that token is never lost. The scheduler is single-threaded: :class:`inference.engine.LLMEngine`
+feeds it from a thread-safe inbox and runs :meth:`Scheduler.step` on its worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from inference.backends.base import DecodeRow, ModelBackend, PrefillChunk
+from inference.config import EngineConfig, PrefillMode
+from inference.detokenizer import IncrementalDetokenizer
+from inference.kv_cache import KVCacheManager
+from inference.policy import make_policy
+from inference.request import (
+    ErrorInfo,
+    Event,
+    FinalEvent,
+    FinishReason,
+    Request,
+    RequestPhase,
+    TokenEvent,
+)
+from inference.sampling import sample
+
+log = logging.getLogger(__name__)
+
+GATES = (1, 2, 3)
+
+
+class Scheduler:
+    """Queues, the four-phase tick, the gates and the reservation accounting.
+
+    Args:
+        config: engine settings (batch size, chunk size, policy, KV sizes, budget).
+        backend: the model; its KV pool is allocated here, once.
+        num_blocks: KV blocks in the pool (already resolved from a byte budget if needed).
+
+    Raises:
+        ValueError: if the active-KV budget does not fit in the pool.
+    """
+
+    def __init__(self, config: EngineConfig, backend: ModelBackend, num_blocks: int):
+        self.config = config
+        self.backend = backend
+        self.tokenizer = backend.tokenizer
+        self.eos_token_ids = frozenset(backend.tokenizer.eos_token_ids)
+        self.prefill_mode = config.effective_prefill_mode
+        self.chunk_size = config.prefill_chunk_size
+        self.max_batch_size = config.max_batch_size
+        self.active_kv_budget = config.resolved_budget(num_blocks)
+        self.kv = KVCacheManager(num_blocks, config.kv_block_size, config.enable_prefix_caching)
+        backend.allocate_kv_pool(num_blocks, config.kv_block_size)
+        self.policy = make_policy(
+            config.scheduling_policy, config.vtc_input_weight, config.vtc_output_weight)
+
+        self._pending: dict[str, Request] = {}  # membership; the policy holds the order
+        self._prefilling: list[Request] = []
+        self._active: list[Request] = []
+        self.active_kv_reserved = 0
+
+        self.tick_count = 0
+        self.tokens_generated = 0
+        self.prompt_tokens_computed = 0
+        self.kv_admit_blocked = 0
+        self.soft_held = dict.fromkeys(GATES, 0)
+        self.hard_rejected = dict.fromkeys(GATES, 0)
+        self.finished = {reason.value: 0 for reason in FinishReason}
+        self.left_pending = 0  # requests that left _pending (admitted or ended); read by the engine
+        self._events: list[Event] = []
+        self._clock: Callable[[], float] = time.monotonic
+
+    # -- entry points (called on the worker thread) --------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Put a validated request into ``_pending``.
+
+        A request that can never fit (gate 2 or 3 hard limit: bigger than the active-KV budget
+        or the whole pool) is hard-rejected right here, on arrival, whatever its place in the
+        queue: those limits never change, so waiting cannot help it.
+        """
+        request.phase = RequestPhase.PENDING
+        request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.sampling.stop)
+        self._pending[request.request_id] = request
+        self.policy.on_request_arrived(request)
+        refusal = self._never_fits(request)
+        if refusal is not None:
+            self._hard_reject(request, *refusal)
+
+    def abort_request(self, request_id: str) -> bool:
+        """End a request in any phase with ``finish_reason=abort``; False if it is not live."""
+        request = self._find(request_id)
+        if request is None:
+            return False
+        self._finish(request, FinishReason.ABORT)
+        return True
+
+    def step(self) -> list[Event]:
+        """Run one tick; return the events it produced, in order."""
+        self._expire_pending()
+        self._admit_pending()
+        self._advance_prefill_chunk()
+        self._evict_finished()
+        self._decode_step()
+        self.tick_count += 1
+        events, self._events = self._events, []
+        return events
+
+    def take_events(self) -> list[Event]:
+        """Events produced outside a tick (aborts, shutdown)."""
+        events, self._events = self._events, []
+        return events
+
+    def has_work(self) -> bool:
+        return bool(self._pending or self._prefilling or self._active)
+
+    def withdraw_pending(self) -> list[Request]:
+        """Take every pending request out, without events (shutdown hands them back)."""
+        withdrawn = list(self._pending.values())
+        for request in withdrawn:
+            del self._pending[request.request_id]
+            self.policy.remove(request)
+            request.phase = RequestPhase.FINISHED
+            self.left_pending += 1
+        return withdrawn
+
+    def fail_all(self, error: ErrorInfo) -> None:
+        """End every live request with ``error`` (shutdown, fatal backend failure)."""
+        for request in [*self._pending.values(), *self._prefilling, *self._active]:
+            self._finish(request, FinishReason.ERROR, error)
+
+    # -- phase 1: admission and the gates ------------------------------------------------------
+
+    def _admit_pending(self) -> None:
+        while self._pending and len(self._prefilling) + len(self._active) < self.max_batch_size:
+            request = self.policy.peek_next()
+            assert request is not None
+            demand = request.kv_demand
+            # Gate 2, soft: wait until admitted rows release budget.
+            if self.active_kv_reserved + demand > self.active_kv_budget:
+                self._soft_hold(2)
+                return
+            # Gate 3, soft: wait until blocks free up (no evict-to-admit thrash).
+            match = self.kv.find_cached_prefix(request)
+            if self.kv.blocks_needed(request, match) > self.kv.available_blocks():
+                self._soft_hold(3)
+                return
+            picked = self.policy.pick_next()
+            assert picked is request
+            del self._pending[request.request_id]
+            self.left_pending += 1
+            self.kv.admit(request, match)
+            request.reserved_kv_tokens = demand
+            self.active_kv_reserved += demand
+            request.admitted_time = self._clock()
+            self.backend.add_row(request.request_id)
+            request.phase = RequestPhase.PREFILLING
+            self._prefilling.append(request)
+            if self.prefill_mode is PrefillMode.MONOLITHIC:
+                self._run_prefill([request], whole_prompt=True)
+
+    def _never_fits(self, request: Request) -> tuple[int, ErrorInfo] | None:
+        """Gates 2 and 3, hard: the request alone exceeds the whole pool or the budget.
+
+        Returns:
+            ``(gate, error)`` for a request that can never be served, else None. Gate 3 is
+            checked first: the pool is the more fundamental limit (the budget fits inside it).
+        """
+        demand = request.kv_demand
+        numbers = {"prompt_len": request.prompt_len, "max_tokens": request.max_tokens,
+                   "kv_demand": demand}
+        if not self.kv.can_ever_fit(request):
+            blocks = self.kv.blocks_for_tokens(demand)
+            return 3, ErrorInfo(
+                code="kv_pool_exceeded",
+                message=(f"prompt_len + max_tokens = {demand} tokens needs {blocks} KV blocks "
+                         f"of {self.kv.block_size} tokens; the pool has {self.kv.num_blocks}; "
+                         "it can never be served"),
+                status=429, gate=3, retryable=False,
+                details={**numbers, "blocks_needed": blocks,
+                         "kv_blocks_total": self.kv.num_blocks})
+        if demand > self.active_kv_budget:
+            return 2, ErrorInfo(
+                code="kv_budget_exceeded",
+                message=(f"prompt_len + max_tokens = {request.prompt_len} + {request.max_tokens}"
+                         f" = {demand} tokens exceeds the active-KV budget of "
+                         f"{self.active_kv_budget} tokens; it can never be served"),
+                status=429, gate=2, retryable=False,
+                details={**numbers, "active_kv_budget": self.active_kv_budget})
+        return None
+
+    def _soft_hold(self, gate: int) -> None:
+        self.soft_held[gate] += 1
+        self.kv_admit_blocked += 1
+
+    def _hard_reject(self, request: Request, gate: int, error: ErrorInfo) -> None:
+        self.hard_rejected[gate] += 1
+        self.kv_admit_blocked += 1
+        self._finish(request, FinishReason.ERROR, error)
+
+    def _expire_pending(self) -> None:
+        limit = self.config.max_queue_wait_s
+        if not limit or not self._pending:
+            return
+        now = self._clock()
+        for request in [r for r in self._pending.values() if now - r.arrival_time > limit]:
+            self._finish(request, FinishReason.ERROR, ErrorInfo(
+                code="queue_timeout",
+                message=f"request waited more than {limit:g} s in the queue without being admitted",
+                status=503, retryable=True, details={"max_queue_wait_s": limit}))
+
+    # -- phase 2: chunked prefill --------------------------------------------------------------
+
+    def _advance_prefill_chunk(self) -> None:
+        if self._prefilling:
+            self._run_prefill(list(self._prefilling), whole_prompt=False)
+
+    def _run_prefill(self, rows: list[Request], whole_prompt: bool) -> None:
+        chunks = []
+        for request in rows:
+            start = request.num_computed_tokens
+            end = request.prompt_len if whole_prompt else min(
+                request.prompt_len, start + self.chunk_size)
+            self.kv.ensure_slots(request, end)
+            chunks.append(PrefillChunk(request.request_id, request.prompt_token_ids[start:end],
+                                       start, tuple(request.block_table)))
+        try:
+            logits = self.backend.prefill(chunks)
+        except Exception as exc:  # the engine keeps serving everyone else
+            log.exception("prefill failed for %d rows", len(rows))
+            for request in rows:
+                self._finish(request, FinishReason.ERROR, _engine_error("prefill", exc))
+            return
+        for i, (request, chunk) in enumerate(zip(rows, chunks, strict=True)):
+            computed = len(chunk.token_ids)
+            request.num_computed_tokens += computed
+            self.prompt_tokens_computed += computed
+            self.kv.commit_full_blocks(request)
+            # The final chunk also generates the first token.
+            self.policy.on_tokens_processed(request, computed, int(request.prefill_done))
+            if request.prefill_done:
+                self._promote_to_decode(request, logits[i:i + 1])
+
+    def _promote_to_decode(self, request: Request, logits: Any) -> None:
+        """Hand a fully prefilled row to the decode batch; its logits give its first token.
+
+        The single seam from prefill to decode (the monolithic path and the final chunk both
+        come here): with disaggregated prefill, the KV would arrive from another worker here.
+        """
+        self._prefilling.remove(request)
+        request.phase = RequestPhase.ACTIVE
+        self._active.append(request)
+        token = sample(logits, [request], self.eos_token_ids)[0]
+        self._append_token(request, token)
+
+    # -- phase 3: eviction ---------------------------------------------------------------------
+
+    def _evict_finished(self) -> None:
+        for request in [r for r in self._active if r.finish_reason is not None]:
+            self._finish(request, request.finish_reason)
+
+    # -- phase 4: decode -----------------------------------------------------------------------
+
+    def _decode_step(self) -> None:
+        rows = self._active
+        if not rows:
+            return
+        batch = []
+        for request in rows:
+            position = request.num_tokens - 1
+            self.kv.ensure_slots(request, position + 1)
+            batch.append(DecodeRow(request.request_id, request.output_token_ids[-1], position,
+                                   tuple(request.block_table)))
+        try:
+            logits = self.backend.decode(batch)
+        except Exception as exc:
+            log.exception("decode failed for %d rows", len(rows))
+            for request in list(rows):
+                self._finish(request, FinishReason.ERROR, _engine_error("decode", exc))
+            return
+        tokens = sample(logits, rows, self.eos_token_ids)
+        for request, token in zip(list(rows), tokens, strict=True):
+            request.num_computed_tokens += 1
+            self.kv.commit_full_blocks(request)
+            self.policy.on_tokens_processed(request, 0, 1)
+            self._append_token(request, token)
+
+    # -- shared helpers --------------------------------------------------------------------------
+
+    def _append_token(self, request: Request, token: int) -> None:
+        """Record a generated token, stream its text, and mark the row finished if it stopped."""
+        params = request.sampling
+        request.output_token_ids.append(token)
+        self.tokens_generated += 1
+        if request.first_token_time is None:
+            request.first_token_time = self._clock()
+        n_out = len(request.output_token_ids)
+        if token in self.eos_token_ids:
+            if not params.ignore_eos and n_out > params.min_tokens:
+                request.finish_reason = FinishReason.STOP
+                return
+            text = ""
+        else:
+            text = request.detokenizer.add_token(token, check_stop=n_out > params.min_tokens)
+        self._emit(TokenEvent(request.request_id, request.next_event_seq(), token, text))
+        if request.detokenizer.stopped:
+            request.finish_reason = FinishReason.STOP
+        elif n_out >= params.max_tokens:
+            request.finish_reason = FinishReason.LENGTH
+
+    def _finish(self, request: Request, reason: FinishReason,
+                error: ErrorInfo | None = None) -> None:
+        """Take ``request`` out of whatever queue holds it, free its KV, emit its final event."""
+        phase = request.phase
+        if phase is RequestPhase.FINISHED:
+            return
+        if phase is RequestPhase.PENDING:
+            del self._pending[request.request_id]
+            self.policy.remove(request)
+            self.left_pending += 1
+        else:
+            if phase is RequestPhase.PREFILLING:
+                self._prefilling.remove(request)
+            else:
+                self._active.remove(request)
+            self.kv.free(request)
+            self.active_kv_reserved -= request.reserved_kv_tokens
+            request.reserved_kv_tokens = 0
+            self.backend.remove_row(request.request_id)
+            self.policy.on_request_finished(request)
+        request.phase = RequestPhase.FINISHED
+        request.finish_reason = reason
+        request.error = error
+        self.finished[reason.value] += 1
+        held_text = request.detokenizer.flush() if (
+            request.detokenizer and reason is not FinishReason.ERROR) else ""
+        now = self._clock()
+        timings = {"queue_s": (request.admitted_time or now) - request.arrival_time,
+                   "e2e_s": now - request.arrival_time}
+        if request.first_token_time is not None:
+            timings["ttft_s"] = request.first_token_time - request.arrival_time
+        self._emit(FinalEvent(request.request_id, request.next_event_seq(), reason,
+                              request.usage(), held_text, error, timings))
+
+    def _emit(self, event: Event) -> None:
+        self._events.append(event)
+
+    def _find(self, request_id: str) -> Request | None:
+        request = self._pending.get(request_id)
+        if request is not None:
+            return request
+        for request in (*self._prefilling, *self._active):
+            if request.request_id == request_id:
+                return request
+        return None
+
+    # -- observation -------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """A JSON-able stats snapshot (the field names of scheduler.md section 4)."""
+        snapshot: dict[str, Any] = {
+            "policy": self.policy.name,
+            "prefill_mode": self.prefill_mode.value,
+            "max_batch_size": self.max_batch_size,
+            "max_queue_size": self.config.max_queue_size,
+            "num_pending": len(self._pending),
+            "num_prefilling": len(self._prefilling),
+            "num_active": len(self._active),
+            "active_kv_reserved": self.active_kv_reserved,
+            "active_kv_budget": self.active_kv_budget,
+            "kv_admit_blocked": self.kv_admit_blocked,
+            "tick_count": self.tick_count,
+            "tokens_generated": self.tokens_generated,
+            "prompt_tokens_computed": self.prompt_tokens_computed,
+            "admissions_soft_held": {str(g): n for g, n in self.soft_held.items()},
+            "admissions_hard_rejected": {str(g): n for g, n in self.hard_rejected.items()},
+            "requests_finished": dict(self.finished),
+            "per_key": {key: s.to_dict() for key, s in self.policy.keys.items()},
+        }
+        snapshot.update(self.kv.snapshot())
+        return snapshot
+
+    def debug_snapshot(self) -> dict[str, Any]:
+        """Queue membership and per-row reservations, for invariant checks."""
+        def rows(requests: Iterable[Request]) -> list[dict[str, Any]]:
+            return [{"request_id": r.request_id, "prompt_len": r.prompt_len,
+                     "max_tokens": r.max_tokens, "reserved_kv_tokens": r.reserved_kv_tokens,
+                     "blocks": list(r.block_table), "reserved_blocks": r.reserved_blocks,
+                     "num_computed_tokens": r.num_computed_tokens,
+                     "output_tokens": len(r.output_token_ids)} for r in requests]
+        pending_order = []
+        probe = self.policy.peek_next()
+        if probe is not None:
+            pending_order.append(probe.request_id)
+        return {
+            "pending": rows(self._pending.values()),
+            "pending_head": pending_order[0] if pending_order else None,
+            "prefilling": rows(self._prefilling),
+            "active": rows(self._active),
+            "active_kv_reserved": self.active_kv_reserved,
+            **self.kv.snapshot(),
+        }
+
+
+def _engine_error(phase: str, exc: Exception) -> ErrorInfo:
+    return ErrorInfo(code="engine_error", message=f"model {phase} failed: {exc}", status=500,
+                     retryable=True, details={"phase": phase})

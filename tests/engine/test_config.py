@@ -1,0 +1,68 @@
+"""Engine configuration: environment variables and validation at construction."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from inference.backends.reference import ReferenceBackend
+from inference.config import EngineConfig, PrefillMode
+from inference.engine import LLMEngine
+
+
+def test_settings_are_read_from_environment_variables(monkeypatch):
+    monkeypatch.setenv("MAX_QUEUE_SIZE", "7")
+    monkeypatch.setenv("MAX_BATCH_SIZE", "3")
+    monkeypatch.setenv("PREFILL_CHUNK_SIZE", "32")
+    monkeypatch.setenv("KV_BLOCK_SIZE", "8")
+    monkeypatch.setenv("KV_NUM_BLOCKS", "100")
+    monkeypatch.setenv("SCHEDULING_POLICY", "vtc")
+    monkeypatch.setenv("VTC_OUTPUT_WEIGHT", "3")
+    config = EngineConfig()
+    assert (config.max_queue_size, config.max_batch_size, config.prefill_chunk_size) == (7, 3, 32)
+    assert (config.kv_block_size, config.kv_num_blocks) == (8, 100)
+    assert config.scheduling_policy == "vtc" and config.vtc_output_weight == 3
+
+
+@pytest.mark.parametrize(("chunk", "mode", "expected"), [
+    (256, "", PrefillMode.CHUNKED), (0, "", PrefillMode.MONOLITHIC),
+    (256, "monolithic", PrefillMode.MONOLITHIC), (16, "chunked", PrefillMode.CHUNKED)])
+def test_an_empty_prefill_mode_is_derived_from_the_chunk_size(monkeypatch, chunk, mode, expected):
+    monkeypatch.setenv("PREFILL_MODE", mode)
+    assert EngineConfig(prefill_chunk_size=chunk).effective_prefill_mode is expected
+
+
+@pytest.mark.parametrize("mode", ["mixed_batch", "disaggregated"])
+def test_a_reserved_prefill_mode_fails_at_construction(mode):
+    with pytest.raises(ValidationError, match="reserved but not implemented"):
+        EngineConfig(prefill_mode=mode)
+
+
+def test_an_unknown_prefill_mode_fails_at_construction(monkeypatch):
+    monkeypatch.setenv("PREFILL_MODE", "speculative")
+    with pytest.raises(ValidationError, match="prefill_mode"):
+        EngineConfig()
+
+
+def test_a_budget_that_does_not_fit_in_the_pool_fails_with_the_numbers():
+    # 10 blocks x 4 tokens; rows of 37 tokens in all take at most 10 blocks (e.g. 1 + 36:
+    # 1 + 9 blocks, 5 + 32: 2 + 8), but 38 tokens can take 11 (5 + 33: 2 + 9).
+    EngineConfig(kv_num_blocks=10, kv_block_size=4, max_batch_size=2, active_kv_budget=37)
+    with pytest.raises(ValidationError, match="ACTIVE_KV_BUDGET=38 tokens can need 11 KV blocks"):
+        EngineConfig(kv_num_blocks=10, kv_block_size=4, max_batch_size=2, active_kv_budget=38)
+
+
+def test_a_pool_sized_in_bytes_is_checked_when_the_engine_is_built():
+    config = EngineConfig(backend="reference", kv_num_blocks=0, kv_cache_bytes=8 * 4 * 10,
+                          kv_block_size=4, max_batch_size=2, active_kv_budget=38)
+    with pytest.raises(ValueError, match="the pool has 10"):
+        LLMEngine(config, ReferenceBackend())
+    config = EngineConfig(backend="reference", kv_num_blocks=0, kv_cache_bytes=8 * 4 * 10,
+                          kv_block_size=4, max_batch_size=2)
+    assert LLMEngine(config, ReferenceBackend()).stats()["kv_blocks_total"] == 10
+
+
+@pytest.mark.parametrize("field", ["max_batch_size", "kv_block_size", "max_queue_size"])
+def test_sizes_must_be_positive(field):
+    with pytest.raises(ValidationError, match=field):
+        EngineConfig(**{field: 0})

@@ -1,0 +1,140 @@
+"""The scheduler as a state machine: random arrivals, sizes, tenants, priorities and aborts.
+
+After every step the engine's own debug snapshot and stats must show: every live request in
+exactly one queue; ``active_kv_reserved`` equal to the sum of ``prompt_len + max_tokens`` over
+admitted rows; KV blocks held + free + evictable equal to the total. When arrivals stop, every
+request ends with exactly one final event and the reservation returns to 0.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from inference.engine import QueueFullError
+from inference.request import FinalEvent, FinishReason, SamplingParams
+from tests.engine.helpers import EventLog, make_engine
+
+# A few shared prompt heads so that prefix-cache hits, shared blocks and evictions happen.
+HEADS = [list(range(1, 13)), list(range(20, 29)), [7] * 16]
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    policy = "fcfs"
+
+    @initialize(chunk=st.sampled_from([0, 1, 3, 8]), blocks=st.integers(12, 40),
+                batch=st.integers(1, 5), queue=st.integers(2, 12),
+                caching=st.booleans())
+    def setup(self, chunk: int, blocks: int, batch: int, queue: int, caching: bool) -> None:
+        self.engine = make_engine(
+            kv_num_blocks=blocks, kv_block_size=4, max_batch_size=batch,
+            prefill_chunk_size=chunk, max_queue_size=queue, scheduling_policy=self.policy,
+            enable_prefix_caching=caching)
+        self.log = EventLog()
+        self.submitted: dict[str, tuple[int, int]] = {}
+        self.aborted: set[str] = set()
+        self.counter = 0
+
+    def live_ids(self) -> set[str]:
+        return {rid for rid in self.submitted if self.log.final(rid) is None}
+
+    @rule(head=st.sampled_from(range(len(HEADS))), tail=st.integers(0, 30),
+          max_tokens=st.integers(1, 40), tenant=st.sampled_from("abc"),
+          priority=st.integers(0, 2), huge=st.integers(0, 9))
+    def submit(self, head: int, tail: int, max_tokens: int, tenant: str, priority: int,
+               huge: int) -> None:
+        prompt = HEADS[head] + [(self.counter * 31 + i) % 250 for i in range(tail)]
+        if huge == 0:  # sometimes a request that can never fit
+            max_tokens += 400
+        self.counter += 1
+        rid = f"r{self.counter}"
+        try:
+            self.engine.submit(prompt_token_ids=prompt, request_id=rid, tenant=tenant,
+                               priority=priority, sampling=SamplingParams(max_tokens=max_tokens))
+        except QueueFullError:
+            assert self.engine.num_queued() >= self.engine.config.max_queue_size
+            return
+        self.submitted[rid] = (len(prompt), max_tokens)
+
+    @precondition(lambda self: self.submitted)
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.submitted)))
+        self.aborted.add(rid)
+        self.engine.abort(rid)
+
+    @rule(n=st.integers(1, 4))
+    def tick(self, n: int) -> None:
+        for _ in range(n):
+            self.log.add(self.engine.step())
+            self.check_snapshot()
+
+    def check_snapshot(self) -> None:
+        snap = self.engine.debug_snapshot()
+        queues = {name: [r["request_id"] for r in snap[name]]
+                  for name in ("pending", "prefilling", "active")}
+        everywhere = [rid for ids in queues.values() for rid in ids]
+        assert len(everywhere) == len(set(everywhere)), f"a request in two queues: {queues}"
+        assert set(everywhere) == self.live_ids(), "live requests and queue contents differ"
+        admitted = snap["prefilling"] + snap["active"]
+        assert snap["active_kv_reserved"] == sum(r["prompt_len"] + r["max_tokens"]
+                                                 for r in admitted)
+        assert len(admitted) <= self.engine.config.max_batch_size
+        assert (snap["kv_blocks_held"] + snap["kv_blocks_free"] + snap["kv_blocks_evictable"]
+                == snap["kv_blocks_total"])
+        held = {b for r in admitted for b in r["blocks"]}
+        assert snap["kv_blocks_held"] == len(held)
+        assert snap["active_kv_reserved"] <= self.engine.scheduler.active_kv_budget
+        stats = self.engine.stats()
+        assert stats["num_pending"] == len(queues["pending"])
+        assert stats["num_active"] == len(queues["active"])
+        assert stats["num_prefilling"] == len(queues["prefilling"])
+        assert stats["active_kv_reserved"] == snap["active_kv_reserved"]
+
+    @invariant()
+    def gate_one_bound(self) -> None:
+        if hasattr(self, "engine"):
+            assert self.engine.num_queued() <= self.engine.config.max_queue_size
+
+    def teardown(self) -> None:
+        if not hasattr(self, "engine"):
+            return
+        for _ in range(5000):
+            if not self.engine.has_work():
+                break
+            self.log.add(self.engine.step())
+            self.check_snapshot()
+        assert not self.engine.has_work(), f"hang: {self.engine.stats()}"
+        for rid, (_prompt_len, max_tokens) in self.submitted.items():
+            events = self.log.by_request[rid]
+            finals = [e for e in events if isinstance(e, FinalEvent)]
+            assert len(finals) == 1, f"{rid} has {len(finals)} final events"
+            final = finals[0]
+            tokens = len(events) - 1
+            if final.finish_reason is FinishReason.LENGTH:
+                assert tokens == max_tokens
+            elif final.finish_reason is FinishReason.ERROR:
+                assert final.error is not None and final.error.code in (
+                    "kv_budget_exceeded", "kv_pool_exceeded")
+                assert tokens == 0
+            else:
+                assert final.finish_reason is FinishReason.ABORT and rid in self.aborted
+        stats = self.engine.stats()
+        assert stats["active_kv_reserved"] == 0
+        assert stats["kv_blocks_held"] == 0
+        assert stats["kv_blocks_reserved"] == 0
+        assert stats["num_queued"] == 0
+        assert all(v["in_flight"] == 0 for v in stats["per_key"].values())
+
+
+class VTCSchedulerMachine(SchedulerMachine):
+    policy = "vtc"
+
+
+_settings = dict(max_examples=60, stateful_step_count=40, deadline=None,
+                 suppress_health_check=[HealthCheck.too_slow])
+TestFCFSScheduler = SchedulerMachine.TestCase
+TestFCFSScheduler.settings = settings(**_settings)
+TestVTCScheduler = VTCSchedulerMachine.TestCase
+TestVTCScheduler.settings = settings(**_settings)
