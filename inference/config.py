@@ -81,6 +81,8 @@ class EngineConfig(BaseSettings):
     model_path: str = Field("", description="Local Hugging Face causal-LM folder; empty: default.")
     device: str = Field("auto", description="auto (CUDA, then MPS, then CPU), cpu, cuda, mps.")
     dtype: str = Field("auto", description="auto (fp32 on CPU), float32, float16, bfloat16.")
+    # BACKEND=reference only: seconds each forward pass takes, to emulate a real model's pace.
+    reference_step_delay_s: float = Field(0.0, ge=0)
 
     @field_validator("prefill_mode", mode="before")
     @classmethod

@@ -86,5 +86,21 @@ class IncrementalDetokenizer:
         return delta
 
     def flush(self) -> str:
-        """Release text held back for a possible stop string (the request ended another way)."""
+        """Release text held back for a possible stop string (the request ended another way).
+
+        Tokens still held because they end in a partial character are decoded as they are (the
+        partial character shows as U+FFFD), so the concatenated deltas equal the decoded output.
+        A stop string completed by that text still cuts it.
+        """
+        if not self.stopped and self._read_offset < len(self._ids):
+            decode = self._tokenizer.decode
+            prefix_text = decode(self._ids[self._prefix_offset:self._read_offset])
+            new_text = decode(self._ids[self._prefix_offset:])
+            self._read_offset = len(self._ids)
+            if len(new_text) > len(prefix_text):
+                self.text += new_text[len(prefix_text):]
+                hits = [i for i in (self.text.find(s, self._emitted) for s in self._stop) if i >= 0]
+                if hits:
+                    self.stopped = True
+                    self.text = self.text[:min(hits)]
         return self._take(len(self.text))

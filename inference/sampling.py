@@ -37,18 +37,20 @@ def sample(logits: torch.Tensor, requests: Sequence[Request],
         One token id per row.
     """
     logits = logits.float().cpu()
-    out: list[int] = []
+    if eos_token_ids:
+        early = [i for i, r in enumerate(requests)
+                 if len(r.output_token_ids) < r.sampling.min_tokens]
+        if early:
+            logits = logits.clone()
+            rows = torch.tensor(early).unsqueeze(1)
+            logits[rows, torch.tensor(sorted(eos_token_ids))] = float("-inf")
+    out = logits.argmax(dim=-1).tolist()  # greedy rows are done in one op
     for i, request in enumerate(requests):
         params = request.sampling
-        row = logits[i]
-        if eos_token_ids and len(request.output_token_ids) < params.min_tokens:
-            row = row.clone()
-            row[list(eos_token_ids)] = float("-inf")
         if params.greedy:
-            out.append(int(torch.argmax(row)))
             continue
-        row = row / params.temperature
-        if params.top_k > 0 and params.top_k < row.numel():
+        row = logits[i] / params.temperature
+        if 0 < params.top_k < row.numel():
             kth = torch.topk(row, params.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
         probs = torch.softmax(row, dim=-1)
@@ -59,5 +61,5 @@ def sample(logits: torch.Tensor, requests: Sequence[Request],
             drop = cumulative - sorted_probs >= params.top_p
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        out.append(int(torch.multinomial(probs, 1, generator=_generator_for(request))))
+        out[i] = int(torch.multinomial(probs, 1, generator=_generator_for(request)))
     return out

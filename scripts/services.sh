@@ -51,6 +51,21 @@ ensure_postgres() {
   return 1
 }
 
+ensure_browser() {
+  # Debian's Chromium and its driver, for the browser tests (never a downloaded browser).
+  if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then
+    return 0
+  fi
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    echo "==> installing chromium and chromium-driver for the browser tests"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+      chromium chromium-driver fonts-dejavu-core >/dev/null
+  else
+    echo "Chromium is missing: the browser tests will be skipped" \
+         "(Debian: sudo apt-get install chromium chromium-driver)." >&2
+  fi
+}
+
 ensure_services() {
   ensure_redis
   ensure_postgres

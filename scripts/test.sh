@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 source scripts/services.sh
 ensure_services
+ensure_browser
 
 set +e
 .venv/bin/python -m pytest "$@"

@@ -20,7 +20,8 @@ def load_backend(config: EngineConfig) -> ModelBackend:
     if name == "reference":
         from inference.backends.reference import ReferenceBackend
 
-        return ReferenceBackend(max_model_len=config.max_model_len or 8192)
+        return ReferenceBackend(max_model_len=config.max_model_len or 8192,
+                                step_delay_s=config.reference_step_delay_s)
     if name in ("transformers", "hf"):
         from inference.backends.hf import TransformersBackend
 

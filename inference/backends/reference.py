@@ -12,6 +12,7 @@ tokens, as with real BPE vocabularies.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -51,13 +52,15 @@ class ReferenceBackend(ModelBackend):
         max_model_len: context length in tokens.
         eos_every: when > 0, a row emits EOS at the first position where the hash is divisible
             by ``eos_every`` (so about one answer in ``eos_every`` tokens ends); 0 never.
+        step_delay_s: seconds each forward pass takes (emulates a real model's pace).
     """
 
-    def __init__(self, max_model_len: int = 8192, eos_every: int = 0):
+    def __init__(self, max_model_len: int = 8192, eos_every: int = 0, step_delay_s: float = 0.0):
         self.tokenizer = ByteTokenizer()
         self.vocab_size = ByteTokenizer.vocab_size
         self.max_model_len = max_model_len
         self.eos_every = eos_every
+        self.step_delay_s = step_delay_s
         self._pool: torch.Tensor | None = None
         self._block_size = 0
         positions = torch.arange(max_model_len, dtype=torch.int64)
@@ -77,6 +80,11 @@ class ReferenceBackend(ModelBackend):
 
     def remove_row(self, row_id: str) -> None:
         self.rows.discard(row_id)
+
+    def _forward(self) -> None:
+        self.forward_calls += 1
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
 
     def _write(self, block_table: Sequence[int], start: int, tokens: Sequence[int]) -> None:
         assert self._pool is not None, "allocate_kv_pool first"
@@ -101,7 +109,7 @@ class ReferenceBackend(ModelBackend):
         return logits
 
     def prefill(self, chunks: Sequence[PrefillChunk]) -> torch.Tensor:
-        self.forward_calls += 1
+        self._forward()
         out = []
         for chunk in chunks:
             self._write(chunk.block_table, chunk.start_pos, chunk.token_ids)
@@ -109,7 +117,7 @@ class ReferenceBackend(ModelBackend):
         return torch.stack(out)
 
     def decode(self, rows: Sequence[DecodeRow]) -> torch.Tensor:
-        self.forward_calls += 1
+        self._forward()
         out = []
         for row in rows:
             self._write(row.block_table, row.position, [row.token_id])

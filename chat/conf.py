@@ -1,0 +1,31 @@
+"""The chat's own settings (``settings.CHAT``), read at call time with these defaults."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+
+DEFAULTS: dict[str, Any] = {
+    # Answer length cap (tokens); the worker lowers it to what is left of the context.
+    "MAX_TOKENS": 512,
+    # Sampling of chat answers.
+    "TEMPERATURE": 0.7,
+    "TOP_P": 0.9,
+    # Context length (tokens) assumed when no live worker reports its own.
+    "CONTEXT_TOKENS": 2048,
+    # Tokens kept free besides the answer, for the difference between the web tier's count and
+    # the worker's (chat template markers).
+    "CONTEXT_MARGIN_TOKENS": 16,
+    # The fewest answer tokens a turn is sent with; older turns are dropped to make room.
+    "MIN_ANSWER_TOKENS": 64,
+    # Prepended to every conversation when not empty.
+    "SYSTEM_PROMPT": "",
+    # After Stop, how long to wait for the worker's final event before ending anyway (seconds).
+    "STOP_GRACE_S": 5.0,
+}
+
+
+def chat_settings() -> dict[str, Any]:
+    """The chat settings: ``settings.CHAT`` over :data:`DEFAULTS`."""
+    return {**DEFAULTS, **getattr(settings, "CHAT", {})}

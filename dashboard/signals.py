@@ -1,0 +1,30 @@
+"""Every new usage record feeds the Prometheus counters and latency histograms."""
+
+from __future__ import annotations
+
+import logging
+
+from django.db.models.signals import post_save
+from django.dispatch import receiver
+
+from dashboard.recorder import record_request
+from dashboard.stats import sync_client
+from tenants.models import Tenant, UsageRecord
+
+log = logging.getLogger(__name__)
+
+
+@receiver(post_save, sender=UsageRecord, dispatch_uid="dashboard.usage_metrics")
+def count_usage(sender, instance: UsageRecord, created: bool, **kwargs) -> None:
+    """Count a new usage record in Redis (metrics must never fail the record itself)."""
+    if not created:
+        return
+    try:
+        slug = Tenant.objects.filter(pk=instance.tenant_id).values_list("slug", flat=True).first()
+        record_request(sync_client(), tenant=slug or str(instance.tenant_id),
+                       status=instance.status, prompt_tokens=instance.prompt_tokens,
+                       cached_prompt_tokens=instance.cached_prompt_tokens,
+                       completion_tokens=instance.completion_tokens, ttft_s=instance.ttft_s,
+                       duration_s=instance.duration_s)
+    except Exception:  # noqa: BLE001 - metrics are best effort
+        log.exception("could not count usage of %s in the metrics", instance.request_id)

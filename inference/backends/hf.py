@@ -1,0 +1,603 @@
+"""A real model behind the scheduler: a Hugging Face causal LM run over a paged KV block pool.
+
+The weights and tokenizer come from ``transformers``; the forward pass is our own (in the manner
+of nano-vllm), over the model's modules: embedding, per layer an RMSNorm, fused q/k/v projection,
+rotary embedding, paged attention, output projection, RMSNorm, gated MLP; final norm and LM head.
+
+Paged attention: the KV cache of every row lives in one pool tensor allocated once
+(:meth:`TransformersBackend.allocate_kv_pool`). Each forward pass writes the new tokens' K/V into
+the slots their row's block table names, gathers each row's K/V by block table, and runs
+``scaled_dot_product_attention`` with a per-row mask: rows of different lengths decode in one pass,
+and a prefill chunk attends causally to itself and to every earlier position of its row (earlier
+chunks or prefix-cache hits).
+
+Supported architectures: Llama, Mistral, Qwen2 and Qwen3 style decoders (``q/k/v/o_proj``,
+``gate/up/down_proj``, RMSNorm, rotary embedding with a position-only table).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from inference.backends.base import DecodeRow, ModelBackend, PrefillChunk
+from inference.model_store import ModelLoadError, resolve_model_path
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+# Rope variants whose tables depend on the sequence length, not on the position alone.
+UNSUPPORTED_ROPE_TYPES = frozenset({"dynamic", "longrope"})
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """``auto``: CUDA if present, else Apple MPS, else CPU; otherwise the named device.
+
+    Raises:
+        ModelLoadError: if the named device is not available.
+    """
+    name = (name or "auto").strip().lower()
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"DEVICE={name!r} but CUDA is not available")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ModelLoadError(f"DEVICE={name!r} but MPS is not available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: fp32 on CPU, bf16 on CUDA when supported (else fp16), fp16 on MPS.
+
+    Raises:
+        ModelLoadError: for an unknown dtype name.
+    """
+    name = (name or "auto").strip().lower()
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        if device.type == "mps":
+            return torch.float16
+        return torch.float32
+    if name not in _DTYPES:
+        raise ModelLoadError(f"unknown DTYPE={name!r}; use auto, float32, float16 or bfloat16")
+    return _DTYPES[name]
+
+
+class HFTokenizer:
+    """The model's own tokenizer behind the :class:`~inference.backends.base.Tokenizer` protocol.
+
+    Attributes:
+        eos_token_ids: ids that end an answer: the tokenizer's EOS plus the model config's and
+            generation config's ``eos_token_id`` values.
+    """
+
+    def __init__(self, tokenizer: Any, extra_eos_ids: Sequence[int] = ()) -> None:
+        self._tok = tokenizer
+        eos = set(int(i) for i in extra_eos_ids)
+        if tokenizer.eos_token_id is not None:
+            eos.add(int(tokenizer.eos_token_id))
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> HFTokenizer:
+        """Load the tokenizer (not the model) of the model folder ``path``, offline.
+
+        Raises:
+            ModelLoadError: if the folder has no usable tokenizer.
+        """
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+        try:
+            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(
+                f"model path {str(path)!r}: cannot load its tokenizer: {exc}") from exc
+        eos: list[int] = []
+        # Either config may be absent; the tokenizer's own EOS is always included.
+        with contextlib.suppress(OSError, ValueError):
+            eos += _as_id_list(AutoConfig.from_pretrained(str(path)).eos_token_id)
+        with contextlib.suppress(OSError, ValueError):
+            eos += _as_id_list(GenerationConfig.from_pretrained(str(path)).eos_token_id)
+        return cls(tok, eos)
+
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The wrapped ``transformers`` tokenizer."""
+        return self._tok
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, no special tokens added."""
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids``, special tokens skipped, no clean-up of spaces.
+
+        A character whose bytes are split across tokens shows as U+FFFD until it is complete.
+        """
+        return self._tok.decode(
+            list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Prompt ids of chat ``messages`` by the model's own template, generation prompt added.
+
+        Raises:
+            ValueError: if the tokenizer has no chat template.
+        """
+        if not getattr(self._tok, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template")
+        ids = self._tok.apply_chat_template(
+            [dict(m) for m in messages], add_generation_prompt=True, tokenize=True,
+            return_dict=False,
+        )
+        return [int(i) for i in ids]
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+@dataclass
+class _Layer:
+    """One decoder layer's weights, with q/k/v and gate/up fused for fewer, larger matmuls."""
+
+    ln1_w: torch.Tensor
+    ln1_eps: float
+    w_qkv: torch.Tensor
+    b_qkv: torch.Tensor | None
+    w_o: torch.Tensor
+    b_o: torch.Tensor | None
+    ln2_w: torch.Tensor
+    ln2_eps: float
+    w_gate_up: torch.Tensor
+    b_gate_up: torch.Tensor | None
+    w_down: torch.Tensor
+    b_down: torch.Tensor | None
+    q_norm: tuple[torch.Tensor, float] | None
+    k_norm: tuple[torch.Tensor, float] | None
+
+
+@dataclass
+class _Batch:
+    """Index tensors of one forward pass over ``R`` rows and ``N`` new tokens (packed).
+
+    ``T`` is the most new tokens of any row, ``L`` the longest gathered context (whole blocks).
+    """
+
+    tokens: torch.Tensor  # [N] token ids
+    positions: torch.Tensor  # [N] absolute positions
+    write_index: torch.Tensor  # [2 KV * N] rows of the layer's [2 KV * blocks * bs, D] view
+    gather_index: torch.Tensor  # [2 KV * R * nb] rows of the layer's [2 KV * blocks, bs * D] view
+    mask: torch.Tensor  # [1, R, G * T, L] bool, True = attend
+    pad_index: torch.Tensor | None  # [R * T] packed index of each padded query (None: no pad)
+    unpad_index: torch.Tensor | None  # [N] padded index of each packed token
+    last_index: torch.Tensor  # [R] packed index of each row's last new token
+    rows: int
+    max_new: int
+    ctx_len: int
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+class TransformersBackend(ModelBackend):
+    """A Hugging Face causal LM over a paged KV block pool (see the module docstring).
+
+    Attributes:
+        tokenizer: the model's :class:`HFTokenizer`.
+        vocab_size: logits per row.
+        max_model_len: longest sequence (prompt + output, tokens) the backend accepts.
+        device, dtype: where and in which precision the weights and KV pool live.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: HFTokenizer,
+        *,
+        max_model_len: int = 0,
+    ) -> None:
+        """Wrap a loaded ``*ForCausalLM`` ``model`` (eval mode, on its device and dtype).
+
+        Raises:
+            ModelLoadError: if the architecture is not a supported decoder layout.
+        """
+        cfg = model.config
+        model_type = getattr(cfg, "model_type", "?")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelLoadError(
+                f"unsupported model architecture {model_type!r}; supported: "
+                f"{sorted(SUPPORTED_MODEL_TYPES)}"
+            )
+        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type in UNSUPPORTED_ROPE_TYPES:
+            raise ModelLoadError(f"unsupported rotary embedding type {rope_type!r}")
+        self.tokenizer = tokenizer
+        self.vocab_size = int(cfg.vocab_size)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.num_layers = int(cfg.num_hidden_layers)
+        self.num_heads = int(cfg.num_attention_heads)
+        self.num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.num_heads)
+        self.head_dim = int(
+            getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        )
+        self.group = self.num_heads // self.num_kv_heads
+        self.scale = self.head_dim**-0.5
+        limit = int(cfg.max_position_embeddings)
+        window = getattr(cfg, "sliding_window", None)
+        if window and getattr(cfg, "use_sliding_window", True):
+            # Full attention is only the model's own attention up to its window.
+            limit = min(limit, int(window))
+        self.max_model_len = min(limit, max_model_len) if max_model_len > 0 else limit
+
+        inner = model.model
+        self._embed = inner.embed_tokens.weight
+        self._norm = (inner.norm.weight, float(_eps(inner.norm)))
+        self._lm_head_w = model.lm_head.weight
+        self._lm_head_b = getattr(model.lm_head, "bias", None)
+        self._layers = [self._fuse_layer(layer) for layer in inner.layers]
+        self._act = _activation(cfg)
+        with torch.inference_mode():
+            pos = torch.arange(self.max_model_len, device=self.device)[None]
+            probe = torch.zeros(1, device=self.device, dtype=torch.float32)
+            cos, sin = inner.rotary_emb(probe, pos)
+        self._cos = cos[0].to(self.dtype).contiguous()  # [max_model_len, head_dim]
+        self._sin = sin[0].to(self.dtype).contiguous()
+        self._model = model
+        self._kv: torch.Tensor | None = None
+        self.num_blocks = 0
+        self.block_size = 0
+
+    # ----------------------------------------------------------------------------- loading
+
+    @classmethod
+    def from_config(cls, config: Any) -> TransformersBackend:
+        """Load the backend an :class:`~inference.config.EngineConfig` describes.
+
+        Uses ``model_path`` (empty: the default model, prepared on first use), ``device``,
+        ``dtype`` and ``max_model_len``.
+
+        Raises:
+            ModelLoadError: for a missing or broken model folder, an unsupported architecture, an
+                unknown dtype or an unavailable device.
+        """
+        return cls.from_pretrained(
+            resolve_model_path(config.model_path),
+            device=config.device,
+            dtype=config.dtype,
+            max_model_len=config.max_model_len,
+        )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        max_model_len: int = 0,
+    ) -> TransformersBackend:
+        """Load a local Hugging Face model folder (offline) and wrap it.
+
+        Raises:
+            ModelLoadError: as :meth:`from_config`.
+        """
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        dev = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, dev)
+        path = str(path)
+        try:
+            hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelLoadError(f"model path {path!r}: cannot read config.json: {exc}") from exc
+        model_type = getattr(hf_config, "model_type", "?")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelLoadError(
+                f"model path {path!r}: unsupported model architecture {model_type!r}; "
+                f"supported: {sorted(SUPPORTED_MODEL_TYPES)}"
+            )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch_dtype, local_files_only=True
+            )
+        except Exception as exc:  # safetensors, torch and transformers raise many kinds here
+            raise ModelLoadError(f"model path {path!r}: cannot load the weights: {exc}") from exc
+        model.to(dev).eval()
+        backend = cls(model, HFTokenizer.from_pretrained(path), max_model_len=max_model_len)
+        logger.info(
+            "loaded %s (%s) on %s as %s, max_model_len=%d",
+            path, model_type, dev, torch_dtype, backend.max_model_len,
+        )
+        return backend
+
+    @property
+    def hf_model(self) -> Any:
+        """The wrapped ``transformers`` model (for comparisons with ``generate``)."""
+        return self._model
+
+    def _fuse_layer(self, layer: Any) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        try:
+            q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+            gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+            ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+        except AttributeError as exc:
+            raise ModelLoadError(f"unsupported decoder layer layout: {exc}") from exc
+
+        def cat_bias(*mods: Any) -> torch.Tensor | None:
+            biases = [m.bias for m in mods]
+            if all(b is None for b in biases):
+                return None
+            return torch.cat([
+                b if b is not None else torch.zeros(m.out_features, dtype=m.weight.dtype,
+                                                    device=m.weight.device)
+                for b, m in zip(biases, mods, strict=True)
+            ])
+
+        def norm(mod: Any) -> tuple[torch.Tensor, float] | None:
+            return None if mod is None else (mod.weight, float(_eps(mod)))
+
+        def fuse(*mods: Any) -> torch.Tensor:
+            # The modules' weights become views of the fused tensor: no second copy in memory,
+            # and the wrapped model still runs (``hf_model``).
+            fused = torch.cat([m.weight.detach() for m in mods])
+            row = 0
+            for m in mods:
+                rows = m.weight.shape[0]
+                m.weight = torch.nn.Parameter(fused[row:row + rows], requires_grad=False)
+                row += rows
+            return fused
+
+        return _Layer(
+            ln1_w=ln1.weight, ln1_eps=float(_eps(ln1)),
+            w_qkv=fuse(q, k, v), b_qkv=cat_bias(q, k, v),
+            w_o=o.weight, b_o=o.bias,
+            ln2_w=ln2.weight, ln2_eps=float(_eps(ln2)),
+            w_gate_up=fuse(gate, up), b_gate_up=cat_bias(gate, up),
+            w_down=down.weight, b_down=down.bias,
+            q_norm=norm(getattr(attn, "q_norm", None)), k_norm=norm(getattr(attn, "k_norm", None)),
+        )
+
+    # ----------------------------------------------------------------------------- KV pool
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V one token takes across all layers (``2 * layers * kv_heads * dim``)."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+    def allocate_kv_pool(self, num_blocks: int, block_size: int) -> None:
+        """Allocate the pool once: ``[layers, 2 * kv_heads, num_blocks, block_size, head_dim]``.
+
+        Index ``h`` of dim 1 holds K of KV head ``h`` for ``h < kv_heads``, V of head
+        ``h - kv_heads`` otherwise, so one copy writes and one gather reads both. The pool is
+        zero-filled: padded gathers never see non-finite values. Its size never changes while
+        an engine runs; a second call (a new engine over the same loaded weights) replaces the
+        pool and drops its contents.
+
+        Raises:
+            ValueError: for a non-positive size.
+        """
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"bad KV pool size: {num_blocks} blocks x {block_size} tokens")
+        self._kv = None  # free the old pool before allocating the new one
+        self._kv = torch.zeros(
+            self.num_layers, 2 * self.num_kv_heads, num_blocks, block_size, self.head_dim,
+            dtype=self.dtype, device=self.device,
+        )
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    # ----------------------------------------------------------------------------- forward
+
+    def prefill(self, chunks: Sequence[PrefillChunk]) -> torch.Tensor:
+        """Run prompt chunks of one or more rows in one forward pass, writing their KV.
+
+        Returns:
+            ``[len(chunks), vocab_size]`` fp32 logits of each chunk's last token.
+
+        Raises:
+            ValueError: for an empty chunk, a block table too short for its positions, or a
+                position at or past ``max_model_len``.
+        """
+        if not chunks:
+            return torch.empty(0, self.vocab_size)
+        rows = [(list(c.token_ids), c.start_pos, c.block_table) for c in chunks]
+        return self._run(rows)
+
+    def decode(self, rows: Sequence[DecodeRow]) -> torch.Tensor:
+        """One decode step for every row in one forward pass (rows may differ in length).
+
+        Returns:
+            ``[len(rows), vocab_size]`` fp32 logits of each row's next token.
+
+        Raises:
+            ValueError: as :meth:`prefill`.
+        """
+        if not rows:
+            return torch.empty(0, self.vocab_size)
+        return self._run([([r.token_id], r.position, r.block_table) for r in rows])
+
+    def _run(self, rows: list[tuple[list[int], int, Sequence[int]]]) -> torch.Tensor:
+        if self._kv is None:
+            raise RuntimeError("allocate_kv_pool() must be called before prefill or decode")
+        with torch.inference_mode():
+            batch = self._make_batch(rows)
+            logits = self._forward(batch)
+        return logits.float().cpu() if logits.device.type != "cpu" else logits.float()
+
+    def _make_batch(self, rows: list[tuple[list[int], int, Sequence[int]]]) -> _Batch:
+        bs = self.block_size
+        num_rows = len(rows)
+        max_new = max(len(t) for t, _, _ in rows)
+        max_blocks = max(-(-(start + len(t)) // bs) for t, start, _ in rows)
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        block_ids: list[int] = []
+        last: list[int] = []
+        starts: list[int] = []
+        lengths: list[int] = []
+        uneven = any(len(t) != max_new for t, _, _ in rows)
+        pad_index: list[int] = []
+        unpad_index: list[int] = []
+        for r, (toks, start, table) in enumerate(rows):
+            n = len(toks)
+            end = start + n
+            if n == 0:
+                raise ValueError("empty prefill chunk")
+            if end > self.max_model_len:
+                raise ValueError(f"position {end - 1} is past max_model_len={self.max_model_len}")
+            need = -(-end // bs)
+            if len(table) < need:
+                raise ValueError(f"block table of {len(table)} blocks cannot hold {end} tokens")
+            base = len(tokens)
+            tokens.extend(toks)
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            block_ids.extend(table[:need])
+            block_ids.extend([0] * (max_blocks - need))
+            last.append(base + n - 1)
+            starts.append(start)
+            lengths.append(end)
+            if uneven:
+                pad_index.extend(base + min(i, n - 1) for i in range(max_new))
+                unpad_index.extend(r * max_new + i for i in range(n))
+
+        dev = self.device
+        ctx_len = max_blocks * bs
+        key_pos = torch.arange(ctx_len)
+        start_t = torch.tensor(starts)
+        len_t = torch.tensor(lengths)
+        if max_new == 1:
+            mask = (key_pos[None, :] < len_t[:, None])[None, :, None, :]  # [1, R, 1, L]
+        else:
+            query_pos = start_t[:, None] + torch.arange(max_new)[None, :]  # [R, T]
+            query_pos = torch.minimum(query_pos, (len_t - 1)[:, None])
+            mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [R, T, L]
+            mask = mask[:, None].expand(num_rows, self.group, max_new, ctx_len)
+            mask = mask.reshape(1, num_rows, self.group * max_new, ctx_len)
+        # Dim-0 gathers and writes over flat views (a gather along an inner dim is ~2x slower):
+        # K/V head h of block b is row h * num_blocks + b of the [2 KV * blocks, bs * D] view.
+        heads = torch.arange(2 * self.num_kv_heads)[:, None]
+        write_index = heads * (self.num_blocks * bs) + torch.tensor(slots)[None, :]
+        gather_index = heads * self.num_blocks + torch.tensor(block_ids)[None, :]
+        return _Batch(
+            tokens=torch.tensor(tokens, device=dev),
+            positions=torch.tensor(positions, device=dev),
+            write_index=write_index.reshape(-1).to(dev),
+            gather_index=gather_index.reshape(-1).to(dev),
+            mask=mask.to(dev),
+            pad_index=torch.tensor(pad_index, device=dev) if uneven else None,
+            unpad_index=torch.tensor(unpad_index, device=dev) if uneven else None,
+            last_index=torch.tensor(last, device=dev),
+            rows=num_rows,
+            max_new=max_new,
+            ctx_len=ctx_len,
+        )
+
+    def _forward(self, b: _Batch) -> torch.Tensor:
+        assert self._kv is not None
+        n_heads, kv_heads, dim, group = self.num_heads, self.num_kv_heads, self.head_dim, self.group
+        rows, t_max = b.rows, b.max_new
+        num_tokens = b.tokens.shape[0]
+        q_width = n_heads * dim
+        qk_heads = n_heads + kv_heads
+        cos = self._cos[b.positions][:, None, :]  # [N, 1, D]
+        sin = self._sin[b.positions][:, None, :]
+        half = dim // 2
+        kv_all = self._kv  # [layers, 2 * kv_heads, blocks, block_size, D]
+        slot_rows = kv_all[0].numel() // dim
+        block_rows = kv_all[0].numel() // (self.block_size * dim)
+
+        h = F.embedding(b.tokens, self._embed)  # [N, hidden]
+        for i, layer in enumerate(self._layers):
+            x = _rms_norm(h, layer.ln1_w, layer.ln1_eps)
+            qkv = F.linear(x, layer.w_qkv, layer.b_qkv)  # [N, (H + 2 KV) * D]
+            qk = qkv[:, : qk_heads * dim].view(num_tokens, qk_heads, dim)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                qk = torch.cat([
+                    _rms_norm(qk[:, :n_heads], *layer.q_norm),
+                    _rms_norm(qk[:, n_heads:], *layer.k_norm),
+                ], dim=1)
+            rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
+            qk = qk * cos + rotated * sin  # [N, H + KV, D]
+            q = qk[:, :n_heads]
+            kv_new = torch.cat(
+                [qk[:, n_heads:], qkv[:, qk_heads * dim:].view(num_tokens, kv_heads, dim)], dim=1
+            )  # [N, 2 KV, D]
+
+            pool = kv_all[i]  # [2 KV, blocks, block_size, D]
+            kv_new = kv_new.transpose(0, 1).reshape(-1, dim)  # [2 KV * N, D]
+            pool.view(slot_rows, dim).index_copy_(0, b.write_index, kv_new)
+            gathered = pool.view(block_rows, -1).index_select(0, b.gather_index)
+            gathered = gathered.view(2 * kv_heads, rows, b.ctx_len, dim)
+            k, v = gathered[:kv_heads], gathered[kv_heads:]  # [KV, R, L, D]
+
+            qf = q.reshape(num_tokens, q_width)
+            if b.pad_index is not None:
+                qf = qf.index_select(0, b.pad_index)  # [R * T, H * D]
+            # Query heads of one KV head side by side: [KV, R, G * T, D] (no K/V repeat for GQA).
+            qh = qf.view(rows, t_max, kv_heads, group, dim).permute(2, 0, 3, 1, 4)
+            qh = qh.reshape(kv_heads, rows, group * t_max, dim)
+            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=b.mask, scale=self.scale)
+            o = o.view(kv_heads, rows, group, t_max, dim).permute(1, 3, 0, 2, 4)
+            o = o.reshape(rows * t_max, q_width)
+            if b.unpad_index is not None:
+                o = o.index_select(0, b.unpad_index)
+            h = h + F.linear(o, layer.w_o, layer.b_o)
+
+            x = _rms_norm(h, layer.ln2_w, layer.ln2_eps)
+            gate_up = F.linear(x, layer.w_gate_up, layer.b_gate_up)
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = h + F.linear(self._act(gate) * up, layer.w_down, layer.b_down)
+
+        h = _rms_norm(h.index_select(0, b.last_index), *self._norm)
+        return F.linear(h, self._lm_head_w, self._lm_head_b)  # [R, vocab]
+
+
+def _eps(norm: Any) -> float:
+    for name in ("variance_epsilon", "eps"):
+        if hasattr(norm, name):
+            return float(getattr(norm, name))
+    raise ModelLoadError(f"cannot find the epsilon of {type(norm).__name__}")
+
+
+def _activation(cfg: Any) -> Any:
+    from transformers.activations import ACT2FN
+
+    name = getattr(cfg, "hidden_act", "silu")
+    if name in ("silu", "swish"):
+        return F.silu
+    try:
+        return ACT2FN[name]
+    except KeyError as exc:
+        raise ModelLoadError(f"unsupported activation {name!r}") from exc

@@ -1,0 +1,31 @@
+"""ASGI entry point served by daphne: HTTP through Django (static files included), websockets
+through Channels.
+
+``daphne llm_platform.asgi:application``
+"""
+
+import os
+
+from django.core.asgi import get_asgi_application
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llm_platform.settings")
+
+# Django must be set up before anything imports models (Channels' auth middleware does).
+django_asgi_app = get_asgi_application()
+
+from channels.auth import AuthMiddlewareStack  # noqa: E402
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
+from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
+
+from llm_platform.routing import websocket_urlpatterns  # noqa: E402
+
+application = ProtocolTypeRouter(
+    {
+        # Static files are served in every run mode; the handler passes other paths to Django.
+        "http": ASGIStaticFilesHandler(django_asgi_app),
+        # Browsers send their page's origin: only this site's hosts may open a socket.
+        "websocket": AllowedHostsOriginValidator(
+            AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+    }
+)

@@ -1,0 +1,164 @@
+"""Django settings, every one read from the environment (django-environ).
+
+The variables, their defaults and what they do are listed in ``docs/platform.md``. A ``.env``
+file at the repository root is read too when present. Engine settings (``MAX_BATCH_SIZE``,
+``BACKEND``, ``MODEL_PATH``, ...) are read by the inference worker itself
+(:class:`inference.config.EngineConfig`); the web tier only needs the ones listed here.
+"""
+
+from pathlib import Path
+
+import environ
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = BASE_DIR / "var"
+
+env = environ.Env()
+if (BASE_DIR / ".env").is_file():
+    environ.Env.read_env(BASE_DIR / ".env")
+
+DEBUG = env.bool("DEBUG", default=False)
+# The default key is for a local machine only; set SECRET_KEY anywhere reachable by others.
+SECRET_KEY = env.str("SECRET_KEY", default="insecure-local-key-set-SECRET_KEY-in-production")
+ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]"])
+CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "channels",
+    "tenants",
+    "api",
+    "chat",
+    "dashboard",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "llm_platform.urls"
+ASGI_APPLICATION = "llm_platform.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+DATABASES = {
+    "default": env.db_url("DATABASE_URL", default=f"sqlite:///{VAR_DIR / 'db.sqlite3'}"),
+}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    VAR_DIR.mkdir(exist_ok=True)
+    # A file, not memory, so the end-to-end tests' server processes share the test database.
+    DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test_db.sqlite3")}
+    # Concurrent async views and Celery write at once; wait for the lock instead of failing.
+    DATABASES["default"].setdefault("OPTIONS", {}).setdefault("timeout", 20)
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = env.str("TIME_ZONE", default="UTC")
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = env.path("STATIC_ROOT", default=BASE_DIR / "staticfiles")
+STATICFILES_DIRS = [p for p in [BASE_DIR / "static"] if p.is_dir()]
+
+REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")
+
+CHANNEL_LAYERS = {
+    "default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "CONFIG": {"hosts": [REDIS_URL]},
+    },
+}
+
+CELERY_BROKER_URL = env.str("CELERY_BROKER_URL", default=REDIS_URL)
+CELERY_RESULT_BACKEND = None
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_TASK_DEFAULT_QUEUE = env.str("CELERY_TASK_DEFAULT_QUEUE", default="celery")
+CELERY_TASK_ALWAYS_EAGER = env.bool("CELERY_TASK_ALWAYS_EAGER", default=False)
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+
+# The platform's own settings, in one namespace (read through api.conf.platform_settings()).
+LLM_PLATFORM = {
+    # Redis key prefix shared with the inference worker (inference.protocol).
+    "REDIS_PREFIX": env.str("REDIS_PREFIX", default="llm"),
+    # Gate 1: requests accepted and not yet admitted by any worker.
+    "MAX_QUEUE_SIZE": env.int("MAX_QUEUE_SIZE", default=256),
+    # The one served model; requests naming another get 404 model_not_found.
+    "SERVED_MODEL_NAME": env.str("SERVED_MODEL_NAME", default="SmolLM2-135M-Instruct"),
+    # max_tokens when a request gives none: what is left of the context, capped by this.
+    "DEFAULT_MAX_TOKENS": env.int("DEFAULT_MAX_TOKENS", default=512),
+    # How long the web tier waits for a worker's first answer before it commits to HTTP 200 on a
+    # streaming request (seconds); a refusal within it gets its real status code.
+    "STREAM_DECISION_TIMEOUT_S": env.float("STREAM_DECISION_TIMEOUT_S", default=30.0),
+    # A request with no event from its worker for this long ends with a 504 (seconds).
+    "REQUEST_IDLE_TIMEOUT_S": env.float("REQUEST_IDLE_TIMEOUT_S", default=300.0),
+    # A request still waiting for a worker after this long ends with queue_timeout (seconds).
+    "MAX_QUEUE_WAIT_S": env.float("MAX_QUEUE_WAIT_S", default=120.0),
+    # A worker whose heartbeat is older than this is dead (seconds).
+    "WORKER_HEARTBEAT_TTL_S": env.float("WORKER_HEARTBEAT_TTL_S", default=10.0),
+    # Who the fair (VTC) scheduler balances: "tenant", "api_key" or "user" (the request's user
+    # field, within its tenant).
+    "FAIRNESS_KEY": env.str("FAIRNESS_KEY", default="tenant"),
+    # Folder holding tokenizer.json, used to count prompt tokens for limits and budgets;
+    # empty: MODEL_PATH, else the prepared default model. Without one, counts are estimated.
+    "TOKENIZER_PATH": env.str("TOKENIZER_PATH", default=""),
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
+}
+
+# The web chat (chat.conf) and the scheduler dashboard (dashboard.conf); defaults live there.
+CHAT = {
+    "MAX_TOKENS": env.int("CHAT_MAX_TOKENS", default=512),
+    "TEMPERATURE": env.float("CHAT_TEMPERATURE", default=0.7),
+    "SYSTEM_PROMPT": env.str("CHAT_SYSTEM_PROMPT", default=""),
+}
+DASHBOARD = {
+    "SNAPSHOT_INTERVAL_S": env.float("STATS_SNAPSHOT_INTERVAL_S", default=5.0),
+    "SNAPSHOT_RETENTION_S": env.float("STATS_SNAPSHOT_RETENTION_S", default=86400.0),
+    # Bearer token a Prometheus scrape may use for GET /metrics (besides operator API keys).
+    "METRICS_TOKEN": env.str("METRICS_TOKEN", default=""),
+}
+# Celery beat (started by the run command): snapshots for the dashboard, housekeeping.
+CELERY_BEAT_SCHEDULE = {
+    "stats-snapshot": {"task": "dashboard.tasks.snapshot_stats",
+                       "schedule": DASHBOARD["SNAPSHOT_INTERVAL_S"]},
+    "cleanup": {"task": "dashboard.tasks.cleanup",
+                "schedule": env.float("CLEANUP_INTERVAL_S", default=600.0)},
+}

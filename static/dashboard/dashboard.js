@@ -1,0 +1,163 @@
+// The scheduler dashboard: polls the data endpoint, updates the numbers and the charts.
+(function () {
+  "use strict";
+
+  const script = document.currentScript;
+  const dataUrl = script.dataset.url;
+  const conf = JSON.parse(document.getElementById("dashboard-conf").textContent);
+  const windowS = conf.chart_window_s;
+  const history = []; // chart points, oldest first
+  let lastTime = 0;
+  let previous = null; // {at, workers: {id: tokens_generated}} for the live tokens/s
+  const charts = {};
+
+  const fmt = {
+    int: function (v) { return Math.round(v).toLocaleString(); },
+    pct: function (v) { return (100 * v).toFixed(1) + " %"; },
+    rate: function (v) { return v.toFixed(1); },
+  };
+
+  function setText(id, text) {
+    const node = document.getElementById(id);
+    if (node) node.textContent = text;
+  }
+
+  function makeChart(id, series, yRange) {
+    const el = document.getElementById(id);
+    const opts = {
+      width: Math.max(el.clientWidth, 480), height: 220,
+      scales: { x: { time: true }, y: yRange ? { range: yRange } : {} },
+      series: [{}].concat(series.map(function (s) {
+        return { label: s.label, stroke: s.color, width: 2, points: { show: false } };
+      })),
+      axes: [{}, { size: 60 }],
+    };
+    const data = [[]].concat(series.map(function () { return []; }));
+    return new uPlot(opts, data, el);
+  }
+
+  const palette = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#ca8a04"];
+
+  function initCharts() {
+    charts.queues = makeChart("chart-queues", [
+      { label: "pending", color: palette[0] }, { label: "prefilling", color: palette[4] },
+      { label: "active", color: palette[2] }, { label: "gate 1 queue", color: palette[1] }]);
+    charts.tps = makeChart("chart-tps", [{ label: "tokens/s", color: palette[0] }]);
+    charts.kv = makeChart("chart-kv", [{ label: "kv_pressure", color: palette[3] }], [0, 1]);
+    charts.reserved = makeChart("chart-reserved", [
+      { label: "active_kv_reserved", color: palette[5] },
+      { label: "kv_admit_blocked", color: palette[1] }]);
+    charts.keys = null;
+  }
+
+  function column(name) {
+    return history.map(function (p) { return p[name]; });
+  }
+
+  function keyChart() {
+    const keys = new Set();
+    history.forEach(function (p) { Object.keys(p.per_key || {}).forEach(function (k) { keys.add(k); }); });
+    const names = Array.from(keys).sort();
+    const signature = names.join("\u0000");
+    if (!charts.keys || charts.keysSignature !== signature) {
+      if (charts.keys) charts.keys.destroy();
+      document.getElementById("chart-keys").textContent = "";
+      charts.keys = makeChart("chart-keys", names.map(function (k, i) {
+        return { label: k, color: palette[i % palette.length] };
+      }));
+      charts.keysSignature = signature;
+    }
+    const data = [column("t")].concat(names.map(function (k) {
+      return history.map(function (p) {
+        const row = (p.per_key || {})[k];
+        return row ? row.completion_tokens_served : null;
+      });
+    }));
+    charts.keys.setData(data);
+  }
+
+  function updateCharts() {
+    const t = column("t");
+    charts.queues.setData([t, column("num_pending"), column("num_prefilling"),
+                           column("num_active"), column("gate1_queued")]);
+    charts.tps.setData([t, column("tokens_per_s")]);
+    charts.kv.setData([t, column("kv_pressure")]);
+    charts.reserved.setData([t, column("active_kv_reserved"), column("kv_admit_blocked")]);
+    keyChart();
+  }
+
+  function liveRate(live, now) {
+    const workers = {};
+    Object.keys(live.per_worker).forEach(function (w) {
+      workers[w] = live.per_worker[w].tokens_generated;
+    });
+    let rate = null;
+    if (previous && now > previous.at) {
+      let tokens = 0;
+      Object.keys(workers).forEach(function (w) {
+        const before = previous.workers[w];
+        if (before !== undefined) tokens += Math.max(0, workers[w] - before);
+      });
+      rate = tokens / (now - previous.at);
+    }
+    previous = { at: now, workers: workers };
+    return rate;
+  }
+
+  function updateLive(data) {
+    const live = data.live;
+    const totals = live.totals;
+    setText("dash-updated", "updated " + new Date(data.now * 1000).toLocaleTimeString());
+    setText("dash-workers", String(live.workers));
+    setText("m-kv_pressure", fmt.pct(totals.kv_pressure));
+    setText("m-active_kv_reserved", fmt.int(totals.active_kv_reserved));
+    setText("m-active_kv_budget", fmt.int(totals.active_kv_budget));
+    setText("m-kv_admit_blocked", fmt.int(totals.kv_admit_blocked));
+    setText("m-num_pending", fmt.int(totals.num_pending));
+    setText("m-num_prefilling", fmt.int(totals.num_prefilling));
+    setText("m-num_active", fmt.int(totals.num_active));
+    setText("m-gate1_queued", fmt.int(live.gate1_queued));
+    setText("m-max_queue_size", fmt.int(live.max_queue_size));
+    const rate = liveRate(live, data.now);
+    if (rate !== null) setText("m-tokens_per_s", fmt.rate(rate));
+
+    const body = document.querySelector("#per-key tbody");
+    const keys = Object.keys(live.per_key).sort();
+    body.textContent = "";
+    if (!keys.length) {
+      const row = body.insertRow();
+      const cell = row.insertCell();
+      cell.colSpan = 6;
+      cell.textContent = "no requests yet";
+    }
+    keys.forEach(function (key) {
+      const k = live.per_key[key];
+      const row = body.insertRow();
+      row.dataset.key = key;
+      [key, k.vtc_counter.toFixed(1), fmt.int(k.in_flight), fmt.int(k.pending),
+       fmt.int(k.prompt_tokens_served), fmt.int(k.completion_tokens_served)
+      ].forEach(function (text) { row.insertCell().textContent = text; });
+    });
+  }
+
+  function poll() {
+    fetch(dataUrl + "?since=" + lastTime, { credentials: "same-origin" })
+      .then(function (r) {
+        if (!r.ok) throw new Error("HTTP " + r.status);
+        return r.json();
+      })
+      .then(function (data) {
+        data.history.forEach(function (p) { history.push(p); });
+        if (history.length) lastTime = history[history.length - 1].t;
+        const start = data.now - windowS;
+        while (history.length && history[0].t < start) history.shift();
+        updateLive(data);
+        updateCharts();
+      })
+      .catch(function (err) { setText("dash-updated", "update failed: " + err.message); })
+      .finally(function () { setTimeout(poll, conf.poll_interval_ms); });
+  }
+
+  initCharts();
+  poll();
+})();

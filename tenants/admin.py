@@ -1,0 +1,96 @@
+"""Admin for tenants, tiers, users, keys and usage. A new key is shown once, after saving."""
+
+from __future__ import annotations
+
+from django.contrib import admin, messages
+from django.http import HttpRequest
+
+from tenants.models import ApiKey, Membership, PriorityTier, Tenant, UsageRecord
+from tenants.services import VISIBLE_PREFIX_LEN, generate_raw_key, hash_key, revoke_api_key
+
+
+@admin.register(PriorityTier)
+class PriorityTierAdmin(admin.ModelAdmin):
+    list_display = ["name", "priority", "description"]
+
+
+class ApiKeyInline(admin.TabularInline):
+    model = ApiKey
+    extra = 0
+    fields = ["prefix", "name", "is_operator", "created_at", "last_used_at", "revoked_at"]
+    readonly_fields = ["prefix", "created_at", "last_used_at"]
+    show_change_link = True
+
+    def has_add_permission(self, request: HttpRequest, obj=None) -> bool:
+        # Keys are created on their own page, which shows the raw key once.
+        return False
+
+
+class MembershipInline(admin.TabularInline):
+    model = Membership
+    extra = 0
+    autocomplete_fields = ["user"]
+
+
+@admin.register(Tenant)
+class TenantAdmin(admin.ModelAdmin):
+    list_display = [
+        "name", "slug", "tier", "fairness_weight", "requests_per_minute", "tokens_per_minute",
+        "max_concurrent_requests", "token_budget", "budget_period", "is_active",
+    ]
+    list_editable = ["tier", "fairness_weight", "is_active"]
+    list_filter = ["tier", "is_active"]
+    search_fields = ["name", "slug"]
+    prepopulated_fields = {"slug": ["name"]}
+    inlines = [MembershipInline, ApiKeyInline]
+
+
+@admin.register(Membership)
+class MembershipAdmin(admin.ModelAdmin):
+    list_display = ["user", "tenant", "created_at"]
+    list_filter = ["tenant"]
+    autocomplete_fields = ["user"]
+
+
+@admin.register(ApiKey)
+class ApiKeyAdmin(admin.ModelAdmin):
+    list_display = ["prefix", "name", "tenant", "is_operator", "created_at", "last_used_at",
+                    "revoked_at"]
+    list_filter = ["tenant", "is_operator"]
+    search_fields = ["prefix", "name", "tenant__name"]
+    readonly_fields = ["prefix", "created_at", "last_used_at"]
+    actions = ["revoke"]
+
+    def save_model(self, request: HttpRequest, obj: ApiKey, form, change: bool) -> None:
+        if not change:
+            raw = generate_raw_key()
+            obj.prefix = raw[:VISIBLE_PREFIX_LEN]
+            obj.hashed_key = hash_key(raw)
+            super().save_model(request, obj, form, change)
+            messages.warning(
+                request, f"The new key is {raw} - copy it now: it is not shown again."
+            )
+            return
+        super().save_model(request, obj, form, change)
+
+    @admin.action(description="Revoke the selected keys")
+    def revoke(self, request: HttpRequest, queryset) -> None:
+        for key in queryset:
+            revoke_api_key(key)
+        self.message_user(request, f"Revoked {queryset.count()} key(s).")
+
+
+@admin.register(UsageRecord)
+class UsageRecordAdmin(admin.ModelAdmin):
+    list_display = ["request_id", "tenant", "api_key", "prompt_tokens", "cached_prompt_tokens",
+                    "completion_tokens", "ttft_s", "duration_s", "finish_reason", "status",
+                    "created_at"]
+    list_filter = ["tenant", "finish_reason", "status"]
+    search_fields = ["request_id"]
+    date_hierarchy = "created_at"
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj=None) -> bool:
+        return False

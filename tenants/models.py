@@ -1,0 +1,139 @@
+"""Tenants and what belongs to them: priority tiers, users, API keys, usage records."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+
+
+class PriorityTier(models.Model):
+    """A service class: requests of a higher ``priority`` are admitted first by the scheduler."""
+
+    name = models.CharField(max_length=64, unique=True)
+    priority = models.IntegerField(
+        default=0, help_text="Higher is served first (the scheduler's sort key is -priority)."
+    )
+    description = models.CharField(max_length=255, blank=True)
+
+    class Meta:
+        ordering = ["-priority", "name"]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.priority})"
+
+
+class Tenant(models.Model):
+    """A customer sharing the model workers; its limits are enforced by the web tier.
+
+    A limit of 0 means unlimited. ``fairness_weight`` scales the tenant's share under the fair
+    (VTC) policy: a weight of 2 is served about twice the tokens of a weight of 1.
+    """
+
+    class BudgetPeriod(models.TextChoices):
+        HOUR = "hour", "Hour"
+        DAY = "day", "Day"
+        WEEK = "week", "Week"
+        MONTH = "month", "30 days"
+
+    name = models.CharField(max_length=128)
+    slug = models.SlugField(max_length=64, unique=True)
+    tier = models.ForeignKey(PriorityTier, on_delete=models.PROTECT, related_name="tenants")
+    fairness_weight = models.FloatField(default=1.0)
+    is_active = models.BooleanField(default=True)
+    requests_per_minute = models.PositiveIntegerField(default=0, help_text="0: unlimited.")
+    tokens_per_minute = models.PositiveIntegerField(
+        default=0, help_text="Prompt + completion tokens per minute; 0: unlimited."
+    )
+    max_concurrent_requests = models.PositiveIntegerField(default=0, help_text="0: unlimited.")
+    token_budget = models.PositiveBigIntegerField(
+        default=0, help_text="Tokens per budget period; 0: unlimited."
+    )
+    budget_period = models.CharField(
+        max_length=8, choices=BudgetPeriod.choices, default=BudgetPeriod.MONTH
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def budget_period_seconds(self) -> int:
+        return {"hour": 3600, "day": 86400, "week": 7 * 86400, "month": 30 * 86400}[
+            self.budget_period
+        ]
+
+
+class Membership(models.Model):
+    """A user belonging to a tenant (one tenant per user)."""
+
+    user = models.OneToOneField(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="membership"
+    )
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="memberships")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return f"{self.user} @ {self.tenant}"
+
+
+class ApiKey(models.Model):
+    """A bearer key of one tenant, stored as its SHA-256 hash; shown once at creation.
+
+    The ``prefix`` (the first characters of the key) stays visible so people can tell keys apart.
+    Per-key limits of 0 mean only the tenant's limits apply. An operator key may also read the
+    scheduler's stats.
+    """
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="api_keys")
+    name = models.CharField(max_length=128, blank=True)
+    prefix = models.CharField(max_length=16, db_index=True, editable=False)
+    hashed_key = models.CharField(max_length=64, unique=True, editable=False)
+    is_operator = models.BooleanField(default=False)
+    requests_per_minute = models.PositiveIntegerField(default=0, help_text="0: tenant's only.")
+    tokens_per_minute = models.PositiveIntegerField(default=0, help_text="0: tenant's only.")
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_used_at = models.DateTimeField(null=True, blank=True, editable=False)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        verbose_name = "API key"
+
+    def __str__(self) -> str:
+        return f"{self.prefix}… ({self.tenant})"
+
+    @property
+    def is_revoked(self) -> bool:
+        return self.revoked_at is not None
+
+
+class UsageRecord(models.Model):
+    """What one request cost and how it ended; written by a Celery task from its final event."""
+
+    request_id = models.CharField(max_length=64, unique=True)
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="usage_records")
+    api_key = models.ForeignKey(
+        ApiKey, null=True, blank=True, on_delete=models.SET_NULL, related_name="usage_records"
+    )
+    model = models.CharField(max_length=128)
+    prompt_tokens = models.PositiveIntegerField(default=0)
+    cached_prompt_tokens = models.PositiveIntegerField(default=0)
+    completion_tokens = models.PositiveIntegerField(default=0)
+    ttft_s = models.FloatField(null=True, blank=True, help_text="Time to first token (seconds).")
+    duration_s = models.FloatField(null=True, blank=True)
+    finish_reason = models.CharField(max_length=16, blank=True)
+    status = models.PositiveSmallIntegerField(default=200, help_text="HTTP status answered.")
+    error_code = models.CharField(max_length=64, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.request_id} ({self.tenant})"
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens

@@ -1,0 +1,90 @@
+"""Batching, chunked prefill and prefix caching never change a greedy answer (real model).
+
+Each case compares a prompt's greedy tokens against the prompt run alone with monolithic prefill,
+token for token, with the tie rule of :mod:`tests.model.helpers`.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from inference.request import SamplingParams
+from tests.model.helpers import assert_same_greedy, make_engine, run_alone, run_requests
+
+pytestmark = pytest.mark.model
+
+GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def alone(backend, chat_prompt):
+    return run_alone(backend, chat_prompt, GREEDY)
+
+
+@pytest.mark.parametrize("neighbour_len", [1, 50, 300, 1000])
+def test_a_prompt_batched_with_a_neighbour_equals_it_alone(
+        backend, corpus_ids, chat_prompt, alone, neighbour_len):
+    # The neighbour starts first, so the prompt joins while it is prefilling or decoding.
+    engine, recorder = make_engine(backend, prefill_chunk_size=128)
+    prompts = {"neighbour": corpus_ids[:neighbour_len], "prompt": chat_prompt}
+    runs = run_requests(engine, recorder, prompts, GREEDY, ticks_between=2)
+    assert_same_greedy(alone, runs["prompt"].tokens, f"neighbour of {neighbour_len} tokens")
+
+
+def test_a_prompt_batched_with_seven_copies_of_itself_equals_it_alone(
+        backend, chat_prompt, alone):
+    engine, recorder = make_engine(backend, enable_prefix_caching=False)
+    prompts = {f"copy{i}": chat_prompt for i in range(8)}
+    runs = run_requests(engine, recorder, prompts, GREEDY)
+    assert max(len(call) for call in recorder.prefill_calls) == 8  # one batched prefill
+    for rid, run in runs.items():
+        assert_same_greedy(alone, run.tokens, rid)
+
+
+@pytest.mark.parametrize("chunk, lengths", [
+    (64, [64, 65, 128, 48, 49]),   # multiples of the chunk, chunk + 1, 3 blocks, 3 blocks + 1
+    (16, [16, 17, 32, 33, 40]),
+    (1, [1, 2, 16, 17]),
+])
+def test_chunked_prefill_equals_monolithic_while_another_row_decodes(
+        backend, corpus_ids, chunk, lengths):
+    sampling = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts = {f"len{n}": corpus_ids[200:200 + n] for n in lengths}
+    references = {rid: run_alone(backend, p, sampling) for rid, p in prompts.items()}
+
+    engine, recorder = make_engine(backend, prefill_mode="chunked", prefill_chunk_size=chunk,
+                                   enable_prefix_caching=False)
+    # A long-running row decodes throughout; the prompts arrive staggered.
+    background = {"background": corpus_ids[:30]}
+    engine.submit(prompt_token_ids=background["background"], request_id="background",
+                  sampling=SamplingParams(max_tokens=120, ignore_eos=True))
+    engine.step()
+    runs = run_requests(engine, recorder, prompts, sampling, ticks_between=3)
+    for rid, reference in references.items():
+        chunk_sizes = {n for call in recorder.prefill_calls for r, _, n in call if r == rid}
+        assert max(chunk_sizes) <= chunk
+        assert_same_greedy(reference, runs[rid].tokens, f"chunk {chunk}, {rid}")
+
+
+def test_a_prefix_hit_equals_a_miss_and_survives_eviction(backend, corpus_ids):
+    sampling = SamplingParams(max_tokens=16, ignore_eos=True)
+    shared = corpus_ids[:100]  # 6 full blocks of 16 are cacheable
+    first, second = shared + corpus_ids[500:520], shared + corpus_ids[700:730]
+    miss = run_alone(backend, second, sampling, enable_prefix_caching=False)
+
+    # A small pool: 48 blocks of 16 tokens.
+    engine, recorder = make_engine(backend, kv_num_blocks=48, max_batch_size=4,
+                                   prefill_mode="monolithic")
+    run_requests(engine, recorder, {"first": first}, sampling)
+    hit = run_requests(engine, recorder, {"hit": second}, sampling)["hit"]
+    assert hit.final.usage.cached_prompt_tokens == 96
+    assert recorder.prefill_calls[-1] == [("hit", 96, len(second) - 96)]
+    assert_same_greedy(miss, hit.tokens, "prefix hit")
+
+    # Other traffic caches about twice the pool (distinct prompts), so the least recently used
+    # blocks, the shared prefix's among them, are evicted and their slots rewritten.
+    others = {f"other{i}": corpus_ids[300 + 50 * i: 300 + 50 * i + 250] for i in range(6)}
+    run_requests(engine, recorder, others, SamplingParams(max_tokens=8, ignore_eos=True))
+    again = run_requests(engine, recorder, {"again": second}, sampling)["again"]
+    assert again.final.usage.cached_prompt_tokens == 0
+    assert_same_greedy(miss, again.tokens, "after eviction")

@@ -1,0 +1,125 @@
+"""Fixtures of the platform tests: a private Redis key prefix per test, tenants and keys, a fake
+worker heartbeat, and (tests/platform/stack.py) the whole stack as separate processes."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from inference.protocol import Keys
+
+
+@pytest.fixture(autouse=True)
+def redis_prefix(settings) -> Iterator[str]:
+    """A fresh Redis key prefix for this test (its keys are deleted afterwards)."""
+    prefix = f"test-{uuid.uuid4().hex[:10]}"
+    settings.LLM_PLATFORM = {**settings.LLM_PLATFORM, "REDIS_PREFIX": prefix}
+    yield prefix
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    keys = list(client.scan_iter(f"{prefix}:*", count=1000))
+    if keys:
+        client.delete(*keys)
+
+
+@pytest.fixture(autouse=True)
+def stack_idle_before_flush(request) -> Iterator[None]:
+    """For tests on a running stack: let it go idle before the database is flushed.
+
+    Requesting ``transactional_db`` from here makes its teardown (the flush) run after ours.
+    """
+    if "stack" not in request.fixturenames:
+        yield
+        return
+    request.getfixturevalue("transactional_db")
+    stack = request.getfixturevalue("stack")
+    yield
+    stack.wait_idle()
+
+
+@pytest.fixture
+def keys(redis_prefix: str) -> Keys:
+    return Keys(redis_prefix)
+
+
+@pytest.fixture
+def rclient(settings) -> redis.Redis:
+    return redis.Redis.from_url(settings.REDIS_URL)
+
+
+@pytest.fixture
+def live_worker(rclient: redis.Redis, keys: Keys) -> str:
+    """Register a worker heartbeat (no process behind it) so requests are accepted."""
+    rclient.zadd(keys.workers, {"fake-worker": time.time() + 3600})
+    return "fake-worker"
+
+
+@pytest.fixture
+def make_tenant(db):
+    """Create a tenant with one key: ``make_tenant(name, **limits) -> (tenant, key, raw_key)``."""
+    from tenants.services import create_tenant
+
+    def make(name: str | None = None, **kwargs: Any):
+        name = name or f"t-{uuid.uuid4().hex[:8]}"
+        return create_tenant(name, **kwargs)
+
+    return make
+
+
+@pytest.fixture
+def tenant_key(make_tenant):
+    """A tenant without limits and its raw key."""
+    tenant, key, raw = make_tenant()
+    return tenant, key, raw
+
+
+class InProcessWorker:
+    """A reference-backend engine and its Redis bridge, polled by a thread of this process."""
+
+    def __init__(self, prefix: str, redis_url: str, **engine_settings: Any):
+        import threading
+
+        from inference.bridge import WorkerBridge
+        from inference.config import EngineConfig
+        from inference.engine import LLMEngine
+
+        config = EngineConfig(backend="reference", **engine_settings)
+        self.engine = LLMEngine(config)
+        self.client = redis.Redis.from_url(redis_url)
+        self.usage: list[dict[str, Any]] = []
+        self.bridge = WorkerBridge(self.engine, self.client, Keys(prefix), "inproc",
+                                   prefetch=config.max_batch_size, usage_sink=self.usage.append)
+        self.bridge.ensure_group()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.bridge.poll(20)
+            self.bridge.reconcile_queue()
+            self.bridge.flush_usage()
+            self.bridge.publish_stats(3600)
+
+    def start(self) -> InProcessWorker:
+        self.bridge.publish_stats(3600)
+        self.engine.start()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.bridge.shutdown(5)
+
+
+@pytest.fixture
+def inproc_worker(redis_prefix: str, settings) -> Iterator[InProcessWorker]:
+    """A running in-process worker (reference backend, context of 256 tokens)."""
+    worker = InProcessWorker(redis_prefix, settings.REDIS_URL, max_model_len=256,
+                             max_batch_size=4).start()
+    yield worker
+    worker.stop()

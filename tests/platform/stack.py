@@ -1,0 +1,146 @@
+"""The whole platform as separate processes, for end-to-end tests: daphne, inference workers and a
+Celery worker, on the test database and a private Redis key prefix."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def database_url(settings_dict: dict) -> str:
+    """A DATABASE_URL for the test database pytest-django created."""
+    engine, name = settings_dict["ENGINE"], settings_dict["NAME"]
+    if engine.endswith("sqlite3"):
+        return f"sqlite:///{name}"
+    user, password = settings_dict.get("USER") or "", settings_dict.get("PASSWORD") or ""
+    auth = f"{user}:{password}@" if password else (f"{user}@" if user else "")
+    host, port = settings_dict.get("HOST") or "127.0.0.1", settings_dict.get("PORT") or 5432
+    return f"postgres://{auth}{host}:{port}/{name}"
+
+
+class Stack:
+    """Start with :meth:`start`; ``url``, ``env`` and ``logs`` describe it; :meth:`stop` ends it."""
+
+    def __init__(self, db_url: str, redis_url: str, log_dir: Path, *, workers: int = 2,
+                 **env: str):
+        self.prefix = f"e2e-{uuid.uuid4().hex[:8]}"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_dir = log_dir
+        self.num_workers = workers
+        self.env = {
+            **os.environ,
+            "DATABASE_URL": db_url,
+            "REDIS_URL": redis_url,
+            "REDIS_PREFIX": self.prefix,
+            "CELERY_TASK_DEFAULT_QUEUE": f"{self.prefix}-celery",
+            "BACKEND": "reference",
+            "DJANGO_SETTINGS_MODULE": "llm_platform.settings",
+            **env,
+        }
+        self.workers: list[subprocess.Popen] = []
+        self.others: list[subprocess.Popen] = []
+
+    def _spawn(self, name: str, args: list[str], **env: str) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - lives with the process
+        return subprocess.Popen(args, cwd=REPO, env={**self.env, **env}, stdout=log,
+                                stderr=subprocess.STDOUT)
+
+    def start_worker(self) -> subprocess.Popen:
+        n = len(self.workers)
+        proc = self._spawn(f"worker{n}", [sys.executable, "-m", "inference.worker"],
+                           WORKER_ID=f"{self.prefix}-w{n}")
+        self.workers.append(proc)
+        return proc
+
+    def start(self, timeout_s: float = 180) -> Stack:
+        self.others.append(self._spawn("daphne", [str(BIN / "daphne"), "-b", "127.0.0.1", "-p",
+                                                  str(self.port), "llm_platform.asgi:application"]))
+        self.others.append(self._spawn("celery", [str(BIN / "celery"), "-A", "llm_platform",
+                                                  "worker", "-P", "solo", "-l", "info"]))
+        for _ in range(self.num_workers):
+            self.start_worker()
+        self.wait_ready(self.num_workers, timeout_s)
+        return self
+
+    def wait_ready(self, workers: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for proc in self.workers + self.others:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"a stack process exited early; see {self.log_dir}")
+            try:
+                ready = httpx.get(f"{self.url}/readyz", timeout=2)
+                if (ready.status_code == 200 and ready.json()["checks"]["workers"] >= workers
+                        and self.celery_ready()):
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"the stack was not ready within {timeout_s} s; see {self.log_dir}")
+
+    def celery_ready(self) -> bool:
+        """Whether the Celery worker consumes its queue (usage records are written by it)."""
+        log = self.log_dir / "celery.log"
+        return log.exists() and b" ready." in log.read_bytes()
+
+    def wait_idle(self, timeout_s: float = 15) -> None:
+        """Wait until no request is in flight and Celery has written every usage record.
+
+        A test's database flush (TRUNCATE) must not race a usage record still being written: on
+        PostgreSQL that is a deadlock.
+        """
+        import json
+
+        import redis
+
+        client = redis.Redis.from_url(self.env["REDIS_URL"])
+        queue = self.env["CELERY_TASK_DEFAULT_QUEUE"]
+        deadline = time.monotonic() + timeout_s
+        quiet_since = None
+        while time.monotonic() < deadline:
+            busy = client.llen(queue) > 0 or client.hlen("unacked") > 0
+            busy = busy or int(client.get(f"{self.prefix}:queue") or 0) > 0
+            for raw in client.mget(list(client.scan_iter(f"{self.prefix}:stats:*"))) if not busy \
+                    else []:
+                snap = json.loads(raw or "{}")
+                busy = busy or snap.get("num_active", 0) + snap.get("num_prefilling", 0) > 0
+            if busy:
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since > 1.2:  # a stats period and a task's commit
+                return
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        procs = self.workers + self.others
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    def logs(self) -> str:
+        return "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}"
+                         for p in sorted(self.log_dir.glob("*.log")))

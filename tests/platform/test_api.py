@@ -1,0 +1,213 @@
+"""The REST API in-process: auth, validation, error bodies, response shapes (reference backend)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from asgiref.sync import async_to_sync
+from django.test import AsyncClient
+
+from tenants.models import PriorityTier
+from tenants.services import revoke_api_key
+
+pytestmark = pytest.mark.django_db
+
+MODEL = "SmolLM2-135M-Instruct"
+CHAT = "/v1/chat/completions"
+
+
+def post(client, raw_key: str | None, body, path: str = CHAT):
+    headers = {"HTTP_AUTHORIZATION": f"Bearer {raw_key}"} if raw_key else {}
+    data = body if isinstance(body, str) else json.dumps(body)
+    return client.post(path, data, content_type="application/json", **headers)
+
+
+def chat(max_tokens: int = 4, **extra):
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}],
+            "max_tokens": max_tokens, **extra}
+
+
+def error_of(response) -> dict:
+    body = response.json()
+    assert set(body["error"]) >= {"message", "type", "param", "code"}
+    return body["error"]
+
+
+@pytest.mark.parametrize("auth", [None, "sk-wrong", "revoked"])
+def test_missing_wrong_or_revoked_key_gets_401(client, tenant_key, auth):
+    _, key, raw = tenant_key
+    if auth == "revoked":
+        revoke_api_key(key)
+        auth = raw
+    response = post(client, auth, chat())
+    assert response.status_code == 401
+    assert error_of(response)["code"] in ("missing_api_key", "invalid_api_key")
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ("{not json", None),
+    ("[1, 2]", None),
+    (chat(max_tokens=0), "max_tokens"),
+    ({**chat(), "messages": []}, "messages"),
+    ({"model": MODEL}, "messages"),
+    (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    (chat(response_format={"type": "json_object"}), "response_format"),
+    (chat(logprobs=True), "logprobs"),
+    (chat(n=2), "n"),
+    (chat(temperature=-1), "temperature"),
+])
+def test_bad_input_gets_400_naming_the_field(client, tenant_key, body, param):
+    response = post(client, tenant_key[2], body)
+    assert response.status_code == 400
+    error = error_of(response)
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+
+
+def test_unknown_fields_are_ignored_and_neutral_ones_accepted(client, tenant_key, inproc_worker):
+    body = chat(some_future_field=1, logprobs=False, response_format={"type": "text"}, user="u1")
+    assert post(client, tenant_key[2], body).status_code == 200
+
+
+def test_another_model_gets_404(client, tenant_key):
+    response = post(client, tenant_key[2], {**chat(), "model": "gpt-4o"})
+    assert response.status_code == 404
+    assert error_of(response)["code"] == "model_not_found"
+
+
+def test_no_worker_gets_503(client, tenant_key):
+    response = post(client, tenant_key[2], chat())
+    assert response.status_code == 503
+
+
+def test_chat_completion_shape_and_usage(client, tenant_key, inproc_worker):
+    response = post(client, tenant_key[2], chat(max_tokens=5, temperature=0))
+    assert response.status_code == 200
+    body = response.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    [choice] = body["choices"]
+    assert choice["finish_reason"] == "length" and choice["message"]["role"] == "assistant"
+    usage = body["usage"]
+    assert usage["completion_tokens"] == 5
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 5
+    assert "cached_tokens" in usage["prompt_tokens_details"]
+
+
+def test_text_completion_and_max_completion_tokens(client, tenant_key, inproc_worker):
+    response = post(client, tenant_key[2], {"model": MODEL, "prompt": "Once", "max_tokens": 3},
+                    path="/v1/completions")
+    assert response.status_code == 200
+    assert response.json()["object"] == "text_completion"
+    assert response.json()["usage"]["completion_tokens"] == 3
+    body = {**chat(), "max_completion_tokens": 2}
+    del body["max_tokens"]
+    assert post(client, tenant_key[2], body).json()["usage"]["completion_tokens"] == 2
+
+
+def test_omitted_max_tokens_is_what_is_left_of_the_context(client, tenant_key, inproc_worker):
+    body = chat()
+    del body["max_tokens"]
+    usage = post(client, tenant_key[2], body).json()["usage"]
+    # The in-process worker's context is 256 tokens (below DEFAULT_MAX_TOKENS).
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 256
+
+
+def test_prompt_beyond_the_context_gets_400_with_both_numbers(client, tenant_key,
+                                                              inproc_worker):
+    response = post(client, tenant_key[2], chat(max_tokens=250))
+    assert response.status_code == 400
+    error = error_of(response)
+    assert error["code"] == "context_length_exceeded"
+    assert "250" in error["message"] and "256" in error["message"]
+
+
+def test_refused_stream_gets_its_real_status(client, tenant_key, inproc_worker):
+    response = post(client, tenant_key[2], chat(max_tokens=250, stream=True))
+    assert response.status_code == 400 and not response.streaming
+
+
+def post_stream(raw_key: str, body: dict):
+    """POST with the async client and read the whole event stream in the same event loop."""
+
+    async def go():
+        response = await AsyncClient().post(CHAT, json.dumps(body), content_type="application/json",
+                                            headers={"Authorization": f"Bearer {raw_key}"})
+        content = b"".join([part async for part in response.streaming_content])
+        return response, content
+
+    return async_to_sync(go)()
+
+
+def read_sse(content: bytes) -> list:
+    text = content.decode()
+    frames = [f for f in text.split("\n\n") if f.strip()]
+    assert all(f.startswith("data: ") for f in frames)
+    return [f.removeprefix("data: ") for f in frames]
+
+
+def test_stream_framing_with_usage(client, tenant_key, inproc_worker):
+    response, content = post_stream(
+        tenant_key[2], chat(max_tokens=4, stream=True, stream_options={"include_usage": True}))
+    assert response.status_code == 200 and response["Content-Type"] == "text/event-stream"
+    frames = read_sse(content)
+    assert frames[-1] == "[DONE]" and frames.count("[DONE]") == 1
+    chunks = [json.loads(f) for f in frames[:-1]]
+    assert len({c["id"] for c in chunks}) == 1
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finishes[-1] == "length" and finishes[:-1] == [None] * (len(finishes) - 1)
+    usage_chunks = [c for c in chunks if not c["choices"]]
+    assert len(usage_chunks) == 1 and chunks[-1] is usage_chunks[0]
+    assert usage_chunks[0]["usage"]["completion_tokens"] == 4
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    plain = post(client, tenant_key[2], chat(max_tokens=4, temperature=0)).json()
+    assert len(text) > 0 and plain["choices"][0]["message"]["content"]
+
+
+def test_priority_tier_change_takes_effect_on_the_next_request(client, tenant_key, live_worker,
+                                                               rclient, keys, quick_timeouts):
+    tenant, _, raw = tenant_key
+    post(client, raw, chat())  # nobody answers: the request waits on the stream
+    tenant.tier = PriorityTier.objects.get(name="premium")
+    tenant.save()
+    client.raise_request_exception = False
+    post(client, raw, chat())
+    entries = rclient.xrange(keys.requests)
+    priorities = [json.loads(fields[b"data"])["priority"] for _, fields in entries]
+    assert priorities == [0, 10]
+
+
+@pytest.fixture
+def quick_timeouts(settings):
+    settings.LLM_PLATFORM = {**settings.LLM_PLATFORM, "REQUEST_IDLE_TIMEOUT_S": 0.3}
+
+
+def test_no_answer_from_a_worker_ends_with_504(client, tenant_key, live_worker, quick_timeouts):
+    response = post(client, tenant_key[2], chat())
+    assert response.status_code == 504
+
+
+def test_stats_for_operators_and_staff_only(client, admin_client, make_tenant, inproc_worker):
+    _, _, plain = make_tenant()
+    _, _, operator = make_tenant(operator_key=True)
+    assert client.get("/scheduler/stats").status_code == 401
+    assert client.get("/scheduler/stats", HTTP_AUTHORIZATION=f"Bearer {plain}").status_code == 403
+    body = client.get("/scheduler/stats", HTTP_AUTHORIZATION=f"Bearer {operator}").json()
+    assert body["total"]["workers"] == 1 and "active_kv_reserved" in body["total"]
+    assert "kv_pressure" in body["workers"]["inproc"]
+    assert admin_client.get("/scheduler/stats").status_code == 200
+
+
+def test_health_and_readiness(client, inproc_worker):
+    assert client.get("/healthz").json() == {"status": "ok"}
+    ready = client.get("/readyz")
+    assert ready.status_code == 200 and ready.json()["checks"]["workers"] == 1
+
+
+def test_not_ready_without_a_worker(client, db):
+    assert client.get("/readyz").status_code == 503
+
+
+def test_models(client, tenant_key):
+    response = client.get("/v1/models", HTTP_AUTHORIZATION=f"Bearer {tenant_key[2]}")
+    assert [m["id"] for m in response.json()["data"]] == [MODEL]
+    assert client.get("/v1/models").status_code == 401

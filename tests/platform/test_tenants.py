@@ -1,0 +1,86 @@
+"""Tenants, keys, the management commands and the admin."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from asgiref.sync import async_to_sync
+from django.core.management import call_command
+from django.urls import reverse
+
+from tenants.models import ApiKey, PriorityTier, Tenant, UsageRecord
+from tenants.selectors import aauthenticate_key
+from tenants.services import ensure_demo_tenant, revoke_api_key
+
+pytestmark = pytest.mark.django_db
+
+
+def authenticate(raw: str) -> ApiKey | None:
+    return async_to_sync(aauthenticate_key)(raw)
+
+
+def test_default_priority_tiers_exist():
+    assert list(PriorityTier.objects.values_list("name", "priority")) == [
+        ("premium", 10), ("standard", 0), ("batch", -10)]
+
+
+def test_create_tenant_command_prints_a_key_that_authenticates():
+    out = io.StringIO()
+    call_command("create_tenant", "Acme", "--tier", "premium", "--rpm", "7", stdout=out,
+                 stderr=io.StringIO())
+    raw = out.getvalue().strip()
+    tenant = Tenant.objects.get(slug="acme")
+    assert tenant.tier.name == "premium" and tenant.requests_per_minute == 7
+    key = authenticate(raw)
+    assert key is not None and key.tenant == tenant
+    assert key.last_used_at is not None
+
+
+def test_keys_are_stored_hashed_with_a_visible_prefix(tenant_key):
+    _, key, raw = tenant_key
+    key.refresh_from_db()
+    assert raw.startswith("sk-") and key.prefix == raw[:10]
+    assert raw not in key.hashed_key and len(key.hashed_key) == 64
+
+
+def test_revoked_key_and_inactive_tenant_do_not_authenticate(make_tenant):
+    _, key, raw = make_tenant()
+    revoke_api_key(key)
+    assert authenticate(raw) is None
+    tenant, _, raw2 = make_tenant()
+    Tenant.objects.filter(pk=tenant.pk).update(is_active=False)
+    assert authenticate(raw2) is None
+    assert authenticate("sk-not-a-key") is None
+
+
+def test_demo_tenant_is_created_once_and_its_key_kept(settings, tmp_path):
+    settings.BASE_DIR = tmp_path
+    tenant, raw = ensure_demo_tenant()
+    again, raw_again = ensure_demo_tenant()
+    assert tenant == again and raw == raw_again
+    assert (tmp_path / "var" / "demo_api_key").read_text().strip() == raw
+    assert authenticate(raw).is_operator
+
+
+@pytest.mark.parametrize("model", ["prioritytier", "tenant", "membership", "apikey",
+                                   "usagerecord"])
+def test_admin_lists_every_model(admin_client, tenant_key, model):
+    tenant, key, _ = tenant_key
+    UsageRecord.objects.create(request_id="r1", tenant=tenant, api_key=key, model="m")
+    response = admin_client.get(reverse(f"admin:tenants_{model}_changelist"))
+    assert response.status_code == 200
+
+
+def test_admin_shows_a_new_key_once(admin_client, tenant_key):
+    tenant, _, _ = tenant_key
+    response = admin_client.post(reverse("admin:tenants_apikey_add"), {
+        "tenant": tenant.pk, "name": "ci", "requests_per_minute": 0, "tokens_per_minute": 0,
+    }, follow=True)
+    assert response.status_code == 200
+    shown = [str(m) for m in response.context["messages"]]
+    raw = next(m.split()[4] for m in shown if "The new key is" in m)
+    key = authenticate(raw)
+    assert key is not None and key.name == "ci"
+    page = admin_client.get(reverse("admin:tenants_apikey_change", args=[key.pk]))
+    assert raw not in page.content.decode()
