@@ -269,12 +269,27 @@ async def live_workers() -> list[str]:
     return [m.decode() for m in members]
 
 
+def refused_counter_key() -> str:
+    """Redis hash ``{code}`` -> requests refused before reaching a worker (read by /metrics)."""
+    return f"{redis_keys().prefix}:metrics:refused"
+
+
 async def admit(key: ApiKey, message: RequestMessage, token_cost: int) -> None:
     """Check every limit of ``key`` and gate 1; on success enqueue ``message`` for a worker.
+
+    Every refusal is counted by its code in :func:`refused_counter_key`.
 
     Raises:
         APIError: 503 when no worker is alive; 429 naming the limit that refused.
     """
+    try:
+        await _admit(key, message, token_cost)
+    except APIError as exc:
+        await aredis().hincrby(refused_counter_key(), exc.code or "unknown", 1)
+        raise
+
+
+async def _admit(key: ApiKey, message: RequestMessage, token_cost: int) -> None:
     if not await live_workers():
         raise APIError(503, "No inference worker is running; retry later.",
                        code="no_worker_available", retry_after_s=5)

@@ -404,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, dict]] = {}
     descriptions: dict[str, str] = {}
     started = time.monotonic()
+    out = args.out or RESULTS_DIR / f"bench-{'quick' if args.quick else 'full'}-" \
+                                    f"{time.strftime('%Y%m%d-%H%M%S')}.json"
     # Systems take turns, one run per process, so a slow spell of a shared machine hits them
     # alike rather than all the runs of one system.
     for wl in workloads:
@@ -425,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
                 merged["runs"] += one["runs"]
                 merged["peak_rss_bytes"] = max(merged["peak_rss_bytes"], one["peak_rss_bytes"])
                 merged["median"] = median_run(merged["runs"])
+                save(out, args.quick, descriptions, results)  # an interrupted run keeps its figures
     table = format_table(results)
     print()
     for wl, text in descriptions.items():
@@ -433,18 +436,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ntotal {time.monotonic() - started:.0f} s; medians over runs; x gen / x gb: "
           "throughput ratio to generate / generate_batch; busy: cores other processes kept "
           "busy meanwhile (noise)")
-    out = args.out or RESULTS_DIR / f"bench-{'quick' if args.quick else 'full'}-" \
-                                    f"{time.strftime('%Y%m%d-%H%M%S')}.json"
+    save(out, args.quick, descriptions, results)
+    print(f"saved {out}")
+    return 0
+
+
+def save(out: Path, quick: bool, descriptions: dict[str, str],
+         results: dict[str, dict[str, dict]]) -> None:
+    """Write the figures so far, with their table, as JSON."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
-        "mode": "quick" if args.quick else "full",
+        "mode": "quick" if quick else "full",
         "machine": {"cpus": os.cpu_count(), "platform": sys.platform},
         "workloads": descriptions,
         "results": results,
-        "table": table,
+        "table": format_table(results),
     }, indent=2, default=lambda o: asdict(o)))
-    print(f"saved {out}")
-    return 0
 
 
 if __name__ == "__main__":

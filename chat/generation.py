@@ -25,7 +25,6 @@ from chat import services
 from chat.conf import chat_settings
 from chat.context import ChatMessage, ContextOverflowError, fit_to_context
 from chat.models import Conversation, Message
-from dashboard import recorder
 from dashboard.stats import context_tokens, worker_stats
 from inference.protocol import RequestMessage
 from tenants.models import Tenant
@@ -137,11 +136,7 @@ async def submit(user: AbstractBaseUser, tenant: Tenant, conversation: Conversat
               "conversation_id": conversation.pk},
     )
     principal = ChatPrincipal(tenant=tenant, pk=f"chat-user-{user.pk}")
-    try:
-        await admission.admit(principal, message, prompt_tokens + answer_cap)
-    except APIError as exc:
-        await recorder.arecord_refusal(admission.aredis(), exc.code or "")
-        raise
+    await admission.admit(principal, message, prompt_tokens + answer_cap)
     stored = await sync_to_async(services.start_answer)(conversation, request_id)
     return Answer(message_id=stored.pk, request_id=request_id, meta=message.meta)
 

@@ -66,7 +66,9 @@ def histogram_key(spec: HistogramSpec) -> str:
 
 
 def refused_key() -> str:
-    return f"{redis_keys().prefix}:metrics:refused"
+    from api.admission import refused_counter_key
+
+    return refused_counter_key()
 
 
 def record_request(client: redis.Redis, *, tenant: str, status: int, prompt_tokens: int,
@@ -94,14 +96,6 @@ def record_request(client: redis.Redis, *, tenant: str, status: int, prompt_toke
         pipe.hincrbyfloat(key, f"{tenant}|sum", value)
         pipe.hincrby(key, f"{tenant}|count", 1)
     pipe.execute()
-
-
-async def arecord_refusal(client, code: str) -> None:
-    """Count one request refused before reaching a worker (``queue_full``, rate limits, ...).
-
-    ``client`` is an asyncio Redis client.
-    """
-    await client.hincrby(refused_key(), code or "unknown", 1)
 
 
 def read_histograms(client: redis.Redis) -> dict[str, dict[str, tuple[list[int], float, int]]]:

@@ -47,7 +47,9 @@ fi
 
 .venv/bin/python manage.py migrate --noinput
 .venv/bin/python manage.py collectstatic --noinput >/dev/null
-DEMO_KEY=$(.venv/bin/python manage.py ensure_demo_tenant 2>/dev/null)
+demo=$(.venv/bin/python manage.py ensure_demo_tenant --user 2>/dev/null)
+DEMO_KEY=$(echo "$demo" | sed -n 1p)
+DEMO_LOGIN=$(echo "$demo" | sed -n 2p)
 
 .venv/bin/python -m inference.worker >var/worker.log 2>&1 &
 pids+=($!)
@@ -71,7 +73,8 @@ cat <<MSG
 The platform is running at http://$HOST:$PORT/
   OpenAI base URL: http://$HOST:$PORT/v1
   Demo API key:    $DEMO_KEY
-  Admin:           http://$HOST:$PORT/admin/ (create a login: .venv/bin/python manage.py createsuperuser)
+  Demo login:      ${DEMO_LOGIN% *} / ${DEMO_LOGIN#* }  (chat, admin and dashboard)
+  Admin:           http://$HOST:$PORT/admin/
   Chat:            http://$HOST:$PORT/chat/   Dashboard: http://$HOST:$PORT/admin/scheduler/
   Logs:            var/daphne.log var/worker.log var/celery.log var/celery-beat.log
 Try: curl http://$HOST:$PORT/v1/chat/completions -H "Authorization: Bearer $DEMO_KEY" \\

@@ -11,7 +11,7 @@ from django.db import transaction
 from django.utils import timezone
 from django.utils.text import slugify
 
-from tenants.models import ApiKey, PriorityTier, Tenant
+from tenants.models import ApiKey, Membership, PriorityTier, Tenant
 
 KEY_PREFIX = "sk-"
 VISIBLE_PREFIX_LEN = 10
@@ -108,3 +108,34 @@ def ensure_demo_tenant() -> tuple[Tenant, str | None]:
     path.write_text(raw + "\n")
     path.chmod(0o600)
     return tenant, raw
+
+
+DEMO_USERNAME = "demo"
+
+
+def demo_password_file() -> Path:
+    """Where set-up keeps the demo user's password (``var/demo_password``, not committed)."""
+    return Path(settings.BASE_DIR) / "var" / "demo_password"
+
+
+def ensure_demo_user(tenant: Tenant) -> tuple[str, str]:
+    """Create once a staff user ``demo`` belonging to ``tenant``; return (username, password).
+
+    The user signs in to the chat and the admin (dashboard included). The password is generated
+    once and kept in :func:`demo_password_file`; a missing file gets a new password.
+    """
+    from django.contrib.auth import get_user_model
+
+    path = demo_password_file()
+    user, _ = get_user_model().objects.get_or_create(
+        username=DEMO_USERNAME, defaults={"is_staff": True, "is_superuser": True})
+    password = path.read_text().strip() if path.is_file() else ""
+    if not password or not user.check_password(password):
+        password = secrets.token_urlsafe(12)
+        user.set_password(password)
+        user.save()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(password + "\n")
+        path.chmod(0o600)
+    Membership.objects.update_or_create(user=user, defaults={"tenant": tenant})
+    return user.username, password

@@ -11,7 +11,7 @@ from django.urls import reverse
 
 from tenants.models import ApiKey, PriorityTier, Tenant, UsageRecord
 from tenants.selectors import aauthenticate_key
-from tenants.services import ensure_demo_tenant, revoke_api_key
+from tenants.services import ensure_demo_tenant, ensure_demo_user, revoke_api_key
 
 pytestmark = pytest.mark.django_db
 
@@ -61,6 +61,18 @@ def test_demo_tenant_is_created_once_and_its_key_kept(settings, tmp_path):
     assert tenant == again and raw == raw_again
     assert (tmp_path / "var" / "demo_api_key").read_text().strip() == raw
     assert authenticate(raw).is_operator
+
+
+def test_the_demo_user_signs_in_to_the_chat_as_a_member_of_the_demo_tenant(client, settings,
+                                                                            tmp_path):
+    settings.BASE_DIR = tmp_path
+    tenant, _ = ensure_demo_tenant()
+    username, password = ensure_demo_user(tenant)
+    assert ensure_demo_user(tenant) == (username, password)
+    assert (tmp_path / "var" / "demo_password").read_text().strip() == password
+    assert client.login(username=username, password=password)
+    assert client.get("/chat/").status_code == 200
+    assert client.get("/admin/scheduler/").status_code == 200
 
 
 @pytest.mark.parametrize("model", ["prioritytier", "tenant", "membership", "apikey",

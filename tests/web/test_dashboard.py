@@ -153,3 +153,20 @@ def test_metrics_expose_queues_gates_tokens_and_latencies(admin_client, publishe
     assert samples[("llm_e2e_request_latency_seconds_count", (("tenant", t),))] == 1
     assert samples[("llm_inter_token_latency_seconds_sum", (("tenant", t),))] == \
         pytest.approx(0.1)
+
+
+def test_a_refused_rest_request_is_counted_in_the_metrics(admin_client, client, tenant_key):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, _, raw = tenant_key
+    # No worker is alive: the REST API answers 503 before anything is queued.
+    response = client.post("/v1/chat/completions", content_type="application/json",
+                           HTTP_AUTHORIZATION=f"Bearer {raw}",
+                           data={"model": "SmolLM2-135M-Instruct",
+                                 "messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 503
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(
+                   admin_client.get("/metrics").content.decode())
+               for s in family.samples}
+    assert samples[("llm_requests_refused_total", (("code", "no_worker_available"),))] == 1

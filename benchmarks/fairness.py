@@ -1,0 +1,194 @@
+"""Experiment 1: fairness of VTC against FCFS with two and three tenants.
+
+Scenarios (every tenant alone would keep the engine busy, so they compete):
+
+* ``two``: tenants ``A`` and ``B`` send the same requests, ``B`` at twice ``A``'s rate;
+* ``three``: ``A`` sends short requests, ``B`` requests four times longer (prompt and output) at
+  the same request rate, and ``C`` short requests, switching on and off (on for the first and
+  last thirds of the run, off in the middle).
+
+Each scenario runs under FCFS and under VTC on the engine in-process (the reference backend with a
+step delay: the question is the scheduler's, not the model's). Every ``--sample-every`` seconds
+the engine's stats give each tenant's accumulated weighted service (``per_key`` ->
+``weighted_service``: input weight x computed prompt tokens + output weight x generated tokens)
+and whether it is backlogged (has requests queued or running). The max-min difference is taken
+over the tenants backlogged since the backlogged set last changed (the interval over which VTC's
+bound holds, Sheng et al., OSDI 2024, Theorem 4.3): ``2 x max(w_in x longest prompt, w_out x
+active-KV budget)``.
+
+Usage::
+
+    python -m benchmarks.fairness                  # ~3.5 min: 2 scenarios x 2 policies x 40 s
+    python -m benchmarks.fairness --duration 120   # longer runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+from typing import Any
+
+from benchmarks import loadgen
+from benchmarks.common import make_engine, reference_tokenizer, save_figure, write_json
+
+W_IN, W_OUT = 1.0, 2.0
+
+
+def build_workload(scenario: str, duration: float, rate: float, seed: int,
+                   maker: loadgen.PromptMaker) -> tuple[list[loadgen.RequestSpec], int]:
+    """The scenario's requests and its longest prompt (tokens)."""
+    rng = random.Random(f"{seed}-{scenario}")
+    short_in, short_out = (48, 80), (24, 40)
+    long_in, long_out = (4 * short_in[0], 4 * short_in[1]), (4 * short_out[0], 4 * short_out[1])
+    if scenario == "two":
+        parts = [
+            loadgen.random_requests(maker, loadgen.poisson_arrivals(rate, duration, rng),
+                                    short_in, short_out, rng, tenant="A"),
+            loadgen.random_requests(maker, loadgen.poisson_arrivals(2 * rate, duration, rng),
+                                    short_in, short_out, rng, tenant="B"),
+        ]
+        return loadgen.merge(*parts), short_in[1]
+    third = duration / 3
+    parts = [
+        loadgen.random_requests(maker, loadgen.poisson_arrivals(rate, duration, rng),
+                                short_in, short_out, rng, tenant="A"),
+        loadgen.random_requests(maker, loadgen.poisson_arrivals(rate, duration, rng),
+                                long_in, long_out, rng, tenant="B"),
+        loadgen.random_requests(
+            maker, loadgen.poisson_arrivals(rate, duration, rng,
+                                            windows=[(0, third), (2 * third, duration)]),
+            short_in, short_out, rng, tenant="C"),
+    ]
+    return loadgen.merge(*parts), long_in[1]
+
+
+def max_min_difference(samples: list[dict[str, Any]]) -> list[float]:
+    """Per sample: max - min of the service gained since the backlogged set last changed, over
+    the tenants in that set (0 with fewer than two)."""
+    diffs: list[float] = []
+    base: dict[str, float] = {}
+    current: frozenset[str] = frozenset()
+    for s in samples:
+        backlogged = frozenset(k for k, v in s["keys"].items() if v["backlogged"])
+        if backlogged != current:
+            current = backlogged
+            base = {k: s["keys"][k]["weighted_service"] for k in backlogged}
+        gained = [s["keys"][k]["weighted_service"] - base[k] for k in current]
+        diffs.append(max(gained) - min(gained) if len(gained) > 1 else 0.0)
+    return diffs
+
+
+async def run_one(scenario: str, policy: str, args: argparse.Namespace) -> dict[str, Any]:
+    maker = loadgen.PromptMaker(reference_tokenizer(), seed=args.seed)
+    specs, longest_prompt = build_workload(scenario, args.duration, args.rate, args.seed, maker)
+    engine = make_engine(real_model=False, step_delay_s=args.step_delay,
+                         scheduling_policy=policy, max_batch_size=args.batch,
+                         prefill_chunk_size=64, kv_block_size=16, kv_num_blocks=256,
+                         active_kv_budget=args.kv_budget, max_queue_size=100_000,
+                         vtc_input_weight=W_IN, vtc_output_weight=W_OUT)
+    budget = engine.scheduler.active_kv_budget
+    samples: list[dict[str, Any]] = []
+
+    def sample(now: float) -> None:
+        per_key = engine.stats()["per_key"]
+        samples.append({"t": now, "keys": {
+            k: {"weighted_service": v["weighted_service"],
+                "backlogged": v["in_flight"] > 0, "pending": v["pending"]}
+            for k, v in per_key.items()}})
+
+    async with loadgen.EngineTarget(engine) as target:
+        results, _ = await loadgen.run_load(target, specs, desc=f"{scenario}/{policy}",
+                                            sample=sample, sample_every_s=args.sample_every,
+                                            stop_at_s=args.duration)
+    diffs = max_min_difference(samples)
+    bound = 2 * max(W_IN * longest_prompt, W_OUT * budget)
+    tenants = sorted({s.tenant for s in specs})
+    final = samples[-1]["keys"]
+    return {
+        "scenario": scenario, "policy": policy, "bound": bound, "active_kv_budget": budget,
+        "longest_prompt": longest_prompt,
+        "max_difference": max(diffs), "final_difference": diffs[-1],
+        "within_bound": max(diffs) <= bound,
+        "service": {k: final.get(k, {}).get("weighted_service", 0.0) for k in tenants},
+        "sent": {k: sum(s.tenant == k for s in specs) for k in tenants},
+        "per_tenant": loadgen.summarize_by(results, lambda r: r.tenant),
+        "samples": samples, "differences": diffs,
+        # Requests without a first token by the end count with their wait so far (a lower bound).
+        "ttft": [{"tenant": r.tenant, "sent_s": r.sent_s,
+                  "ttft_s": r.ttft_s if r.ttft_s is not None else r.ended_s - r.sent_s,
+                  "waiting": r.ttft_s is None} for r in results],
+    }
+
+
+def plot(runs: list[dict[str, Any]], scenario: str) -> None:
+    import matplotlib.pyplot as plt
+
+    mine = [r for r in runs if r["scenario"] == scenario]
+    fig, axes = plt.subplots(3, len(mine), figsize=(5.2 * len(mine), 9), squeeze=False,
+                             sharex=True)
+    colors = {"A": "tab:blue", "B": "tab:orange", "C": "tab:green"}
+    for col, run in enumerate(mine):
+        t = [s["t"] for s in run["samples"]]
+        ax = axes[0][col]
+        for k in sorted(run["service"]):
+            ax.plot(t, [s["keys"].get(k, {}).get("weighted_service", 0) / 1000
+                        for s in run["samples"]], label=k, color=colors.get(k))
+        ax.set_title(f"{run['policy'].upper()}: accumulated weighted service")
+        ax.set_ylabel("service (k weighted tokens)")
+        ax.legend(loc="upper left")
+        ax = axes[1][col]
+        ax.plot(t, [d / 1000 for d in run["differences"]], color="black",
+                label="max - min (backlogged)")
+        ax.axhline(run["bound"] / 1000, color="red", ls="--", label="VTC bound")
+        ax.set_ylabel("difference (k)")
+        ax.legend(loc="upper left")
+        ax = axes[2][col]
+        for k in sorted(run["service"]):
+            for waiting in (False, True):
+                pts = [p for p in run["ttft"] if p["tenant"] == k and p["waiting"] == waiting]
+                ax.scatter([p["sent_s"] for p in pts], [p["ttft_s"] for p in pts], s=6,
+                           color=colors.get(k), marker="x" if waiting else "o",
+                           alpha=0.35 if waiting else 1.0,
+                           label=None if waiting else k)
+        ax.set_ylabel("TTFT (s); x: no token yet")
+        ax.set_xlabel("time (s)")
+        ax.legend(loc="upper left")
+    fig.suptitle(f"Fairness, scenario '{scenario}'")
+    fig.tight_layout()
+    save_figure(fig, f"fairness-{scenario}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--duration", type=float, default=40, help="seconds per run")
+    parser.add_argument("--rate", type=float, default=6.0,
+                        help="requests/s of tenant A (B and C relative to it)")
+    parser.add_argument("--step-delay", type=float, default=0.01,
+                        help="seconds per forward pass of the reference backend")
+    parser.add_argument("--batch", type=int, default=4, help="MAX_BATCH_SIZE")
+    parser.add_argument("--kv-budget", type=int, default=512, help="ACTIVE_KV_BUDGET (tokens)")
+    parser.add_argument("--sample-every", type=float, default=0.2, help="seconds")
+    parser.add_argument("--scenarios", default="two,three")
+    parser.add_argument("--policies", default="fcfs,vtc")
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args(argv)
+    from benchmarks.common import machine
+
+    before = machine()
+    runs = []
+    for scenario in args.scenarios.split(","):
+        for policy in args.policies.split(","):
+            runs.append(asyncio.run(run_one(scenario, policy, args)))
+        plot(runs, scenario)
+    for run in runs:
+        print(f"{run['scenario']:>5} {run['policy']:>4}: service "
+              + ", ".join(f"{k}={v:.0f}" for k, v in run["service"].items())
+              + f"; max difference {run['max_difference']:.0f}, bound {run['bound']:.0f}")
+    path = write_json("fairness", {"args": vars(args), "machine_before": before, "runs": runs})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

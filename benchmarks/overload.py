@@ -1,0 +1,128 @@
+"""Experiment 5: overload: offered load from a quarter to twice the capacity.
+
+Through the REST API, Redis and one worker (the reference backend with a step delay: the question
+is admission and backpressure, not the model). First a closed-loop run at ``3 x MAX_BATCH_SIZE``
+concurrency measures the capacity (completed requests/s); then Poisson arrivals at each multiple
+of it in ``--loads`` for ``--duration`` seconds each, from two tenants with their own keys. What
+should hold: completed throughput levels off at the capacity, the latency of completed requests
+stays bounded (gate 1 bounds the queue at ``MAX_QUEUE_SIZE``), and the excess is refused with
+fast 429s instead of queueing without end.
+
+Usage::
+
+    python -m benchmarks.overload                 # ~3.5 min: 5 loads x 30 s
+    python -m benchmarks.overload --duration 120 --loads 0.25,0.5,1,1.5,2,3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+from typing import Any
+
+from benchmarks import loadgen
+from benchmarks.common import machine, print_table, reference_tokenizer, save_figure, write_json
+from benchmarks.servers import Platform, TenantSpec
+
+INPUT_LEN, OUTPUT_LEN = (32, 128), (32, 64)
+TENANTS = ("t1", "t2")
+SLOS_MS = {"ttft": 2000, "tpot": 200}
+
+
+def workload(rate: float, duration: float, seed: int,
+             maker: loadgen.PromptMaker) -> list[loadgen.RequestSpec]:
+    rng = random.Random(seed)
+    return loadgen.merge(*(
+        loadgen.random_requests(maker, loadgen.poisson_arrivals(rate / 2, duration, rng),
+                                INPUT_LEN, OUTPUT_LEN, rng, tenant=t) for t in TENANTS))
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    maker = loadgen.PromptMaker(reference_tokenizer(), seed=args.seed)
+    env = {"BACKEND": "reference", "REFERENCE_STEP_DELAY_S": args.step_delay,
+           "MAX_BATCH_SIZE": args.batch, "MAX_QUEUE_SIZE": args.queue}
+    points = []
+    with Platform([TenantSpec(t) for t in TENANTS], **env) as platform:
+        async with loadgen.RestTarget(platform.url, platform.keys) as target:
+            rng = random.Random(args.seed)
+            probe = [loadgen.RequestSpec(maker.make(rng.randint(*INPUT_LEN), rng),
+                                         rng.randint(*OUTPUT_LEN), TENANTS[i % 2])
+                     for i in range(args.probe_requests)]
+            results, duration = await loadgen.run_load(target, probe,
+                                                       max_concurrency=3 * args.batch,
+                                                       desc="capacity")
+            capacity = loadgen.summarize(results, duration)["request_throughput"]
+            for i, load in enumerate(float(x) for x in args.loads.split(",")):
+                specs = workload(load * capacity, args.duration, args.seed + i, maker)
+                results, duration = await loadgen.run_load(target, specs,
+                                                           desc=f"{load:g} x capacity")
+                summary = loadgen.summarize(results, duration, SLOS_MS)
+                points.append({"load": load, "offered_rate": load * capacity,
+                               "offered_requests": len(specs),
+                               "rejected_rate": summary["rejected_429"] / args.duration,
+                               **summary})
+                await asyncio.sleep(args.queue / capacity)  # let the backlog drain
+    return {"capacity_req_s": capacity, "env": env, "points": points}
+
+
+def plot(data: dict[str, Any]) -> None:
+    import matplotlib.pyplot as plt
+
+    pts = data["points"]
+    x = [p["offered_rate"] for p in pts]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.plot(x, x, ":", color="gray", label="offered")
+    ax1.plot(x, [p["request_throughput"] for p in pts], "o-", label="completed")
+    ax1.plot(x, [p["rejected_rate"] for p in pts], "s-", label="429 (rejected)")
+    ax1.plot(x, [p.get("goodput", 0) for p in pts], "^-", label="goodput")
+    ax1.axvline(data["capacity_req_s"], color="red", ls="--", lw=1, label="capacity")
+    ax1.set_xlabel("offered load (requests/s)")
+    ax1.set_ylabel("requests/s")
+    ax1.set_title("Throughput and rejections")
+    ax1.legend()
+    for name, style in (("ttft_ms", "o-"), ("e2el_ms", "s-")):
+        ax2.plot(x, [p[name]["p99"] / 1000 for p in pts], style, label=f"{name[:-3]} p99")
+        ax2.plot(x, [p[name]["median"] / 1000 for p in pts], style, alpha=0.5, mfc="none",
+                 label=f"{name[:-3]} median")
+    ax2.plot(x, [(p["rejection_latency_ms"]["p99"] or 0) / 1000 for p in pts], "x-",
+             label="429 p99")
+    ax2.axvline(data["capacity_req_s"], color="red", ls="--", lw=1)
+    ax2.set_xlabel("offered load (requests/s)")
+    ax2.set_ylabel("seconds")
+    ax2.set_title("Latency of completed requests, and of 429s")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, "overload")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--duration", type=float, default=30, help="seconds per load")
+    parser.add_argument("--loads", default="0.25,0.5,1,1.5,2", help="multiples of capacity")
+    parser.add_argument("--step-delay", type=float, default=0.02,
+                        help="seconds per forward pass of the reference backend")
+    parser.add_argument("--batch", type=int, default=8, help="MAX_BATCH_SIZE")
+    parser.add_argument("--queue", type=int, default=16, help="MAX_QUEUE_SIZE (gate 1)")
+    parser.add_argument("--probe-requests", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=5)
+    args = parser.parse_args(argv)
+    before = machine()
+    data = asyncio.run(run(args))
+    plot(data)
+    print(f"capacity {data['capacity_req_s']:.2f} req/s")
+    print_table([{"load": p["load"], "offered/s": p["offered_rate"],
+                  "done/s": p["request_throughput"], "429/s": p["rejected_rate"],
+                  "errors": p["errors"], "ttft_p50_ms": p["ttft_ms"]["median"],
+                  "ttft_p99_ms": p["ttft_ms"]["p99"], "e2el_p99_ms": p["e2el_ms"]["p99"],
+                  "429_p99_ms": p["rejection_latency_ms"]["p99"]} for p in data["points"]],
+                ["load", "offered/s", "done/s", "429/s", "errors", "ttft_p50_ms", "ttft_p99_ms",
+                 "e2el_p99_ms", "429_p99_ms"])
+    path = write_json("overload", {"args": vars(args), "machine_before": before, "slos_ms":
+                                   SLOS_MS, **data})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
