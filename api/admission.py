@@ -168,7 +168,10 @@ def aredis() -> aioredis.Redis:
     loop = asyncio.get_running_loop()
     client = _clients.get(loop)
     if client is None:
-        client = aioredis.Redis.from_url(settings.REDIS_URL)
+        # Every streaming request holds a connection while it waits for events (XREAD BLOCK),
+        # so the pool must hold the whole gate-1 queue plus the running batch and more.
+        client = aioredis.Redis.from_url(
+            settings.REDIS_URL, max_connections=platform_settings()["REDIS_MAX_CONNECTIONS"])
         _clients[loop] = client
     return client
 

@@ -1,4 +1,4 @@
-from django.urls import path
+from django.urls import path, re_path
 
 from api import views
 
@@ -10,4 +10,6 @@ urlpatterns = [
     path("scheduler/stats", views.scheduler_stats),
     path("healthz", views.healthz),
     path("readyz", views.readyz),
+    # Last: any other path under v1/ answers a JSON 404, not Django's HTML page.
+    re_path(r"^v1(?:/(?P<path>.*))?$", views.not_found),
 ]

@@ -15,7 +15,10 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import redis.exceptions
 from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
 from django.db import connection
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
@@ -40,9 +43,30 @@ log = logging.getLogger(__name__)
 
 View = Callable[..., Awaitable[HttpResponse]]
 
+ANY_METHOD = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def unexpected_error(exc: Exception) -> APIError:
+    """The client-facing error for an exception that is not an :class:`APIError` (logged here).
+
+    Redis trouble (connection lost, connection pool exhausted under a burst) is transient: 503
+    with ``Retry-After``. Anything else is a 500 that names nothing internal.
+    """
+    if isinstance(exc, redis.exceptions.RedisError):
+        log.exception("Redis is unavailable: %s", exc)
+        return APIError(503, "The server is temporarily unable to handle the request; retry "
+                        "shortly.", code="service_unavailable", retry_after_s=1)
+    log.exception("Unexpected error while serving a request")
+    return APIError(500, "The server had an error while processing your request.",
+                    code="internal_error")
+
 
 def api_view(*methods: str) -> Callable[[View], View]:
-    """Allow ``methods`` only, skip CSRF (bearer auth), and turn :class:`APIError` into its body."""
+    """Allow ``methods`` only, skip CSRF (bearer auth), and answer every error as a JSON body.
+
+    :class:`APIError` becomes its own body; any other exception goes through
+    :func:`unexpected_error` (503 for Redis trouble, else 500), never Django's HTML page.
+    """
 
     def decorate(view: View) -> View:
         @csrf_exempt
@@ -55,10 +79,26 @@ def api_view(*methods: str) -> Callable[[View], View]:
                 return await view(request, *args, **kwargs)
             except APIError as exc:
                 return exc.response()
+            except Exception as exc:  # noqa: BLE001 - answered as JSON and logged
+                return unexpected_error(exc).response()
 
         return wrapper
 
     return decorate
+
+
+def read_body(request: HttpRequest) -> bytes:
+    """The request body.
+
+    Raises:
+        APIError: 413 for a body over ``DATA_UPLOAD_MAX_MEMORY_SIZE``.
+    """
+    try:
+        return request.body
+    except RequestDataTooBig as exc:
+        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        raise APIError(413, f"The request body is larger than the limit of {limit} bytes.",
+                       code="request_too_large", should_retry=False) from exc
 
 
 def _bearer(request: HttpRequest) -> str:
@@ -105,7 +145,7 @@ def _fairness_key(key: ApiKey, user: str | None) -> str:
 async def chat_completions(request: HttpRequest) -> HttpResponse:
     """``POST /v1/chat/completions``."""
     key = await authenticate(request)
-    req = validate(ChatCompletionRequest, parse_json_body(request.body))
+    req = validate(ChatCompletionRequest, parse_json_body(read_body(request)))
     model = _check_model(req.model)
     messages = [m.as_dict() for m in req.messages]
     return await _generate(request, key, req, model, messages=messages)
@@ -115,7 +155,7 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
 async def completions(request: HttpRequest) -> HttpResponse:
     """``POST /v1/completions``."""
     key = await authenticate(request)
-    req = validate(CompletionRequest, parse_json_body(request.body))
+    req = validate(CompletionRequest, parse_json_body(read_body(request)))
     model = _check_model(req.model)
     return await _generate(request, key, req, model, prompt=req.prompt)
 
@@ -155,9 +195,25 @@ async def _generate(
               "public_id": shape.id},
     )
     await admission.admit(key, message, prompt_tokens + (max_tokens or conf["DEFAULT_MAX_TOKENS"]))
+    worker_error = functools.partial(_worker_error, req)
     if req.stream:
-        return await _stream(request_id, message.meta, shape)
-    return await _complete(request_id, message.meta, shape)
+        return await _stream(request_id, message.meta, shape, worker_error)
+    return await _complete(request_id, message.meta, shape, worker_error)
+
+
+def _worker_error(req: GenerationRequest, error: dict[str, Any]) -> APIError:
+    """The client-facing error for a worker's error, naming the field the client wrote.
+
+    The worker does not know the API's field names: a context overflow names the field that set
+    max_tokens when the client gave one, else the prompt's field.
+    """
+    exc = APIError.from_worker(error)
+    if exc.code == "context_length_exceeded":
+        exc.param = req.max_tokens_param or req.prompt_param
+    return exc
+
+
+WorkerError = Callable[[dict[str, Any]], APIError]
 
 
 async def _end(request_id: str, meta: dict[str, Any], finished: bool) -> None:
@@ -169,8 +225,8 @@ async def _end(request_id: str, meta: dict[str, Any], finished: bool) -> None:
         await admission.release(meta)
 
 
-async def _complete(request_id: str, meta: dict[str, Any], shape: responses.ResponseShape
-                    ) -> HttpResponse:
+async def _complete(request_id: str, meta: dict[str, Any], shape: responses.ResponseShape,
+                    worker_error: WorkerError) -> HttpResponse:
     idle = platform_settings()["REQUEST_IDLE_TIMEOUT_S"]
     parts: list[str] = []
     final: dict[str, Any] | None = None
@@ -185,13 +241,13 @@ async def _complete(request_id: str, meta: dict[str, Any], shape: responses.Resp
         await asyncio.shield(_end(request_id, meta, finished=final is not None))
     assert final is not None
     if final["finish_reason"] == "error":
-        raise APIError.from_worker(final["error"])
+        raise worker_error(final["error"])
     text = "".join(parts) + final["text"]
     return JsonResponse(responses.full_response(shape, text, final))
 
 
-async def _stream(request_id: str, meta: dict[str, Any], shape: responses.ResponseShape
-                  ) -> HttpResponse:
+async def _stream(request_id: str, meta: dict[str, Any], shape: responses.ResponseShape,
+                  worker_error: WorkerError) -> HttpResponse:
     conf = platform_settings()
     events = admission.events(request_id, conf["REQUEST_IDLE_TIMEOUT_S"],
                               first_timeout_s=conf["STREAM_DECISION_TIMEOUT_S"])
@@ -203,9 +259,10 @@ async def _stream(request_id: str, meta: dict[str, Any], shape: responses.Respon
         raise
     if first["type"] == "final" and first["finish_reason"] == "error":
         await _end(request_id, meta, finished=True)
-        raise APIError.from_worker(first["error"])
+        raise worker_error(first["error"])
     response = StreamingHttpResponse(
-        _sse_events(request_id, meta, shape, first, events), content_type="text/event-stream"
+        _sse_events(request_id, meta, shape, first, events, worker_error),
+        content_type="text/event-stream",
     )
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"
@@ -218,6 +275,7 @@ async def _sse_events(
     shape: responses.ResponseShape,
     first: dict[str, Any],
     events: AsyncIterator[dict[str, Any]],
+    worker_error: WorkerError,
 ) -> AsyncIterator[str]:
     finished = False
     try:
@@ -234,7 +292,7 @@ async def _sse_events(
             elif event["type"] == "final":
                 finished = True
                 if event["finish_reason"] == "error":
-                    yield sse_data(APIError.from_worker(event["error"]).body())
+                    yield sse_data(worker_error(event["error"]).body())
                     return
                 if event["text"]:
                     yield sse_data(responses.text_chunk(shape, event["text"]))
@@ -246,8 +304,20 @@ async def _sse_events(
             event = await anext(events, None)
     except APIError as exc:
         yield sse_data(exc.body())
+    except Exception as exc:  # noqa: BLE001 - the status is sent: end with an error event
+        yield sse_data(unexpected_error(exc).body())
     finally:
-        await asyncio.shield(_end(request_id, meta, finished))
+        try:
+            await asyncio.shield(_end(request_id, meta, finished))
+        except Exception:  # noqa: BLE001 - the response is over; the lease expires on its own
+            log.exception("Could not end request %s", request_id)
+
+
+@api_view(*ANY_METHOD)
+async def not_found(request: HttpRequest, path: str = "") -> HttpResponse:
+    """Any other path under ``/v1/``: a JSON 404."""
+    raise APIError(404, f"Invalid URL ({request.method} {request.path}): no such endpoint.",
+                   code="not_found")
 
 
 @api_view("GET")

@@ -17,7 +17,7 @@ and ITL differences (ms). Repeats alternate the two systems.
 
 Usage::
 
-    python -m benchmarks.overhead                  # ~4 min on 2 cores
+    python -m benchmarks.overhead                  # ~3.5 min on 2 cores (2 repeats)
     python -m benchmarks.overhead --repeats 3 --requests 96
 """
 
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                         metavar=("MIN", "MAX"), help="prompt tokens")
     parser.add_argument("--output-len", type=int, default=64, help="generated tokens")
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=6)
     args = parser.parse_args(argv)
     before = machine()

@@ -6,12 +6,12 @@ streams decode from the start (``stream``); prompts of ``--long-lens`` tokens ar
 (``short``). The run ends when every long and short request has ended (the streams are then
 cancelled). Measured: the streams' ITL (every gap between two of their tokens: a monolithic
 prefill of a long prompt stalls them for its whole duration, a chunked one for one chunk per
-tick) and the short requests' TTFT, under ``PREFILL_MODE=monolithic`` and ``chunked``
-(``PREFILL_CHUNK_SIZE`` tokens per chunk; ``chunked:N`` for other sizes).
+tick) and the short requests' TTFT, under ``PREFILL_MODE=monolithic``, ``chunked`` (``--chunk``
+tokens per chunk, the platform's default 256) and ``chunked:64`` (``chunked:N``: N per chunk).
 
 Usage::
 
-    python -m benchmarks.prefill                       # ~4 min on 2 cores
+    python -m benchmarks.prefill                       # ~3 min on 2 cores (3 modes)
     python -m benchmarks.prefill --long-lens 2000,3000,4000,4000,2500 --streams 8
 """
 
@@ -32,7 +32,7 @@ from benchmarks.common import (
     write_json,
 )
 
-MODES = ("monolithic", "chunked")
+MODES = ("monolithic", "chunked", "chunked:64")
 
 
 def workload(args: argparse.Namespace, maker: loadgen.PromptMaker) -> list[loadgen.RequestSpec]:
@@ -85,9 +85,9 @@ def plot(runs: list[dict[str, Any]]) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
-    colors = {"monolithic": "tab:red", "chunked": "tab:blue"}
-    for run in runs:
-        c = colors.get(run["mode"])  # others: matplotlib's next colour
+    palette = ["tab:red", "tab:blue", "tab:green", "tab:purple", "tab:orange"]
+    for i, run in enumerate(runs):
+        c = palette[i % len(palette)]
         axes[0].scatter([g["t"] for g in run["stream_gaps"]],
                         [g["itl_s"] * 1000 for g in run["stream_gaps"]], s=4, color=c,
                         label=run["mode"])

@@ -9,7 +9,7 @@ request and token throughput.
 
 Usage::
 
-    python -m benchmarks.prefix_cache                     # ~2.5 min on 2 cores
+    python -m benchmarks.prefix_cache                     # ~1 min on 2 cores
     python -m benchmarks.prefix_cache --requests 96 --prefix-len 1024
 """
 

@@ -100,13 +100,13 @@ def plot(runs: list[dict[str, Any]]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--duration", type=float, default=30, help="seconds of arrivals per run")
-    parser.add_argument("--overload", type=float, default=1.5,
+    parser.add_argument("--overload", type=float, default=2.0,
                         help="bulk's rate as a multiple of the worker's capacity")
     parser.add_argument("--vip-rate", type=float, default=1.0, help="vip's requests/s")
     parser.add_argument("--step-delay", type=float, default=0.02,
                         help="seconds per forward pass of the reference backend")
     parser.add_argument("--batch", type=int, default=4, help="MAX_BATCH_SIZE")
-    parser.add_argument("--queue", type=int, default=64, help="MAX_QUEUE_SIZE (gate 1)")
+    parser.add_argument("--queue", type=int, default=128, help="MAX_QUEUE_SIZE (gate 1)")
     parser.add_argument("--runs", default=",".join(RUNS))
     parser.add_argument("--seed", type=int, default=2)
     args = parser.parse_args(argv)

@@ -87,6 +87,11 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         if not isinstance(text, str) or not text.strip():
             await self._error("Type a message first.")
             return
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: JSON allows it, text does not
+            await self._error("The message contains characters that are not valid text.")
+            return
         if len(text) > MAX_MESSAGE_CHARS:
             await self._error(f"The message is too long (at most {MAX_MESSAGE_CHARS} "
                               "characters).")

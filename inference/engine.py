@@ -176,6 +176,10 @@ class LLMEngine:
         if not ids:
             raise InvalidRequestError(ErrorInfo(
                 "invalid_request", "the prompt is empty", 400, details={"param": "prompt"}))
+        if not fairness_weight > 0:
+            raise InvalidRequestError(ErrorInfo(
+                "invalid_request", f"fairness_weight must be > 0, got {fairness_weight}", 400,
+                details={"param": "fairness_weight"}))
         if len(ids) + sampling.max_tokens > self.max_model_len:
             raise InvalidRequestError(ErrorInfo(
                 "context_length_exceeded",

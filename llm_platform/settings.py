@@ -98,7 +98,9 @@ REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")
 CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
-        "CONFIG": {"hosts": [REDIS_URL]},
+        # channels_redis blocks 5 s per receive (BZPOPMIN); redis-py's default 5 s socket
+        # timeout would cut that read and kill the websocket, so reads may take longer.
+        "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 30}]},
     },
 }
 
@@ -113,6 +115,8 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 LLM_PLATFORM = {
     # Redis key prefix shared with the inference worker (inference.protocol).
     "REDIS_PREFIX": env.str("REDIS_PREFIX", default="llm"),
+    # Connections per web process: each request in flight holds one while it waits for events.
+    "REDIS_MAX_CONNECTIONS": env.int("REDIS_MAX_CONNECTIONS", default=4096),
     # Gate 1: requests accepted and not yet admitted by any worker.
     "MAX_QUEUE_SIZE": env.int("MAX_QUEUE_SIZE", default=256),
     # The one served model; requests naming another get 404 model_not_found.

@@ -45,6 +45,13 @@ if ! redis_answers; then
   fi
 fi
 
+if .venv/bin/python -c "import socket, sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), 1)" \
+    "$HOST" "$PORT" 2>/dev/null; then
+  echo "Something already listens on $HOST:$PORT (an earlier run?). Stop it, or choose another" >&2
+  echo "port: PORT=8001 scripts/run_platform.sh" >&2
+  exit 1
+fi
+
 .venv/bin/python manage.py migrate --noinput
 .venv/bin/python manage.py collectstatic --noinput >/dev/null
 demo=$(.venv/bin/python manage.py ensure_demo_tenant --user 2>/dev/null)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from django.conf import settings
+from django.core.validators import MinValueValidator
 from django.db import models
 
 
@@ -38,7 +39,9 @@ class Tenant(models.Model):
     name = models.CharField(max_length=128)
     slug = models.SlugField(max_length=64, unique=True)
     tier = models.ForeignKey(PriorityTier, on_delete=models.PROTECT, related_name="tenants")
-    fairness_weight = models.FloatField(default=1.0)
+    fairness_weight = models.FloatField(
+        default=1.0, validators=[MinValueValidator(0.01)],
+        help_text="Share of the fair scheduler: a tenant of weight 2 is served twice as much.")
     is_active = models.BooleanField(default=True)
     requests_per_minute = models.PositiveIntegerField(default=0, help_text="0: unlimited.")
     tokens_per_minute = models.PositiveIntegerField(

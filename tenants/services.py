@@ -71,14 +71,20 @@ def create_tenant(
 
     ``limits`` are Tenant fields: ``requests_per_minute``, ``tokens_per_minute``,
     ``max_concurrent_requests``, ``token_budget``, ``budget_period``.
+
+    Raises:
+        django.core.exceptions.ValidationError: an empty or taken name or slug, or a limit out
+            of range; nothing is created then.
     """
-    tenant = Tenant.objects.create(
-        name=name,
+    tenant = Tenant(
+        name=name.strip(),
         slug=slug or slugify(name),
         tier=tier or default_tier(),
         fairness_weight=fairness_weight,
         **limits,
     )
+    tenant.full_clean()
+    tenant.save()
     key, raw = create_api_key(tenant, key_name, is_operator=operator_key)
     return tenant, key, raw
 

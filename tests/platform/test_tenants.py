@@ -96,3 +96,19 @@ def test_admin_shows_a_new_key_once(admin_client, tenant_key):
     assert key is not None and key.name == "ci"
     page = admin_client.get(reverse("admin:tenants_apikey_change", args=[key.pk]))
     assert raw not in page.content.decode()
+
+
+@pytest.mark.parametrize(("args", "complaint"), [
+    (["Acme"], "already exists"),                # taken (created first below)
+    (["Other", "--rpm", "-5"], "requests_per_minute"),
+    (["   "], "name"),
+    (["Weightless", "--fairness-weight", "0"], "fairness_weight"),
+])
+def test_create_tenant_command_refuses_bad_input_with_a_clear_message(args, complaint, db):
+    from django.core.management.base import CommandError
+
+    call_command("create_tenant", "Acme", stdout=io.StringIO(), stderr=io.StringIO())
+    before = Tenant.objects.count()
+    with pytest.raises(CommandError, match=complaint):
+        call_command("create_tenant", *args, stdout=io.StringIO(), stderr=io.StringIO())
+    assert Tenant.objects.count() == before

@@ -49,7 +49,7 @@ def router():
 async def open_socket(user) -> WebsocketCommunicator:
     communicator = WebsocketCommunicator(router(), "/ws/chat/")
     communicator.scope["user"] = user
-    connected, _ = await communicator.connect()
+    connected, _ = await communicator.connect(timeout=10)
     assert connected
     return communicator
 
@@ -195,12 +195,12 @@ async def test_anonymous_sockets_and_foreign_origins_are_refused(make_member):
     anonymous = WebsocketCommunicator(application, "/ws/chat/",
                                       headers=[(b"origin", b"http://localhost"),
                                                (b"host", b"localhost")])
-    connected, code = await anonymous.connect()
+    connected, code = await anonymous.connect(timeout=10)
     assert not connected and code == CLOSE_UNAUTHENTICATED
     foreign = WebsocketCommunicator(application, "/ws/chat/",
                                     headers=[(b"origin", b"http://evil.example"),
                                              (b"host", b"localhost")])
-    connected, _ = await foreign.connect()
+    connected, _ = await foreign.connect(timeout=10)
     assert not connected
 
 
@@ -210,7 +210,7 @@ async def test_a_user_without_a_tenant_is_refused(db):
     user = await sync_to_async(get_user_model().objects.create_user)("loner", password="x")
     communicator = WebsocketCommunicator(router(), "/ws/chat/")
     communicator.scope["user"] = user
-    connected, code = await communicator.connect()
+    connected, code = await communicator.connect(timeout=10)
     assert not connected and code == CLOSE_NO_TENANT
 
 
@@ -232,3 +232,30 @@ async def test_stop_ends_the_answer_even_if_the_worker_never_confirms(make_membe
         await ws.disconnect()
     finally:
         w.stop()
+
+
+async def test_a_socket_idle_longer_than_the_channel_layers_receive_timeout_still_works(
+        make_member, worker, chat_conf):
+    # The consumer also listens on the Redis channel layer, whose receive blocks for 5 s at a
+    # time; an idle socket must survive those reads (a page open while the user is typing).
+    user = await sync_to_async(make_member)()
+    ws = await open_socket(user)
+    await asyncio.sleep(7)
+    await ws.send_json_to({"type": "send", "conversation_id": None, "content": "Still there?"})
+    frames = await frames_until(ws, "done")
+    assert [f for f in frames if f["type"] == "token"]
+    await ws.disconnect()
+
+
+async def test_a_message_that_is_not_valid_text_gets_a_readable_error(make_member, worker,
+                                                                      chat_conf):
+    user = await sync_to_async(make_member)()
+    ws = await open_socket(user)
+    await ws.send_json_to({"type": "send", "conversation_id": None, "content": "hi \ud800"})
+    frame = await ws.receive_json_from(timeout=5)
+    assert frame == {"type": "error",
+                     "message": "The message contains characters that are not valid text."}
+    # The socket keeps working.
+    await ws.send_json_to({"type": "send", "conversation_id": None, "content": "hello"})
+    assert [f for f in await frames_until(ws, "done") if f["type"] == "token"]
+    await ws.disconnect()

@@ -1,5 +1,6 @@
 """``manage.py create_tenant NAME``: create a tenant with one API key and print the key."""
 
+from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 
 from tenants.models import PriorityTier, Tenant
@@ -29,7 +30,18 @@ class Command(BaseCommand):
         except PriorityTier.DoesNotExist as exc:
             names = ", ".join(PriorityTier.objects.values_list("name", flat=True))
             raise CommandError(f"no priority tier {options['tier']!r}; known: {names}") from exc
-        tenant, key, raw = create_tenant(
+        try:
+            tenant, key, raw = self._create(tier, options)
+        except ValidationError as exc:
+            problems = "; ".join(f"{field}: {' '.join(messages)}"
+                                 for field, messages in exc.message_dict.items())
+            raise CommandError(f"tenant not created: {problems}") from exc
+        self.stderr.write(f"Created tenant {tenant.slug!r} (tier {tier.name}), key {key.prefix}…")
+        self.stdout.write(raw)
+
+    @staticmethod
+    def _create(tier, options):
+        return create_tenant(
             options["name"],
             slug=options["slug"],
             tier=tier,
@@ -41,5 +53,3 @@ class Command(BaseCommand):
             token_budget=options["token_budget"],
             budget_period=options["budget_period"],
         )
-        self.stderr.write(f"Created tenant {tenant.slug!r} (tier {tier.name}), key {key.prefix}…")
-        self.stdout.write(raw)
