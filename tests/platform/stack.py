@@ -116,7 +116,7 @@ class Stack:
         deadline = time.monotonic() + timeout_s
         quiet_since = None
         while time.monotonic() < deadline:
-            busy = client.llen(queue) > 0 or client.hlen("unacked") > 0
+            busy = client.llen(queue) > 0
             busy = busy or int(client.get(f"{self.prefix}:queue") or 0) > 0
             for raw in client.mget(list(client.scan_iter(f"{self.prefix}:stats:*"))) if not busy \
                     else []:
