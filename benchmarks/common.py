@@ -35,19 +35,22 @@ def write_json(name: str, payload: dict[str, Any]) -> Path:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{name}.json"
     payload = {**payload, "machine_after": machine()}
-    path.write_text(json.dumps(_finite(payload), indent=1, default=float))
+    path.write_text(json.dumps(finite(payload), indent=1, default=float))
     return path
 
 
-def _finite(value: Any) -> Any:
+def finite(value: Any) -> Any:
     """``value`` with NaN and infinities as None (strict JSON)."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {k: finite(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
+        return [finite(v) for v in value]
     return value
+
+
+_finite = finite  # the former private name
 
 
 def save_figure(fig: plt.Figure, name: str) -> Path:
@@ -94,7 +97,7 @@ def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
         return f"{v:.3g}" if isinstance(v, float) else str(v)
 
     cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(columns)]
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True)))
     for row in cells:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)))

@@ -16,7 +16,8 @@ of vLLM's ``benchmarks/benchmark_serving.py``:
   completion), and goodput: requests per second that meet every stated SLO.
 
 Latencies are reported in milliseconds (mean, median, std, p90, p99); rejected requests (HTTP
-429) and errors are counted apart and excluded from the latency figures.
+429) and errors are counted apart, with their reasons (:func:`failure_counts`), and excluded from
+the latency figures.
 """
 
 from __future__ import annotations
@@ -233,6 +234,41 @@ def meets_slos(result: RequestResult, slos_ms: dict[str, float]) -> bool:
     return True
 
 
+def failure_reason(result: RequestResult) -> str:
+    """A short reason for a request that did not complete: ``HTTP <status> <code>: <message>``
+    (from the OpenAI-style error body when there is one), or the exception's text (e.g.
+    ``ConnectError: All connection attempts failed``)."""
+    if result.status == "cancelled":
+        return "cancelled (still in flight when the run stopped)"
+    text = result.error.strip()
+    message = text
+    try:
+        body = json.loads(text) if text else None
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict):
+            code = err.get("code") or err.get("type") or ""
+            message = f"{code}: {err.get('message', '')}".strip(": ") if code else str(
+                err.get("message", text))
+        elif isinstance(err, str):
+            message = err
+    message = " ".join(message.split())[:200] or "no detail"
+    return f"HTTP {result.http_status} {message}" if result.http_status else message
+
+
+def failure_counts(results: Iterable[RequestResult]) -> dict[str, int]:
+    """How many requests failed (rejected, error or cancelled) for each :func:`failure_reason`,
+    most frequent first."""
+    counts: dict[str, int] = {}
+    for r in results:
+        if r.status != "ok":
+            reason = failure_reason(r)
+            counts[reason] = counts.get(reason, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
 def summarize(results: Sequence[RequestResult], duration_s: float | None = None,
               slos_ms: dict[str, float] | None = None) -> dict[str, Any]:
     """vLLM's serving metrics of a run (latencies in ms; throughputs per second).
@@ -253,6 +289,8 @@ def summarize(results: Sequence[RequestResult], duration_s: float | None = None,
         "completed": len(ok),
         "rejected_429": len(rejected),
         "errors": sum(r.status == "error" for r in results),
+        "cancelled": sum(r.status == "cancelled" for r in results),
+        "failures_by_reason": failure_counts(results),
         "duration_s": duration_s,
         "total_input_tokens": sum(r.prompt_tokens for r in ok),
         "total_output_tokens": sum(r.output_tokens for r in ok),
@@ -480,8 +518,10 @@ async def run_load(target: Target, specs: Sequence[RequestSpec], *,
 
     Returns:
         The results in the order of ``specs`` and the run's duration (seconds, first send to
-        last end).
+        last end); ``([], 0.0)`` for an empty workload.
     """
+    if not specs:
+        return [], 0.0
     t0 = time.perf_counter()
 
     def clock() -> float:
@@ -538,38 +578,176 @@ async def run_load(target: Target, specs: Sequence[RequestSpec], *,
 # --------------------------------------------------------------------------- command line
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m benchmarks.loadgen``: one load against a running platform or the engine."""
+def positive_int(text: str) -> int:
+    """argparse ``type``: an integer >= 1."""
     import argparse
 
-    from benchmarks.common import machine, model_tokenizer, reference_tokenizer, write_json
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse ``type``: an integer >= 0."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must not be negative")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse ``type``: a finite number > 0."""
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be a number greater than 0")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """argparse ``type``: a finite number >= 0."""
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text} must be a number of at least 0")
+    return value
+
+
+def tenant_key(text: str) -> tuple[str, str]:
+    """argparse ``type``: ``TENANT=KEY`` (both non-empty)."""
+    import argparse
+
+    tenant, sep, key = text.partition("=")
+    if not sep or not tenant.strip() or not key.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not TENANT=KEY (e.g. alice=sk-...)")
+    return tenant.strip(), key.strip()
+
+
+def slo(text: str) -> tuple[str, float]:
+    """argparse ``type``: ``NAME=MS`` with NAME one of ttft, tpot, e2el and MS > 0."""
+    import argparse
+
+    name, sep, ms = text.partition("=")
+    name = name.strip().lower()
+    if not sep or name not in ("ttft", "tpot", "e2el"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not NAME=MS with NAME one of ttft, tpot, e2el (e.g. ttft=500)")
+    try:
+        value = float(ms)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: {ms!r} is not a number of ms") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the limit must be greater than 0 ms")
+    return name, value
+
+
+def build_parser():
+    """The command line of ``python -m benchmarks.loadgen``."""
+    import argparse
 
     parser = argparse.ArgumentParser(
         description="Send one workload and print vLLM's serving metrics (JSON under "
-                    "benchmarks/results/).")
-    parser.add_argument("--target", choices=("rest", "engine"), default="rest")
+                    "benchmarks/results/).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--target", choices=("rest", "engine"), default="rest",
+                        help="the REST API of a running platform, or the engine in-process")
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the platform (rest)")
-    parser.add_argument("--key", action="append", default=[], metavar="TENANT=KEY",
+    parser.add_argument("--key", action="append", type=tenant_key, default=[],
+                        metavar="TENANT=KEY",
                         help="an API key per tenant (rest); requests go round-robin")
     parser.add_argument("--backend", choices=("transformers", "reference"),
-                        default="transformers", help="prompts' tokenizer; the engine's backend")
-    parser.add_argument("--dataset", choices=("random", "shared-prefix"), default="random")
-    parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--rate", type=float, default=0,
+                        default="transformers",
+                        help="prompts' tokenizer, and the engine's backend (engine); with "
+                             "--target rest, give the platform's BACKEND")
+    parser.add_argument("--dataset", choices=("random", "shared-prefix"), default="random",
+                        help="random-length prompts, or shared prefixes plus unique suffixes")
+    parser.add_argument("--requests", type=positive_int, default=64, help="requests to send")
+    parser.add_argument("--rate", type=non_negative_float, default=0,
                         help="Poisson arrivals, requests/s over all tenants (0: all at once)")
-    parser.add_argument("--concurrency", type=int, default=0, help="max in flight (0: no bound)")
-    parser.add_argument("--input-len", type=int, nargs=2, default=(64, 256), metavar=("MIN", "MAX"))
-    parser.add_argument("--output-len", type=int, nargs=2, default=(32, 128),
-                        metavar=("MIN", "MAX"))
-    parser.add_argument("--prefixes", type=int, default=4, help="shared-prefix: prefixes")
-    parser.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: tokens")
-    parser.add_argument("--slo", action="append", default=[], metavar="METRIC=MS",
-                        help="goodput SLO, e.g. ttft=500 or tpot=100")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--concurrency", type=non_negative_int, default=0,
+                        help="max in flight (0: no bound)")
+    parser.add_argument("--input-len", type=positive_int, nargs=2, default=(64, 256),
+                        metavar=("MIN", "MAX"),
+                        help="prompt tokens (shared-prefix: MIN is the suffix length)")
+    parser.add_argument("--output-len", type=positive_int, nargs=2, default=(32, 128),
+                        metavar=("MIN", "MAX"),
+                        help="output tokens (shared-prefix: MIN for every request)")
+    parser.add_argument("--prefixes", type=positive_int, default=4, help="shared-prefix: prefixes")
+    parser.add_argument("--prefix-len", type=positive_int, default=512,
+                        help="shared-prefix: tokens")
+    parser.add_argument("--slo", action="append", type=slo, default=[], metavar="NAME=MS",
+                        help="goodput SLO, NAME one of ttft, tpot, e2el, e.g. ttft=500")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.add_argument("--name", default="loadgen", help="results file name")
-    args = parser.parse_args(argv)
+    return parser
 
-    keys = dict(k.split("=", 1) for k in args.key) or {"default": ""}
+
+def parse_args(argv: list[str] | None = None):
+    """Parsed and checked arguments (``parser.error`` on a bad combination)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for flag in ("input_len", "output_len"):
+        lo, hi = getattr(args, flag)
+        if lo > hi:
+            parser.error(f"--{flag.replace('_', '-')}: MIN ({lo}) is greater than MAX ({hi})")
+    tenants = [t for t, _ in args.key]
+    if len(set(tenants)) != len(tenants):
+        parser.error("--key: a tenant is given more than once")
+    if args.key and args.target == "engine":
+        parser.error("--key applies to --target rest only")
+    return args
+
+
+def report(summary: dict[str, Any]) -> str | None:
+    """Print a one-line warning when requests failed; return the first reason when all did."""
+    import sys
+
+    failed = summary["requests"] - summary["completed"]
+    if not failed:
+        return None
+    reasons = summary.get("failures_by_reason", {})
+    first = next(iter(reasons), "unknown")
+    print(f"WARNING: {failed} of {summary['requests']} requests did not complete "
+          f"({summary['rejected_429']} rejected with 429, {summary['errors']} errors, "
+          f"{summary.get('cancelled', 0)} cancelled); most frequent: {first} "
+          f"(x{reasons.get(first, failed)})", file=sys.stderr)
+    return first if summary["completed"] == 0 else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.loadgen``: one load against a running platform or the engine.
+
+    Exit status 0, or 1 when no request completed (the first failure's reason on stderr).
+    """
+    import sys
+
+    from benchmarks.common import (
+        finite,
+        machine,
+        model_tokenizer,
+        reference_tokenizer,
+        write_json,
+    )
+
+    args = parse_args(argv)
+    keys = dict(args.key) or {"default": ""}
     tenants = list(keys)
     tokenizer = model_tokenizer() if args.backend == "transformers" else reference_tokenizer()
     rng = random.Random(args.seed)
@@ -583,7 +761,7 @@ def main(argv: list[str] | None = None) -> int:
                                        args.input_len[0], args.output_len[0], rng)
     for i, spec in enumerate(specs):
         spec.tenant = tenants[i % len(tenants)]
-    slos = {k: float(v) for k, v in (s.split("=", 1) for s in args.slo)}
+    slos = dict(args.slo)
     before = machine()
 
     async def go() -> tuple[list[RequestResult], float]:
@@ -599,13 +777,25 @@ def main(argv: list[str] | None = None) -> int:
 
     results, duration = asyncio.run(go())
     summary = summarize(results, duration, slos or None)
-    print(json.dumps(summary, indent=1, default=float))
+    print(json.dumps(finite(summary), indent=1, default=float))
     path = write_json(args.name, {"args": vars(args), "machine_before": before,
                                   "summary": summary,
                                   "per_tenant": summarize_by(results, lambda r: r.tenant,
-                                                             duration, slos or None)})
+                                                             duration, slos or None),
+                                  "results": [r.to_dict() for r in results]})
     print(f"wrote {path}")
+    all_failed = report(summary)
+    if all_failed is not None:
+        print(f"ERROR: no request completed; first error: {_first_error(results)}",
+              file=sys.stderr)
+        return 1
     return 0
+
+
+def _first_error(results: Sequence[RequestResult]) -> str:
+    """The reason of the first request (by send time) that did not complete."""
+    failed = sorted((r for r in results if r.status != "ok"), key=lambda r: r.sent_s)
+    return failure_reason(failed[0]) if failed else "none"
 
 
 def _n_arrivals(args: Any, rng: random.Random) -> list[float]:

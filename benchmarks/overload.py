@@ -53,8 +53,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                                        max_concurrency=3 * args.batch,
                                                        desc="capacity")
             capacity = loadgen.summarize(results, duration)["request_throughput"]
-            for i, load in enumerate(float(x) for x in args.loads.split(",")):
+            if not capacity > 0:
+                raise SystemExit("overload: the capacity probe completed no request "
+                                 f"({loadgen.failure_counts(results) or 'no results'})")
+            for i, load in enumerate(args.loads):
                 specs = workload(load * capacity, args.duration, args.seed + i, maker)
+                if not specs:
+                    print(f"note: {load:g} x capacity: the Poisson draw over "
+                          f"{args.duration:g} s is empty; load point skipped")
+                    continue
                 results, duration = await loadgen.run_load(target, specs,
                                                            desc=f"{load:g} x capacity")
                 summary = loadgen.summarize(results, duration, SLOS_MS)
@@ -96,16 +103,33 @@ def plot(data: dict[str, Any]) -> None:
     save_figure(fig, "overload")
 
 
+def load_list(text: str) -> list[float]:
+    """argparse ``type``: a comma-separated list of positive numbers (multiples of capacity)."""
+    loads = []
+    for item in text.split(","):
+        try:
+            loads.append(loadgen.positive_float(item.strip()))
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a comma-separated list of positive numbers ({exc})") from None
+    return loads
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--duration", type=float, default=30, help="seconds per load")
-    parser.add_argument("--loads", default="0.25,0.5,1,1.5,2", help="multiples of capacity")
-    parser.add_argument("--step-delay", type=float, default=0.02,
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--duration", type=loadgen.positive_float, default=30,
+                        help="seconds per load")
+    parser.add_argument("--loads", type=load_list, default="0.25,0.5,1,1.5,2",
+                        help="multiples of capacity, comma-separated")
+    parser.add_argument("--step-delay", type=loadgen.non_negative_float, default=0.02,
                         help="seconds per forward pass of the reference backend")
-    parser.add_argument("--batch", type=int, default=8, help="MAX_BATCH_SIZE")
-    parser.add_argument("--queue", type=int, default=16, help="MAX_QUEUE_SIZE (gate 1)")
-    parser.add_argument("--probe-requests", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=5)
+    parser.add_argument("--batch", type=loadgen.positive_int, default=8, help="MAX_BATCH_SIZE")
+    parser.add_argument("--queue", type=loadgen.positive_int, default=16,
+                        help="MAX_QUEUE_SIZE (gate 1)")
+    parser.add_argument("--probe-requests", type=loadgen.positive_int, default=64,
+                        help="requests of the closed-loop capacity probe")
+    parser.add_argument("--seed", type=int, default=5, help="workload seed")
     args = parser.parse_args(argv)
     before = machine()
     data = asyncio.run(run(args))

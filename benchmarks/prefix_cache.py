@@ -85,13 +85,15 @@ def plot(runs: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--prefixes", type=int, default=4, help="distinct shared prefixes")
-    parser.add_argument("--prefix-len", type=int, default=512, help="tokens")
-    parser.add_argument("--suffix-len", type=int, default=32, help="tokens")
-    parser.add_argument("--output-len", type=int, default=32, help="tokens")
-    parser.add_argument("--concurrency", type=int, default=8)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    pos = loadgen.positive_int
+    parser.add_argument("--requests", type=pos, default=32)
+    parser.add_argument("--prefixes", type=pos, default=4, help="distinct shared prefixes")
+    parser.add_argument("--prefix-len", type=pos, default=512, help="tokens")
+    parser.add_argument("--suffix-len", type=pos, default=32, help="tokens")
+    parser.add_argument("--output-len", type=pos, default=32, help="tokens")
+    parser.add_argument("--concurrency", type=pos, default=8)
     parser.add_argument("--seed", type=int, default=4)
     args = parser.parse_args(argv)
     before = machine()

@@ -140,6 +140,13 @@ class Stack:
                 proc.wait(20)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        import redis
+
+        client = redis.Redis.from_url(self.env["REDIS_URL"])
+        for pattern in (f"{self.prefix}:*", self.env["CELERY_TASK_DEFAULT_QUEUE"]):
+            stale = list(client.scan_iter(pattern, count=1000))
+            if stale:
+                client.delete(*stale)
 
     def logs(self) -> str:
         return "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}"

@@ -1,0 +1,93 @@
+"""The load generator's failure reporting and command-line checks (no server, no engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from benchmarks import loadgen, overload
+from benchmarks.common import finite
+from benchmarks.loadgen import RequestResult, failure_counts, failure_reason, run_load, summarize
+
+
+def failed(status: str, http_status: int, error: str, sent: float = 0.0) -> RequestResult:
+    return RequestResult("a", "", status, http_status, sent, [], sent + 0.1, error=error)
+
+
+def test_failure_reasons_name_http_status_error_code_and_exception_text():
+    http = failed("error", 500, json.dumps({"error": {"code": "internal", "message": "boom"}}))
+    assert failure_reason(http) == "HTTP 500 internal: boom"
+    conn = failed("error", 0, "ConnectError: All connection attempts failed")
+    assert failure_reason(conn) == "ConnectError: All connection attempts failed"
+    limited = failed("rejected", 429, "queue full")
+    assert failure_reason(limited) == "HTTP 429 queue full"
+    counts = failure_counts([conn, http, conn])
+    assert counts == {"ConnectError: All connection attempts failed": 2,
+                      "HTTP 500 internal: boom": 1}
+
+
+def test_summary_of_only_failures_is_strict_json_with_reasons():
+    s = summarize([failed("error", 0, "ConnectError: refused")])
+    assert s["completed"] == 0 and s["errors"] == 1
+    assert s["failures_by_reason"] == {"ConnectError: refused": 1}
+    text = json.dumps(finite(s))
+    assert "NaN" not in text
+    assert json.loads(text)["ttft_ms"]["p99"] is None
+
+
+def test_report_warns_and_flags_when_every_request_failed(capsys):
+    s = summarize([failed("error", 0, "ConnectError: refused")])
+    assert loadgen.report(s) == "ConnectError: refused"
+    assert "WARNING: 1 of 1 requests did not complete" in capsys.readouterr().err
+    ok = RequestResult("a", "", "ok", 200, 0.0, [0.1], 0.2, 5, 1)
+    assert loadgen.report(summarize([ok, failed("error", 0, "x")])) is None
+    assert loadgen.report(summarize([ok])) is None
+
+
+def test_run_load_of_an_empty_workload_returns_nothing():
+    assert asyncio.run(run_load(object(), [])) == ([], 0.0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--requests", "0"], "must be at least 1"),
+    (["--rate", "-1"], "at least 0"),
+    (["--concurrency", "-2"], "must not be negative"),
+    (["--input-len", "10", "5"], "MIN (10) is greater than MAX (5)"),
+    (["--output-len", "0", "5"], "must be at least 1"),
+    (["--key", "alice"], "is not TENANT=KEY"),
+    (["--slo", "ttft"], "is not NAME=MS"),
+    (["--slo", "latency=5"], "is not NAME=MS"),
+    (["--slo", "ttft=abc"], "is not a number"),
+])
+def test_bad_loadgen_flags_are_argparse_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        loadgen.parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_good_loadgen_flags_parse():
+    args = loadgen.parse_args(["--key", "a=k1", "--key", "b=k2", "--slo", "ttft=500",
+                               "--input-len", "8", "8", "--rate", "2.5"])
+    assert dict(args.key) == {"a": "k1", "b": "k2"}
+    assert dict(args.slo) == {"ttft": 500.0}
+    assert args.rate == 2.5
+
+
+def test_overload_loads_are_parsed_up_front():
+    assert overload.load_list("0.5, 1,2") == [0.5, 1.0, 2.0]
+    for bad in ("0.5,x", "1,0", "-1", ""):
+        with pytest.raises(Exception, match="comma-separated list of positive numbers"):
+            overload.load_list(bad)
+
+
+@pytest.mark.parametrize("argv", [["--loads", "1,zero"], ["--duration", "0"],
+                                  ["--probe-requests", "0"]])
+def test_bad_overload_flags_exit_before_any_run(argv, capsys, monkeypatch):
+    monkeypatch.setattr(overload, "run", None)  # reaching a run would fail differently
+    with pytest.raises(SystemExit) as exc:
+        overload.main(argv)
+    assert exc.value.code == 2
+    assert "error:" in capsys.readouterr().err
