@@ -196,11 +196,15 @@ async def test_anonymous_sockets_and_foreign_origins_are_refused(make_member):
                                       headers=[(b"origin", b"http://localhost"),
                                                (b"host", b"localhost")])
     connected, code = await anonymous.connect(timeout=10)
+    # The server sends a disconnect after a refused handshake; so does the test, so the
+    # consumer ends and leaves no channel-layer read behind.
+    await anonymous.disconnect()
     assert not connected and code == CLOSE_UNAUTHENTICATED
     foreign = WebsocketCommunicator(application, "/ws/chat/",
                                     headers=[(b"origin", b"http://evil.example"),
                                              (b"host", b"localhost")])
     connected, _ = await foreign.connect(timeout=10)
+    await foreign.disconnect()
     assert not connected
 
 
@@ -211,6 +215,7 @@ async def test_a_user_without_a_tenant_is_refused(db):
     communicator = WebsocketCommunicator(router(), "/ws/chat/")
     communicator.scope["user"] = user
     connected, code = await communicator.connect(timeout=10)
+    await communicator.disconnect()
     assert not connected and code == CLOSE_NO_TENANT
 
 
