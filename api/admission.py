@@ -1,10 +1,11 @@
 """Admission on Redis: rate limits, concurrency, token budget and gate 1, all-or-nothing.
 
 One Lua script checks every limit that applies to a request and, only when all pass, records the
-request in each of them and puts it on the requests stream, atomically. A refused request so
-consumes nothing, and 20 concurrent requests against a limit of 5 admit exactly 5. Libraries such
-as ``limits`` check one window at a time; the all-or-nothing check across several windows plus the
-global queue counter is why this is one script.
+request in each of them and puts it on its priority tier's requests stream (registering the tier
+for the workers), atomically. A refused request so consumes nothing, and 20 concurrent requests
+against a limit of 5 admit exactly 5. Libraries such as ``limits`` check one window at a time; the
+all-or-nothing check across several windows plus the global queue counter is why this is one
+script.
 
 - rate limits (requests and tokens per minute, per key and per tenant): a moving window (a sorted
   set of the admitted requests, scored by time), so no 60-second span ever admits more than the
@@ -33,6 +34,7 @@ from api.conf import platform_settings, redis_keys
 from api.errors import APIError
 from inference.protocol import (
     ABORT_MARK_TTL_S,
+    CONSUMER_GROUP,
     ControlMessage,
     RequestMessage,
     decode_event,
@@ -42,8 +44,10 @@ from tenants.models import ApiKey
 RATE_WINDOW_MS = 60_000
 XREAD_BLOCK_S = 2.0
 
-# KEYS[1] queue counter, KEYS[2] requests stream, KEYS[3..] limit keys named by index in the spec.
-# ARGV[1] spec JSON, ARGV[2] request message JSON. Returns a JSON verdict.
+# KEYS[1] queue counter, KEYS[2] the request's tier stream (Keys.requests(priority)), KEYS[3] the
+# tier registry (Keys.request_tiers), KEYS[4..] limit keys named by index in the spec.
+# ARGV[1] spec JSON, ARGV[2] request message JSON, ARGV[3] str(priority). Returns a JSON verdict.
+# The enqueue at the end is inference.protocol.ENQUEUE_LUA's.
 ADMIT_LUA = """
 local spec = cjson.decode(ARGV[1])
 local t = redis.call('TIME')
@@ -115,6 +119,10 @@ for _, c in ipairs(spec.concurrency) do
   redis.call('PEXPIRE', KEYS[c.key], spec.lease_ms)
 end
 redis.call('INCR', KEYS[1])
+redis.call('ZADD', KEYS[3], ARGV[3], ARGV[3])
+if redis.call('EXISTS', KEYS[2]) == 0 then
+  redis.pcall('XGROUP', 'CREATE', KEYS[2], spec.group, '0', 'MKSTREAM')
+end
 redis.call('XADD', KEYS[2], '*', 'data', ARGV[2])
 return cjson.encode({ok = true})
 """
@@ -197,7 +205,7 @@ def build_limits(
 
     def slot(name: str) -> int:
         limit_keys.append(name)
-        return len(limit_keys) + 2  # KEYS[1] and KEYS[2] are the queue and the stream
+        return len(limit_keys) + 3  # KEYS[1..3]: the queue, the tier stream, the tier registry
 
     windows, budgets, concurrency = [], [], []
     token_windows: list[dict[str, Any]] = []
@@ -228,6 +236,7 @@ def build_limits(
         "window_ms": RATE_WINDOW_MS,
         "lease_ms": int(conf["REQUEST_IDLE_TIMEOUT_S"] * 1000) + RATE_WINDOW_MS,
         "max_queue": conf["MAX_QUEUE_SIZE"],
+        "group": CONSUMER_GROUP,
         "windows": windows,
         "budgets": budgets,
         "concurrency": concurrency,
@@ -235,7 +244,7 @@ def build_limits(
     admission = Admission(
         member=request_id,
         token_windows=token_windows,
-        budgets=[{"key": limit_keys[b["key"] - 3], "cost": token_cost} for b in budgets],
+        budgets=[{"key": limit_keys[b["key"] - 4], "cost": token_cost} for b in budgets],
         concurrency_keys=concurrency_keys,
     )
     return spec, limit_keys, admission
@@ -280,6 +289,8 @@ def refused_counter_key() -> str:
 async def admit(key: ApiKey, message: RequestMessage, token_cost: int) -> None:
     """Check every limit of ``key`` and gate 1; on success enqueue ``message`` for a worker.
 
+    The message goes on the requests stream of its ``priority``.
+
     Every refusal is counted by its code in :func:`refused_counter_key`.
 
     Raises:
@@ -299,9 +310,10 @@ async def _admit(key: ApiKey, message: RequestMessage, token_cost: int) -> None:
     spec, limit_keys, admission = build_limits(key, message.request_id, token_cost)
     message.meta["admission"] = admission.to_meta()
     keys = redis_keys()
+    priority = int(message.priority)
     raw = await aredis().eval(
-        ADMIT_LUA, 2 + len(limit_keys), keys.queue, keys.requests, *limit_keys,
-        json.dumps(spec), message.to_json(),
+        ADMIT_LUA, 3 + len(limit_keys), keys.queue, keys.requests(priority), keys.request_tiers,
+        *limit_keys, json.dumps(spec), message.to_json(), str(priority),
     )
     verdict = json.loads(raw)
     if not verdict["ok"]:

@@ -59,12 +59,15 @@ def cleanup() -> dict[str, int]:
     """Delete old snapshots and trim what Redis would otherwise keep for ever.
 
     - snapshots older than ``SNAPSHOT_RETENTION_S``;
-    - entries of the requests stream that every worker has read and acknowledged, once older
-      than ``REQUESTS_STREAM_RETENTION_S`` (the stream is never trimmed past an unread or
-      unacknowledged entry);
+    - entries of each priority tier's requests stream that every worker has read and
+      acknowledged, once older than ``REQUESTS_STREAM_RETENTION_S`` (a stream is never trimmed
+      past an unread or unacknowledged entry);
     - events streams left without an expiry whose last event is older than their TTL;
-    - heartbeats of workers silent for ``DEAD_WORKER_AFTER_S``, and idle consumers of the
-      group that hold no unacknowledged entry.
+    - heartbeats of workers silent for ``DEAD_WORKER_AFTER_S``, and the consumers of every
+      tier's group idle that long that hold no unacknowledged entry.
+
+    The tier registry and the (possibly empty) tier streams themselves are kept: a tier's
+    stream and group are where its next request goes.
 
     Returns:
         How many of each were removed.
@@ -79,9 +82,46 @@ def cleanup() -> dict[str, int]:
     return result
 
 
-def _stream_id_ms(entry_id: bytes | str) -> int:
+def _stream_id(entry_id: bytes | str) -> tuple[int, int]:
+    """``(milliseconds, sequence)`` of a stream entry id."""
     value = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    return int(value.split("-", 1)[0])
+    ms, _, seq = value.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _stream_id_ms(entry_id: bytes | str) -> int:
+    return _stream_id(entry_id)[0]
+
+
+def _trim_requests_stream(client: redis.Redis, stream: str, now_ms: int,
+                          conf: dict[str, Any]) -> tuple[int, int]:
+    """Trim one tier's requests stream and drop its group's dead consumers.
+
+    Returns:
+        (entries trimmed, consumers deleted).
+    """
+    try:
+        groups = client.xinfo_groups(stream)
+    except redis.ResponseError:  # no stream
+        return 0, 0
+    group = next((g for g in groups if g["name"] in (CONSUMER_GROUP, CONSUMER_GROUP.encode())),
+                 None)
+    if group is None:
+        return 0, 0
+    # Everything before the first unread or unacknowledged entry is done with.
+    ms, seq = _stream_id(group["last-delivered-id"])
+    keep_from = (ms, seq + 1)
+    pending = client.xpending(stream, CONSUMER_GROUP)
+    if pending["pending"]:
+        keep_from = min(keep_from, _stream_id(pending["min"]))
+    keep_from = min(keep_from, (now_ms - int(conf["REQUESTS_STREAM_RETENTION_S"] * 1000), 0))
+    trimmed = client.xtrim(stream, minid=f"{keep_from[0]}-{keep_from[1]}", approximate=False)
+    consumers = 0
+    for consumer in client.xinfo_consumers(stream, CONSUMER_GROUP):
+        if consumer["pending"] == 0 and consumer["idle"] > conf["DEAD_WORKER_AFTER_S"] * 1000:
+            client.xgroup_delconsumer(stream, CONSUMER_GROUP, consumer["name"])
+            consumers += 1
+    return trimmed, consumers
 
 
 def trim_redis(client: redis.Redis, conf: dict[str, Any]) -> dict[str, int]:
@@ -90,26 +130,11 @@ def trim_redis(client: redis.Redis, conf: dict[str, Any]) -> dict[str, int]:
     now_ms = int(time.time() * 1000)
     result = {"requests_trimmed": 0, "event_streams": 0, "dead_workers": 0, "consumers": 0}
 
-    try:
-        groups = client.xinfo_groups(keys.requests)
-    except redis.ResponseError:  # no stream yet
-        groups = []
-    group = next((g for g in groups if g["name"] in (CONSUMER_GROUP, CONSUMER_GROUP.encode())),
-                 None)
-    if group is not None:
-        # Everything before the first unread or unacknowledged entry is done with.
-        safe_ms = _stream_id_ms(group["last-delivered-id"]) + 1
-        pending = client.xpending(keys.requests, CONSUMER_GROUP)
-        if pending["pending"]:
-            safe_ms = min(safe_ms, _stream_id_ms(pending["min"]))
-        keep_from = min(safe_ms, now_ms - int(conf["REQUESTS_STREAM_RETENTION_S"] * 1000))
-        result["requests_trimmed"] = client.xtrim(keys.requests, minid=f"{keep_from}-0",
-                                                  approximate=False)
-        for consumer in client.xinfo_consumers(keys.requests, CONSUMER_GROUP):
-            if (consumer["pending"] == 0
-                    and consumer["idle"] > conf["DEAD_WORKER_AFTER_S"] * 1000):
-                client.xgroup_delconsumer(keys.requests, CONSUMER_GROUP, consumer["name"])
-                result["consumers"] += 1
+    for _, score in client.zrange(keys.request_tiers, 0, -1, withscores=True):
+        trimmed, consumers = _trim_requests_stream(client, keys.requests(int(score)), now_ms,
+                                                   conf)
+        result["requests_trimmed"] += trimmed
+        result["consumers"] += consumers
 
     for name in client.scan_iter(match=keys.events("*"), count=500, _type="stream"):
         if client.ttl(name) != -1:

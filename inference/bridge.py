@@ -28,6 +28,7 @@ from inference.engine import (
 )
 from inference.protocol import (
     CONSUMER_GROUP,
+    ENQUEUE_LUA,
     EVENTS_TTL_S,
     ControlMessage,
     Keys,
@@ -62,7 +63,8 @@ class WorkerBridge:
         keys: key names (see :mod:`inference.protocol`).
         worker_id: this worker's consumer name and stats key.
         prefetch: requests this worker holds in its engine's pending queue at most; it reads no
-            more from Redis while that many wait, so idle workers get the rest.
+            more from Redis while that many wait, so idle workers get the rest. The free room is
+            filled from the highest priority tier's stream down (see :meth:`poll`).
         usage_sink: called on the main thread with one payload per finished request (the Celery
             task ``api.tasks.record_usage`` in production).
     """
@@ -83,33 +85,104 @@ class WorkerBridge:
         # admitted by its engine (or ended). Only the main thread touches it.
         self._held = 0
         self._accepting = True
+        # Requests streams whose consumer group this worker made sure of -> their priority.
+        self._tier_of: dict[str, int] = {}
+        self._enqueue = client.register_script(ENQUEUE_LUA)
         engine.event_sink = self.on_events
 
     # -- set-up ---------------------------------------------------------------------------
 
-    def ensure_group(self) -> None:
-        """Create the requests stream's consumer group if missing."""
-        try:
-            self.client.xgroup_create(self.keys.requests, CONSUMER_GROUP, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+    def ensure_groups(self) -> list[int]:
+        """Create the consumer group of every registered tier's requests stream if missing.
+
+        Returns:
+            The registered priorities, highest first.
+        """
+        self._tier_of.clear()
+        return [priority for priority, _ in self._tiers()]
+
+    def _tiers(self) -> list[tuple[int, str]]:
+        """``(priority, stream)`` of every registered tier, highest priority first.
+
+        A tier seen for the first time gets its consumer group (normally made by the enqueue
+        already; this covers a stream deleted by hand).
+        """
+        tiers = []
+        for _, score in self.client.zrevrange(self.keys.request_tiers, 0, -1, withscores=True):
+            priority = int(score)
+            stream = self.keys.requests(priority)
+            if stream not in self._tier_of:
+                try:
+                    self.client.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
+                except redis.ResponseError as exc:
+                    if "BUSYGROUP" not in str(exc):
+                        raise
+                self._tier_of[stream] = priority
+            tiers.append((priority, stream))
+        return tiers
 
     # -- requests in ----------------------------------------------------------------------
 
     def poll(self, block_ms: int = 50) -> int:
-        """Read up to the free prefetch room of requests and submit them; return how many."""
+        """Take up to the free prefetch room of requests, highest priority first; return how many.
+
+        The tiers' streams are read one at a time from the highest priority down, each for the
+        room the higher ones left, so a backlog of a lower tier never stands in front of a later
+        request of a higher one. When no tier has a request waiting, it blocks up to
+        ``block_ms`` on every tier's stream at once and takes the first to arrive. With no free
+        room, or no tier registered yet, it sleeps ``block_ms`` instead.
+        """
         if not self._accepting:
             return 0
         room = self.prefetch - self.engine.num_queued()
         if room <= 0:
             time.sleep(block_ms / 1000)
             return 0
-        reply = self.client.xreadgroup(CONSUMER_GROUP, self.worker_id, {self.keys.requests: ">"},
-                                       count=room, block=block_ms)
-        if not reply:
+        tiers = self._tiers()
+        if not tiers:
+            time.sleep(block_ms / 1000)
             return 0
-        entries = reply[0][1]
+        taken = 0
+        for _, stream in tiers:
+            for name, entries in self._read({stream: ">"}, room - taken):
+                taken += self._consume(name, entries)
+            if taken >= room:
+                return taken
+        if taken:
+            return taken
+        # Nothing waiting. Requests that reached several tiers since the reads above come back
+        # together, one per tier at most: the highest are taken, any past the room handed back.
+        reply = self._read({stream: ">" for _, stream in tiers}, 1, block_ms)
+        reply.sort(key=lambda item: self._tier_of.get(item[0], 0), reverse=True)
+        for name, entries in reply:
+            if taken >= room:
+                for entry_id, fields in entries:
+                    self._hand_back_entry(name, entry_id, fields)
+                continue
+            taken += self._consume(name, entries)
+        return taken
+
+    def _read(self, streams: dict[str, str], count: int,
+              block_ms: int | None = None) -> list[tuple[str, list]]:
+        """XREADGROUP: ``[(stream, [(entry_id, fields), ...]), ...]``, empty when none waits."""
+        try:
+            reply = self.client.xreadgroup(CONSUMER_GROUP, self.worker_id, streams, count=count,
+                                           block=block_ms)
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            # A stream (and its group) was deleted: make sure of every group on the next poll.
+            log.warning("requests stream without its consumer group: %s", exc)
+            self._tier_of.clear()
+            return []
+        if not reply:
+            return []
+        items = reply.items() if isinstance(reply, dict) else reply
+        return [(name.decode() if isinstance(name, bytes) else name, entries)
+                for name, entries in items]
+
+    def _consume(self, stream: str, entries: list) -> int:
+        """Take (or drop, if malformed) and acknowledge entries read from ``stream``."""
         for entry_id, fields in entries:
             try:
                 message = RequestMessage.from_json(fields[b"data"])
@@ -118,8 +191,21 @@ class WorkerBridge:
                 self.client.decr(self.keys.queue)
             else:
                 self._take(message)
-            self.client.xack(self.keys.requests, CONSUMER_GROUP, entry_id)
+            self.client.xack(stream, CONSUMER_GROUP, entry_id)
         return len(entries)
+
+    def _hand_back_entry(self, stream: str, entry_id: Any, fields: dict) -> None:
+        """Put an entry read but not taken back at the end of its stream (still in gate 1)."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xadd(stream, fields)
+        pipe.xack(stream, CONSUMER_GROUP, entry_id)
+        pipe.execute()
+
+    def _requeue(self, message: RequestMessage) -> None:
+        """Put a request back on its own tier's stream for any worker (still in gate 1)."""
+        priority = int(message.priority)
+        self._enqueue(keys=[self.keys.requests(priority), self.keys.request_tiers],
+                      args=[str(priority), CONSUMER_GROUP, message.to_json()])
 
     def _take(self, message: RequestMessage) -> None:
         rid = message.request_id
@@ -144,7 +230,7 @@ class WorkerBridge:
             # This worker cannot take it now: hand it back for any worker (still counted).
             self._forget(rid)
             self._held -= 1
-            self.client.xadd(self.keys.requests, {"data": message.to_json()})
+            self._requeue(message)
             return
         except EngineRefusal as exc:
             self._forget(rid)
@@ -273,7 +359,8 @@ class WorkerBridge:
         In-flight requests end with a ``worker_shutdown`` error event (from the engine).
 
         Returns:
-            How many requests went back to the requests stream for another worker.
+            How many requests went back, each to its own tier's requests stream, for another
+            worker.
         """
         self._accepting = False
         self.client.zrem(self.keys.workers, self.worker_id)
@@ -282,8 +369,8 @@ class WorkerBridge:
             live = self._forget(request.request_id)
             if live is None:
                 continue
-            # Still counted in gate 1: it goes back to the stream, still waiting.
-            self.client.xadd(self.keys.requests, {"data": live.message.to_json()})
+            # Still counted in gate 1: it goes back to its tier's stream, still waiting.
+            self._requeue(live.message)
             self._held -= 1
         self.reconcile_queue()
         self.flush_usage()

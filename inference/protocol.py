@@ -5,7 +5,13 @@ Plain Python (standard library only): the web tier imports this module and never
 Keys, under a configurable prefix (``REDIS_PREFIX``, default ``llm``):
 
 ================================  ===========================================================
-``{p}:requests``                  stream of :class:`RequestMessage`; consumer group ``workers``
+``{p}:requests:{priority}``       stream of the :class:`RequestMessage` of one priority value
+                                  (``RequestMessage.priority``, any integer); consumer group
+                                  ``workers`` on each
+``{p}:request_tiers``             sorted set of the priorities that have a requests stream,
+                                  member ``str(priority)`` scored by ``priority``; a tier is
+                                  registered, and its stream and group created, atomically with
+                                  its first request, so workers find new tiers without a restart
 ``{p}:events:{request_id}``       stream of one request's events, in order: ``token`` ... then
                                   exactly one ``final`` (the shapes of ``TokenEvent.to_dict()``
                                   and ``FinalEvent.to_dict()``; see :func:`final_event`)
@@ -21,6 +27,10 @@ Gate 1 (``shared/design/scheduler.md`` section 4) is global: the web tier increm
 ``{p}:queue`` atomically with the enqueue and refuses when it would pass ``MAX_QUEUE_SIZE``; each
 worker keeps its share of the counter equal to the requests it has taken and not yet admitted
 (those waiting in its engine's pending queue) and decrements it as they leave that queue.
+
+Requests wait in Redis on one stream per priority so that a worker, which takes only a few ahead of
+admission (its prefetch), takes the highest tier's first: a backlog of a low tier never stands in
+front of a later request of a higher one. Within a tier they are taken in arrival order.
 """
 
 from __future__ import annotations
@@ -37,6 +47,19 @@ ABORT_MARK_TTL_S = 600
 # The Celery task (by name: the worker does not import Django) that writes a usage record.
 USAGE_TASK_NAME = "api.tasks.record_usage"
 
+# Puts a request message on its tier's stream, atomically registering the tier and, for a new
+# stream, creating the consumer group (from id 0, so the entry added here is delivered).
+# KEYS[1] the tier's stream (Keys.requests(priority)), KEYS[2] Keys.request_tiers; ARGV[1]
+# str(priority), ARGV[2] the group, ARGV[3] the message JSON. Returns the new entry's id.
+# The web tier's admission script does the same after its checks.
+ENQUEUE_LUA = """
+redis.call('ZADD', KEYS[2], ARGV[1], ARGV[1])
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.pcall('XGROUP', 'CREATE', KEYS[1], ARGV[2], '0', 'MKSTREAM')
+end
+return redis.call('XADD', KEYS[1], '*', 'data', ARGV[3])
+"""
+
 
 @dataclass(frozen=True)
 class Keys:
@@ -44,9 +67,14 @@ class Keys:
 
     prefix: str = "llm"
 
+    def requests(self, priority: int) -> str:
+        """The requests stream of one priority value."""
+        return f"{self.prefix}:requests:{int(priority)}"
+
     @property
-    def requests(self) -> str:
-        return f"{self.prefix}:requests"
+    def request_tiers(self) -> str:
+        """Sorted set of the priorities that have a requests stream (scored by priority)."""
+        return f"{self.prefix}:request_tiers"
 
     @property
     def control(self) -> str:

@@ -1,12 +1,14 @@
 """The inference worker process: ``python -m inference.worker``.
 
 Loads the model, runs the engine's scheduler loop on its own thread, takes requests from the
-Redis requests stream (consumer group: several workers share the load), writes each request's
-events, takes aborts from the control channel, publishes its stats with a heartbeat, and hands
-each finished request's usage to Celery (by task name; the worker does not import Django).
+Redis requests streams (one per priority tier, highest tier first; consumer groups: several
+workers share the load), writes each request's events, takes aborts from the control channel,
+publishes its stats with a heartbeat, and hands each finished request's usage to Celery (by task
+name; the worker does not import Django).
 
-SIGTERM or SIGINT stops it cleanly: it takes no new work, requests not yet admitted go back to the
-stream for another worker, requests in flight end with a ``worker_shutdown`` error event.
+SIGTERM or SIGINT stops it cleanly: it takes no new work, requests not yet admitted go back to
+their tier's stream for another worker, requests in flight end with a ``worker_shutdown`` error
+event.
 
 Settings (environment): the engine's (:class:`inference.config.EngineConfig`) and those of
 :class:`WorkerSettings`.
@@ -93,7 +95,7 @@ def main() -> int:
     bridge = WorkerBridge(engine, client, Keys(settings.redis_prefix), worker_id,
                           prefetch=settings.worker_prefetch or config.max_batch_size,
                           usage_sink=usage_sink)
-    bridge.ensure_group()
+    bridge.ensure_groups()
     pubsub = client.pubsub(ignore_subscribe_messages=True)
     pubsub.subscribe(**{bridge.keys.control: bridge.on_control})
     control_thread = pubsub.run_in_thread(sleep_time=0.01, daemon=True)

@@ -80,7 +80,8 @@ def tenant_key(make_tenant):
 class InProcessWorker:
     """A reference-backend engine and its Redis bridge, polled by a thread of this process."""
 
-    def __init__(self, prefix: str, redis_url: str, **engine_settings: Any):
+    def __init__(self, prefix: str, redis_url: str, *, prefetch: int | None = None,
+                 **engine_settings: Any):
         import threading
 
         from inference.bridge import WorkerBridge
@@ -92,8 +93,9 @@ class InProcessWorker:
         self.client = redis.Redis.from_url(redis_url)
         self.usage: list[dict[str, Any]] = []
         self.bridge = WorkerBridge(self.engine, self.client, Keys(prefix), "inproc",
-                                   prefetch=config.max_batch_size, usage_sink=self.usage.append)
-        self.bridge.ensure_group()
+                                   prefetch=prefetch or config.max_batch_size,
+                                   usage_sink=self.usage.append)
+        self.bridge.ensure_groups()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 

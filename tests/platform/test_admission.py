@@ -125,8 +125,8 @@ def test_gate1_never_admits_past_max_queue_size(settings, tenant_key, live_worke
     assert results.count(None) == 8
     assert {r.code for r in results if r} == {"queue_full"}
     assert int(rclient.get(keys.queue)) == 8
-    assert rclient.xlen(keys.requests) == 8
-    entry = rclient.xrange(keys.requests, count=1)[0][1]
+    assert rclient.xlen(keys.requests(0)) == 8
+    entry = rclient.xrange(keys.requests(0), count=1)[0][1]
     assert json.loads(entry[b"data"])["tenant"] == key.tenant.slug
 
 

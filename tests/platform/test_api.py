@@ -171,9 +171,10 @@ def test_priority_tier_change_takes_effect_on_the_next_request(client, tenant_ke
     tenant.save()
     client.raise_request_exception = False
     post(client, raw, chat())
-    entries = rclient.xrange(keys.requests)
-    priorities = [json.loads(fields[b"data"])["priority"] for _, fields in entries]
-    assert priorities == [0, 10]
+    for priority in (0, 10):  # each on its own tier's stream
+        [(_, fields)] = rclient.xrange(keys.requests(priority))
+        assert json.loads(fields[b"data"])["priority"] == priority
+    assert rclient.zrevrange(keys.request_tiers, 0, -1) == [b"10", b"0"]
 
 
 @pytest.fixture

@@ -1,0 +1,234 @@
+"""Priority tiers across Redis: one requests stream per priority, read highest first by workers.
+
+A worker takes only its prefetch ahead of admission, so a high tier's request must not wait in
+Redis behind a low tier's backlog. The bridge tests drive ``WorkerBridge.poll`` by hand on an
+engine whose scheduler thread never runs (nothing is admitted, so what was taken stays in its
+pending queue); the last ones run a real in-process worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from api import admission
+from inference.bridge import WorkerBridge
+from inference.config import EngineConfig
+from inference.engine import LLMEngine
+from inference.protocol import CONSUMER_GROUP, Keys, RequestMessage
+from inference.request import TokenEvent
+from tenants.models import PriorityTier
+from tests.platform.conftest import InProcessWorker
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def tier_key(make_tenant):
+    """``tier_key(priority) -> ApiKey`` of a new tenant on a tier of that priority."""
+
+    def make(priority: int):
+        tier, _ = PriorityTier.objects.get_or_create(name=f"p{priority}",
+                                                     defaults={"priority": priority})
+        return make_tenant(tier=tier)[1]
+
+    return make
+
+
+def submit(key, max_tokens: int = 4) -> RequestMessage:
+    """Admit one request of ``key`` as the REST API does; return its message."""
+    tenant = key.tenant
+    message = RequestMessage(
+        request_id=uuid.uuid4().hex, tenant=tenant.slug, fairness_key=tenant.slug,
+        priority=tenant.tier.priority, prompt="hi",
+        sampling={"max_tokens": max_tokens, "ignore_eos": True})
+    asyncio.run(admission.admit(key, message, 2 + max_tokens))
+    return message
+
+
+class Bridge:
+    """A bridge on an engine that is never started; records what it submits, in order."""
+
+    def __init__(self, prefix: str, redis_url: str, *, prefetch: int, **engine_settings):
+        self.engine = LLMEngine(EngineConfig(backend="reference", max_model_len=256,
+                                             **engine_settings))
+        self.client = redis.Redis.from_url(redis_url)
+        self.bridge = WorkerBridge(self.engine, self.client, Keys(prefix), "w-test",
+                                   prefetch=prefetch)
+        self.bridge.ensure_groups()
+        self.submitted: list[str] = []
+        submit_to_engine = self.engine.submit
+
+        def record(**kwargs):
+            handle = submit_to_engine(**kwargs)
+            self.submitted.append(kwargs["request_id"])
+            return handle
+
+        self.engine.submit = record
+
+
+@pytest.fixture
+def make_bridge(redis_prefix, settings) -> Iterator:
+    made: list[Bridge] = []
+
+    def make(prefetch: int, **engine_settings) -> Bridge:
+        made.append(Bridge(redis_prefix, settings.REDIS_URL, prefetch=prefetch,
+                           **engine_settings))
+        return made[-1]
+
+    yield make
+    for b in made:
+        b.engine.shutdown(1)
+
+
+def stream_ids(rclient, keys: Keys, priority: int) -> list[str]:
+    """Request ids waiting on (or read from) one tier's stream, oldest first."""
+    return [json.loads(fields[b"data"])["request_id"]
+            for _, fields in rclient.xrange(keys.requests(priority))]
+
+
+def test_admission_registers_each_tier_and_puts_requests_on_its_stream(
+        tier_key, live_worker, rclient, keys):
+    low, high, batch = tier_key(0), tier_key(10), tier_key(-10)
+    messages = [submit(k) for k in (low, high, low, batch)]
+    assert stream_ids(rclient, keys, 0) == [messages[0].request_id, messages[2].request_id]
+    assert stream_ids(rclient, keys, 10) == [messages[1].request_id]
+    assert stream_ids(rclient, keys, -10) == [messages[3].request_id]
+    assert rclient.zrevrange(keys.request_tiers, 0, -1, withscores=True) == [
+        (b"10", 10.0), (b"0", 0.0), (b"-10", -10.0)]
+    for priority in (10, 0, -10):  # every tier's stream has the workers' group
+        [group] = rclient.xinfo_groups(keys.requests(priority))
+        assert group["name"] == CONSUMER_GROUP.encode()
+    assert int(rclient.get(keys.queue)) == 4
+
+
+def test_poll_fills_its_room_from_the_highest_tier_down(tier_key, live_worker, make_bridge,
+                                                      rclient, keys):
+    low, high, batch = tier_key(0), tier_key(10), tier_key(-10)
+    for _ in range(3):
+        submit(batch)
+    backlog = [submit(low) for _ in range(4)]
+    late = [submit(high) for _ in range(2)]  # arrives last, behind the backlog
+    b = make_bridge(prefetch=3)
+
+    assert b.bridge.poll() == 3
+    assert b.submitted == [m.request_id for m in late + backlog[:1]]
+    assert b.bridge.poll() == 0  # no room left: nothing more is read
+    assert rclient.xinfo_groups(keys.requests(-10))[0]["last-delivered-id"] == b"0-0"
+    # What was taken is acknowledged, and still counts in gate 1 (nothing was admitted).
+    for priority in (10, 0):
+        assert rclient.xpending(keys.requests(priority), CONSUMER_GROUP)["pending"] == 0
+    assert int(rclient.get(keys.queue)) == 9
+
+
+def test_poll_discovers_a_new_tier_without_a_restart(tier_key, live_worker, make_bridge):
+    low = tier_key(0)
+    submit(low)
+    b = make_bridge(prefetch=2)
+    assert b.bridge.poll() == 1
+    newer = submit(tier_key(7))  # a tier created after the worker started
+    submit(low)
+    assert b.bridge.poll() == 1
+    assert b.submitted[-1] == newer.request_id
+
+
+def test_an_idle_poll_wakes_for_the_first_request_of_any_tier(tier_key, live_worker,
+                                                              make_bridge):
+    low, high = tier_key(0), tier_key(10)
+    submit(high)
+    submit(low)
+    b = make_bridge(prefetch=4)
+    assert b.bridge.poll() == 2  # both tiers are known, and now empty
+    result: list[tuple[int, float]] = []
+
+    def poll() -> None:
+        start = time.monotonic()
+        result.append((b.bridge.poll(block_ms=5000), time.monotonic() - start))
+
+    thread = threading.Thread(target=poll)
+    thread.start()
+    time.sleep(0.3)  # blocked on both tiers' streams by now
+    late = submit(low)
+    thread.join(10)
+    [(taken, waited)] = result
+    assert taken == 1 and b.submitted[-1] == late.request_id
+    assert 0.25 < waited < 3
+
+
+def test_shutdown_hands_each_unadmitted_request_back_to_its_own_tier(
+        tier_key, live_worker, make_bridge, rclient, keys):
+    high, batch = tier_key(10), tier_key(-10)
+    batch_one, high_one = submit(batch), submit(high)
+    b = make_bridge(prefetch=2)
+    assert b.bridge.poll() == 2
+    assert b.submitted == [high_one.request_id, batch_one.request_id]
+
+    assert b.bridge.shutdown(1) == 2
+
+    for m in (high_one, batch_one):  # at the end of its own tier's stream, unread: any worker's
+        assert stream_ids(rclient, keys, m.priority) == [m.request_id, m.request_id]
+        [group] = rclient.xinfo_groups(keys.requests(m.priority))
+        assert group["lag"] == 1 and group["pending"] == 0
+    assert not rclient.exists(keys.requests(0))
+    assert int(rclient.get(keys.queue)) == 2  # both still wait for admission
+
+
+@pytest.mark.parametrize("refusal", ["queue_full", "stopped"])
+def test_a_request_the_engine_cannot_take_goes_back_to_its_own_tier(
+        tier_key, live_worker, make_bridge, rclient, keys, refusal):
+    high, batch = tier_key(10), tier_key(-10)
+    first, second = submit(high), submit(batch)
+    b = make_bridge(prefetch=4, max_queue_size=1)
+    if refusal == "stopped":
+        b.engine.shutdown(0)
+    assert b.bridge.poll() == 2
+    expected = [] if refusal == "stopped" else [first.request_id]
+    assert b.submitted == expected
+    handed_back = [second] if refusal == "queue_full" else [first, second]
+    for m in handed_back:
+        assert stream_ids(rclient, keys, m.priority)[-1] == m.request_id
+        assert rclient.xinfo_groups(keys.requests(m.priority))[0]["lag"] == 1
+    assert int(rclient.get(keys.queue)) == 2
+
+
+def test_high_tier_gets_its_first_token_before_a_low_tier_backlog_in_redis(
+        tier_key, redis_prefix, settings):
+    """A worker saturated by a low tier (batch of 1, prefetch of 1) with a backlog in Redis:
+    a later high-tier request waits for what the worker already took, not for the backlog."""
+    low, high = tier_key(0), tier_key(10)
+    worker = InProcessWorker(redis_prefix, settings.REDIS_URL, prefetch=1, max_model_len=256,
+                             max_batch_size=1, reference_step_delay_s=0.005)
+    first_tokens: list[str] = []
+    sink = worker.engine.event_sink
+
+    def record(events) -> None:
+        for event in events:
+            if isinstance(event, TokenEvent) and event.request_id not in first_tokens:
+                first_tokens.append(event.request_id)
+        sink(events)
+
+    worker.engine.event_sink = record
+    worker.start()
+    try:
+        backlog = [submit(low, max_tokens=30) for _ in range(6)]
+        deadline = time.monotonic() + 10
+        while not first_tokens and time.monotonic() < deadline:
+            time.sleep(0.005)
+        urgent = submit(high, max_tokens=4)
+        deadline = time.monotonic() + 30
+        while len(worker.usage) < 7 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        worker.stop()
+
+    assert {u["finish_reason"] for u in worker.usage} == {"length"} and len(worker.usage) == 7
+    # At most the request being served and the one prefetched come first.
+    assert first_tokens.index(urgent.request_id) <= 2
+    assert first_tokens[-3:] == [m.request_id for m in backlog[-3:]]
