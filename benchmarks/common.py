@@ -30,10 +30,24 @@ def machine() -> dict[str, Any]:
             "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": commit}
 
 
-def write_json(name: str, payload: dict[str, Any]) -> Path:
-    """Write ``benchmarks/results/<name>.json`` with the machine's state added."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
+def results_dir(out_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The folder results go to: ``out_dir`` (created), or ``benchmarks/results/``."""
+    folder = Path(out_dir) if out_dir else RESULTS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def add_out_dir_flag(parser: Any) -> None:
+    """``--out-dir``: where an experiment writes its JSON and PNGs."""
+    parser.add_argument("--out-dir", default=None, metavar="DIR",
+                        help="folder for the JSON and PNG files (default: benchmarks/results/)")
+
+
+def write_json(name: str, payload: dict[str, Any],
+               out_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Write ``<out_dir>/<name>.json`` (by default under ``benchmarks/results/``) with the
+    machine's state added."""
+    path = results_dir(out_dir) / f"{name}.json"
     payload = {**payload, "machine_after": machine()}
     path.write_text(json.dumps(finite(payload), indent=1, default=float))
     return path
@@ -53,13 +67,78 @@ def finite(value: Any) -> Any:
 _finite = finite  # the former private name
 
 
-def save_figure(fig: plt.Figure, name: str) -> Path:
-    """Save ``benchmarks/results/<name>.png`` (small: 100 dpi) and close the figure."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.png"
+def save_figure(fig: plt.Figure, name: str,
+                out_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Save ``<out_dir>/<name>.png`` (by default under ``benchmarks/results/``; small: 100 dpi)
+    and close the figure."""
+    path = results_dir(out_dir) / f"{name}.png"
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def fmt_ms(value_ms: float | None) -> str:
+    """A duration given in ms, readable: ``167 ms``, ``1.5 s``, ``11.7 s``; ``n/a`` for None."""
+    if value_ms is None or not math.isfinite(value_ms):
+        return "n/a"
+    if abs(value_ms) < 1:
+        return f"{value_ms:.2g} ms"
+    if abs(value_ms) < 1000:
+        return f"{value_ms:.0f} ms"
+    return f"{value_ms / 1000:.3g} s"
+
+
+def ms_log_axis(axis: Any) -> None:
+    """A log-scaled axis of milliseconds labelled as durations: ``100 ms``, ``1 s``, ``10 s`` at
+    powers of ten; when the axis spans few decades, also at 2 and 5 times them (under 2.5
+    decades) or 2, 3, 5 and 7 times them (under 1.2), so that it always has a few labels and
+    never so many that they collide."""
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
+    def minor(value: float, _pos: int) -> str:
+        lo, hi = sorted(axis.get_view_interval())
+        if lo <= 0 or value <= 0:
+            return ""
+        decades = math.log10(hi / lo)
+        shown = (2, 3, 5, 7) if decades < 1.2 else (2, 5) if decades < 2.5 else ()
+        mantissa = round(value / 10 ** math.floor(math.log10(value) + 1e-9), 6)
+        return fmt_ms(value) if mantissa in shown else ""
+
+    axis.set_major_locator(LogLocator(base=10, numticks=12))
+    axis.set_major_formatter(FuncFormatter(lambda v, _pos: fmt_ms(v)))
+    axis.set_minor_formatter(FuncFormatter(minor))
+
+
+def legend_outside(ax: Any, gap: float = 0.02, **kwargs: Any) -> Any:
+    """The axes' legend to the right of it, where it covers no data; ``gap`` (a fraction of the
+    axes' width) leaves room for labels on the right-hand spine."""
+    kwargs.setdefault("fontsize", 9)
+    return ax.legend(loc="upper left", bbox_to_anchor=(1.0 + gap, 1.0), borderaxespad=0.0,
+                     **kwargs)
+
+
+def annotate_bars(ax: Any, bars: Any, labels: list[str], *, fontsize: float = 8,
+                  rotation: float = 0, tops: list[float] | None = None) -> None:
+    """Write each bar's label (its value) just above it, or above ``tops`` (e.g. the highest
+    point drawn over the bar), so that a short bar reads too; bars without a finite height get
+    none."""
+    tops = tops or [bar.get_height() for bar in bars]
+    for bar, label, top in zip(bars, labels, tops, strict=True):
+        if not math.isfinite(bar.get_height()):
+            continue
+        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, top),
+                    xytext=(0, 2), textcoords="offset points", ha="center", va="bottom",
+                    fontsize=fontsize, rotation=rotation, clip_on=False)
+
+
+def headroom(ax: Any, factor: float = 1.15) -> None:
+    """Room above the tallest bar for its label: the upper y limit times ``factor`` on a linear
+    axis, times ``4 x factor`` on a log axis."""
+    lo, hi = ax.get_ylim()
+    ax.set_ylim(lo, hi * factor * (4 if ax.get_yscale() == "log" else 1))
 
 
 def reference_tokenizer():

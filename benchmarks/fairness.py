@@ -20,6 +20,7 @@ Usage::
 
     python -m benchmarks.fairness                  # ~3 min: 2 scenarios x 2 policies x 40 s
     python -m benchmarks.fairness --duration 120   # longer runs
+    python -m benchmarks.fairness --duration 4 --out-dir /tmp/fairness   # a quick check
 """
 
 from __future__ import annotations
@@ -30,7 +31,14 @@ import random
 from typing import Any
 
 from benchmarks import loadgen
-from benchmarks.common import make_engine, reference_tokenizer, save_figure, write_json
+from benchmarks.common import (
+    add_out_dir_flag,
+    legend_outside,
+    make_engine,
+    reference_tokenizer,
+    save_figure,
+    write_json,
+)
 
 W_IN, W_OUT = 1.0, 2.0
 # Tenant C's request rate relative to A's in scenario ``three``.
@@ -121,45 +129,68 @@ async def run_one(scenario: str, policy: str, args: argparse.Namespace) -> dict[
         "ttft": [{"tenant": r.tenant, "sent_s": r.sent_s,
                   "ttft_s": r.ttft_s if r.ttft_s is not None else r.ended_s - r.sent_s,
                   "waiting": r.ttft_s is None} for r in results],
+        "results": loadgen.records(results),
     }
 
 
-def plot(runs: list[dict[str, Any]], scenario: str) -> None:
+def plot(runs: list[dict[str, Any]], scenario: str, out_dir: str | None = None) -> None:
+    """One column per policy: accumulated service, the max-min difference against VTC's bound,
+    and TTFT by send time; each row's legend to the right of the row."""
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     mine = [r for r in runs if r["scenario"] == scenario]
-    fig, axes = plt.subplots(3, len(mine), figsize=(5.2 * len(mine), 9), squeeze=False,
-                             sharex=True)
+    fig, axes = plt.subplots(3, len(mine), figsize=(4.6 * len(mine) + 2.2, 9.5), squeeze=False,
+                             sharex=True, layout="constrained")
     colors = {"A": "tab:blue", "B": "tab:orange", "C": "tab:green"}
+    last = len(mine) - 1
     for col, run in enumerate(mine):
         t = [s["t"] for s in run["samples"]]
+        tenants = sorted(run["service"])
         ax = axes[0][col]
-        for k in sorted(run["service"]):
+        for k in tenants:
             ax.plot(t, [s["keys"].get(k, {}).get("weighted_service", 0) / 1000
-                        for s in run["samples"]], label=k, color=colors.get(k))
+                        for s in run["samples"]], label=f"tenant {k}", color=colors.get(k))
         ax.set_title(f"{run['policy'].upper()}: accumulated weighted service")
-        ax.set_ylabel("service (k weighted tokens)")
-        ax.legend(loc="upper left")
+        ax.set_ylabel("service (thousand weighted tokens)")
+        if col == last:
+            legend_outside(ax)
         ax = axes[1][col]
+        bound_k = run["bound"] / 1000
         ax.plot(t, [d / 1000 for d in run["differences"]], color="black",
-                label="max - min (backlogged)")
-        ax.axhline(run["bound"] / 1000, color="red", ls="--", label="VTC bound")
-        ax.set_ylabel("difference (k)")
-        ax.legend(loc="upper left")
+                label="max - min service of\nthe backlogged tenants")
+        ax.axhline(bound_k, color="red", ls="--",
+                   label=f"VTC bound {run['bound']:,.0f} = 2 x max(\n"
+                         f"  {W_IN:g} x {run['longest_prompt']} (longest prompt),\n"
+                         f"  {W_OUT:g} x {run['active_kv_budget']} (active-KV budget))")
+        # The bound named on the right-hand spine, where it covers no data.
+        right = ax.secondary_yaxis("right")
+        right.set_yticks([bound_k], [f"bound\n{run['bound']:,.0f}"], color="red", fontsize=8)
+        right.tick_params(colors="red")
+        top = max([bound_k, *(d / 1000 for d in run["differences"])])
+        ax.set_ylim(0, top * 1.2)
+        ax.set_title("Service difference while backlogged", fontsize=10)
+        ax.set_ylabel("difference (thousand weighted tokens)")
+        if col == last:
+            legend_outside(ax, gap=0.14)
         ax = axes[2][col]
-        for k in sorted(run["service"]):
+        for k in tenants:
             for waiting in (False, True):
                 pts = [p for p in run["ttft"] if p["tenant"] == k and p["waiting"] == waiting]
                 ax.scatter([p["sent_s"] for p in pts], [p["ttft_s"] for p in pts], s=6,
                            color=colors.get(k), marker="x" if waiting else "o",
-                           alpha=0.35 if waiting else 1.0,
-                           label=None if waiting else k)
-        ax.set_ylabel("TTFT (s); x: no token yet")
-        ax.set_xlabel("time (s)")
-        ax.legend(loc="upper left")
+                           alpha=0.35 if waiting else 1.0)
+        ax.set_title("TTFT by send time", fontsize=10)
+        ax.set_ylabel("TTFT (s)")
+        ax.set_xlabel("time since the start of the run (s)")
+        if col == last:
+            handles = [Line2D([], [], ls="", marker="o", ms=4, color=colors.get(k),
+                              label=f"tenant {k}") for k in tenants]
+            handles.append(Line2D([], [], ls="", marker="x", ms=5, color="gray", alpha=0.6,
+                                  label="no token by the end\n(wait so far, a lower bound)"))
+            legend_outside(ax, handles=handles)
     fig.suptitle(f"Fairness, scenario '{scenario}'")
-    fig.tight_layout()
-    save_figure(fig, f"fairness-{scenario}")
+    save_figure(fig, f"fairness-{scenario}", out_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenarios", default="two,three")
     parser.add_argument("--policies", default="fcfs,vtc")
     parser.add_argument("--seed", type=int, default=1)
+    add_out_dir_flag(parser)
     args = parser.parse_args(argv)
     from benchmarks.common import machine
 
@@ -183,12 +215,13 @@ def main(argv: list[str] | None = None) -> int:
     for scenario in args.scenarios.split(","):
         for policy in args.policies.split(","):
             runs.append(asyncio.run(run_one(scenario, policy, args)))
-        plot(runs, scenario)
+        plot(runs, scenario, args.out_dir)
     for run in runs:
         print(f"{run['scenario']:>5} {run['policy']:>4}: service "
               + ", ".join(f"{k}={v:.0f}" for k, v in run["service"].items())
               + f"; max difference {run['max_difference']:.0f}, bound {run['bound']:.0f}")
-    path = write_json("fairness", {"args": vars(args), "machine_before": before, "runs": runs})
+    path = write_json("fairness", {"args": vars(args), "machine_before": before, "runs": runs},
+                      args.out_dir)
     print(f"wrote {path}")
     return 0
 

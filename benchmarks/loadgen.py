@@ -166,8 +166,10 @@ def merge(*workloads: Iterable[RequestSpec]) -> list[RequestSpec]:
 class RequestResult:
     """What one request saw, times in seconds from the start of the run.
 
-    ``status`` is ``ok``, ``rejected`` (HTTP 429 or the engine's queue-full refusal) or
-    ``error``; ``chunk_times_s`` are the arrival times of the streamed chunks that carried text.
+    ``status`` is ``ok``, ``rejected`` (HTTP 429 or the engine's queue-full refusal),
+    ``error`` or ``cancelled``; ``chunk_times_s`` are the arrival times of the streamed chunks
+    that carried text; ``arrival_s`` is when the workload scheduled the request (``sent_s`` is
+    later when a bound on requests in flight held it back) and ``max_tokens`` what it asked for.
     """
 
     tenant: str
@@ -181,6 +183,8 @@ class RequestResult:
     output_tokens: int = 0
     cached_prompt_tokens: int = 0
     error: str = ""
+    arrival_s: float = 0.0
+    max_tokens: int = 0
 
     @property
     def ttft_s(self) -> float | None:
@@ -203,9 +207,28 @@ class RequestResult:
         return [b - a for a, b in zip(ts, ts[1:], strict=False)]
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field, and the derived TTFT, TPOT, E2EL, the gaps between chunks (``itls_s``)
+        and, for a request that did not complete, its :func:`failure_reason` (else ``""``)."""
         d = asdict(self)
-        d.update(ttft_s=self.ttft_s, tpot_s=self.tpot_s, e2el_s=self.e2el_s)
+        d.update(ttft_s=self.ttft_s, tpot_s=self.tpot_s, e2el_s=self.e2el_s,
+                 itls_s=self.itls_s,
+                 failure_reason="" if self.status == "ok" else failure_reason(self))
         return d
+
+
+def records(results: Iterable[RequestResult], digits: int = 6) -> list[dict[str, Any]]:
+    """Each request's result as a JSON-ready dict (:meth:`RequestResult.to_dict`), times rounded
+    to ``digits`` decimals of a second (microseconds): what an experiment's JSON keeps so that
+    every figure can be computed again from it."""
+
+    def rounded(value: Any) -> Any:
+        if isinstance(value, float):
+            return round(value, digits)
+        if isinstance(value, list):
+            return [rounded(v) for v in value]
+        return value
+
+    return [{k: rounded(v) for k, v in r.to_dict().items()} for r in results]
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -538,7 +561,9 @@ async def run_load(target: Target, specs: Sequence[RequestSpec], *,
             await asyncio.sleep(delay)
         if gate is not None:
             await gate.acquire()
-        result = results[i] = RequestResult(spec.tenant, spec.tag, "error", 0, clock())
+        result = results[i] = RequestResult(spec.tenant, spec.tag, "error", 0, clock(),
+                                            arrival_s=spec.arrival_s,
+                                            max_tokens=spec.max_tokens)
         try:
             await target.send(spec, clock, result)
         except asyncio.CancelledError:
@@ -696,6 +721,8 @@ def build_parser():
                         help="goodput SLO, NAME one of ttft, tpot, e2el, e.g. ttft=500")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.add_argument("--name", default="loadgen", help="results file name")
+    parser.add_argument("--out-dir", default=None, metavar="DIR",
+                        help="folder for the JSON (default: benchmarks/results/)")
     return parser
 
 
@@ -782,7 +809,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "summary": summary,
                                   "per_tenant": summarize_by(results, lambda r: r.tenant,
                                                              duration, slos or None),
-                                  "results": [r.to_dict() for r in results]})
+                                  "results": records(results)}, args.out_dir)
     print(f"wrote {path}")
     all_failed = report(summary)
     if all_failed is not None:

@@ -19,6 +19,8 @@ Usage::
 
     python -m benchmarks.overhead                  # ~3.5 min on 2 cores (2 repeats)
     python -m benchmarks.overhead --repeats 3 --requests 96
+    python -m benchmarks.overhead --requests 3 --warmup 1 --input-len 16 32 --output-len 4 \
+        --concurrency 2 --repeats 1 --out-dir /tmp/overhead   # a quick check
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from typing import Any
 
 from benchmarks import loadgen
 from benchmarks.common import (
+    add_out_dir_flag,
+    annotate_bars,
+    headroom,
     machine,
     make_engine,
     model_tokenizer,
@@ -49,28 +54,43 @@ def workload(args: argparse.Namespace, maker: loadgen.PromptMaker,
 
 
 async def drive(target: Any, args: argparse.Namespace, maker: loadgen.PromptMaker,
-                name: str) -> dict[str, Any]:
+                name: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The measured run's summary and its per-request records (the warm-up is left out)."""
     await loadgen.run_load(target, workload(args, maker, args.warmup, args.seed + 1),
                            max_concurrency=args.concurrency, desc=f"{name} warm-up")
     results, duration = await loadgen.run_load(target, workload(args, maker, args.requests,
                                                                 args.seed),
                                                max_concurrency=args.concurrency, desc=name)
-    return loadgen.summarize(results, duration)
+    return loadgen.summarize(results, duration), loadgen.records(results)
 
 
-async def run_engine(args: argparse.Namespace, maker: loadgen.PromptMaker) -> dict[str, Any]:
+async def run_engine(args: argparse.Namespace, maker: loadgen.PromptMaker
+                     ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     engine = make_engine(real_model=True, scheduling_policy="vtc")
     async with loadgen.EngineTarget(engine) as target:
         return await drive(target, args, maker, "engine")
 
 
-async def run_rest(args: argparse.Namespace, maker: loadgen.PromptMaker) -> dict[str, Any]:
+async def run_rest(args: argparse.Namespace, maker: loadgen.PromptMaker
+                   ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     with Platform([TenantSpec("bench")], BACKEND="transformers") as platform:
         async with loadgen.RestTarget(platform.url, platform.keys) as target:
             return await drive(target, args, maker, "rest")
 
 
+# The latency figures of the table and of the plot, (metric, statistic): the same in both.
+LATENCY = (("ttft_ms", "mean"), ("ttft_ms", "p99"), ("tpot_ms", "mean"), ("itl_ms", "median"),
+           ("itl_ms", "p99"))
+SYSTEMS = ("engine", "rest")
+
+
+def column(metric: str, stat: str) -> str:
+    """The table's name of a latency figure, e.g. ``ttft_mean_ms`` or ``itl_p50_ms``."""
+    return f"{metric[:-3]}_{'p50' if stat == 'median' else stat}_ms"
+
+
 def compare(engine: dict[str, Any], rest: dict[str, Any]) -> dict[str, float]:
+    """REST against the engine: the output-throughput ratio and the added mean latencies."""
     return {
         "throughput_ratio": rest["output_throughput"] / engine["output_throughput"],
         "added_ttft_ms": rest["ttft_ms"]["mean"] - engine["ttft_ms"]["mean"],
@@ -80,31 +100,49 @@ def compare(engine: dict[str, Any], rest: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def plot(runs: list[dict[str, Any]], overall: dict[str, float]) -> None:
+def plot(runs: list[dict[str, Any]], overall: dict[str, float],
+         out_dir: str | None = None) -> None:
+    """Throughput per repeat, and the table's latency figures (TTFT, then the per-token ones on
+    their own scale): bars at the median over repeats, labelled with it, a dot per repeat."""
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    systems = ("engine", "rest")
-    for j, system in enumerate(systems):
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.2), layout="constrained",
+                             width_ratios=[len(runs) + 0.5, 2, 3])
+    colors = {"engine": "tab:blue", "rest": "tab:orange"}
+    names = {"engine": "engine in-process", "rest": "REST + Redis + worker"}
+    ax1 = axes[0]
+    for j, system in enumerate(SYSTEMS):
         vals = [r[system]["output_throughput"] for r in runs]
-        ax1.bar([i + 0.4 * j - 0.2 for i in range(len(runs))], vals, width=0.4, label=system)
+        bars = ax1.bar([i + 0.4 * j - 0.2 for i in range(len(runs))], vals, width=0.4,
+                       color=colors[system], label=names[system])
+        annotate_bars(ax1, bars, [f"{v:.1f}" for v in vals])
     ax1.set_xticks(range(len(runs)), [f"repeat {i + 1}" for i in range(len(runs))])
     ax1.set_ylabel("output tokens/s")
-    ax1.set_title(f"Throughput (REST / engine = {overall['throughput_ratio']:.2f})")
-    ax1.legend()
-    metrics = [("ttft_ms", "median"), ("ttft_ms", "p99"), ("tpot_ms", "median"),
-               ("itl_ms", "median"), ("itl_ms", "p99")]
-    for j, system in enumerate(systems):
-        vals = [statistics.median(r[system][m][s] for r in runs) for m, s in metrics]
-        ax2.bar([i + 0.4 * j - 0.2 for i in range(len(metrics))], vals, width=0.4,
-                label=system)
-    ax2.set_xticks(range(len(metrics)), [f"{m[:-3]} {s}" for m, s in metrics])
-    ax2.set_yscale("log")
-    ax2.set_ylabel("ms (log)")
-    ax2.set_title("Latency (median over repeats)")
-    ax2.legend()
-    fig.tight_layout()
-    save_figure(fig, "overhead")
+    ax1.set_title(f"Throughput\n(REST / engine, median: {overall['throughput_ratio']:.2f})",
+                  fontsize=10)
+    headroom(ax1)
+    panels = ((axes[1], LATENCY[:2], "TTFT"), (axes[2], LATENCY[2:], "Per-token"))
+    for ax, metrics, title in panels:
+        for j, system in enumerate(SYSTEMS):
+            xs = [i + 0.4 * j - 0.2 for i in range(len(metrics))]
+            vals = [statistics.median(r[system][m][s] for r in runs) for m, s in metrics]
+            each = [[r[system][m][s] for r in runs] for m, s in metrics]
+            bars = ax.bar(xs, vals, width=0.4, color=colors[system])
+            annotate_bars(ax, bars, [f"{v:,.0f}" if v >= 100 else f"{v:.1f}" for v in vals],
+                          tops=[max(v, *e) for v, e in zip(vals, each, strict=True)])
+            for x, values in zip(xs, each, strict=True):
+                ax.plot([x] * len(values), values, "o", ms=3, color="black",
+                        label="each repeat" if x == xs[0] and j == 0 else None)
+        ax.set_xticks(range(len(metrics)),
+                      [f"{m[:-3].upper()} {'p50' if s == 'median' else s}" for m, s in metrics])
+        ax.set_ylabel("ms")
+        ax.set_title(f"{title} latency (bars: median over repeats)", fontsize=10)
+        headroom(ax)
+    handles, labels = ax1.get_legend_handles_labels()
+    extra, extra_labels = axes[1].get_legend_handles_labels()
+    fig.legend(handles + extra, labels + extra_labels, loc="outside upper center", ncol=3,
+               fontsize=9)
+    save_figure(fig, "overhead", out_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=6)
+    add_out_dir_flag(parser)
     args = parser.parse_args(argv)
     before = machine()
     maker = loadgen.PromptMaker(model_tokenizer(), seed=args.seed)
@@ -126,26 +165,26 @@ def main(argv: list[str] | None = None) -> int:
         run: dict[str, Any] = {"order": order}
         for system in order:
             fn = run_engine if system == "engine" else run_rest
-            run[system] = asyncio.run(fn(args, maker))
+            run[system], run[f"{system}_results"] = asyncio.run(fn(args, maker))
             run[f"{system}_loadavg"] = machine()["loadavg"]
         run.update(compare(run["engine"], run["rest"]))
         runs.append(run)
     overall = {k: statistics.median(r[k] for r in runs) for k in compare(runs[0]["engine"],
                                                                          runs[0]["rest"])}
-    plot(runs, overall)
+    plot(runs, overall, args.out_dir)
     rows = []
     for i, run in enumerate(runs):
-        for system in ("engine", "rest"):
+        for system in SYSTEMS:
             s = run[system]
             rows.append({"repeat": i + 1, "system": system, "req/s": s["request_throughput"],
                          "out_tok/s": s["output_throughput"],
-                         "ttft_p50_ms": s["ttft_ms"]["median"], "ttft_p99_ms": s["ttft_ms"]["p99"],
-                         "tpot_mean_ms": s["tpot_ms"]["mean"], "itl_p50_ms": s["itl_ms"]["median"],
-                         "itl_p99_ms": s["itl_ms"]["p99"], "errors": s["errors"]})
+                         **{column(m, st): s[m][st] for m, st in LATENCY},
+                         "errors": s["errors"]})
     print_table(rows, list(rows[0]))
-    print(", ".join(f"{k} {v:.3g}" for k, v in overall.items()))
+    print("median over repeats: " + ", ".join(f"{k} {v:.3g}" for k, v in overall.items())
+          + " (added_*: REST minus engine, of the means)")
     path = write_json("overhead", {"args": vars(args), "machine_before": before, "runs": runs,
-                                   "overall": overall})
+                                   "overall": overall}, args.out_dir)
     print(f"wrote {path}")
     return 0
 

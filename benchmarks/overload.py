@@ -12,6 +12,8 @@ Usage::
 
     python -m benchmarks.overload                 # ~3.5 min: 5 loads x 30 s
     python -m benchmarks.overload --duration 120 --loads 0.25,0.5,1,1.5,2,3
+    python -m benchmarks.overload --duration 4 --loads 1,3 --probe-requests 12 --batch 2 \
+        --queue 4 --out-dir /tmp/overload        # a quick check (with some 429s)
 """
 
 from __future__ import annotations
@@ -22,7 +24,15 @@ import random
 from typing import Any
 
 from benchmarks import loadgen
-from benchmarks.common import machine, print_table, reference_tokenizer, save_figure, write_json
+from benchmarks.common import (
+    add_out_dir_flag,
+    legend_outside,
+    machine,
+    print_table,
+    reference_tokenizer,
+    save_figure,
+    write_json,
+)
 from benchmarks.servers import Platform, TenantSpec
 
 INPUT_LEN, OUTPUT_LEN = (32, 128), (32, 64)
@@ -52,6 +62,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             results, duration = await loadgen.run_load(target, probe,
                                                        max_concurrency=3 * args.batch,
                                                        desc="capacity")
+            probe_results = loadgen.records(results)
             capacity = loadgen.summarize(results, duration)["request_throughput"]
             if not capacity > 0:
                 raise SystemExit("overload: the capacity probe completed no request "
@@ -68,39 +79,64 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 points.append({"load": load, "offered_rate": load * capacity,
                                "offered_requests": len(specs),
                                "rejected_rate": summary["rejected_429"] / args.duration,
-                               **summary})
+                               **summary, "results": loadgen.records(results)})
                 await asyncio.sleep(args.queue / capacity)  # let the backlog drain
-    return {"capacity_req_s": capacity, "env": env, "points": points}
+    return {"capacity_req_s": capacity, "env": env, "points": points,
+            "probe_results": probe_results}
 
 
-def plot(data: dict[str, Any]) -> None:
+def plot(data: dict[str, Any], out_dir: str | None = None) -> None:
+    """Throughput and rejections, the latency of completed requests (s) and that of the 429s
+    (ms, on its own axes: it is thousands of times shorter) against the offered load."""
     import matplotlib.pyplot as plt
 
     pts = data["points"]
     x = [p["offered_rate"] for p in pts]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    capacity = data["capacity_req_s"]
+
+    def ms(p: dict[str, Any], name: str, stat: str) -> float:
+        value = (p[name] or {}).get(stat)
+        return float("nan") if value is None else value
+
+    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(8.5, 10), sharex=True,
+                                        layout="constrained")
     ax1.plot(x, x, ":", color="gray", label="offered")
     ax1.plot(x, [p["request_throughput"] for p in pts], "o-", label="completed")
     ax1.plot(x, [p["rejected_rate"] for p in pts], "s-", label="429 (rejected)")
-    ax1.plot(x, [p.get("goodput", 0) for p in pts], "^-", label="goodput")
-    ax1.axvline(data["capacity_req_s"], color="red", ls="--", lw=1, label="capacity")
-    ax1.set_xlabel("offered load (requests/s)")
+    ax1.plot(x, [p.get("goodput", 0) for p in pts], "^-",
+             label="goodput (TTFT <= {ttft:g} ms,\nTPOT <= {tpot:g} ms)".format(**SLOS_MS))
     ax1.set_ylabel("requests/s")
     ax1.set_title("Throughput and rejections")
-    ax1.legend()
-    for name, style in (("ttft_ms", "o-"), ("e2el_ms", "s-")):
-        ax2.plot(x, [p[name]["p99"] / 1000 for p in pts], style, label=f"{name[:-3]} p99")
-        ax2.plot(x, [p[name]["median"] / 1000 for p in pts], style, alpha=0.5, mfc="none",
-                 label=f"{name[:-3]} median")
-    ax2.plot(x, [(p["rejection_latency_ms"]["p99"] or 0) / 1000 for p in pts], "x-",
-             label="429 p99")
-    ax2.axvline(data["capacity_req_s"], color="red", ls="--", lw=1)
-    ax2.set_xlabel("offered load (requests/s)")
+    for name, color in (("ttft_ms", "tab:blue"), ("e2el_ms", "tab:green")):
+        label = name[:-3].upper()
+        ax2.plot(x, [ms(p, name, "p99") / 1000 for p in pts], "o-", color=color,
+                 label=f"{label} p99")
+        ax2.plot(x, [ms(p, name, "median") / 1000 for p in pts], "o--", color=color,
+                 mfc="none", alpha=0.7, label=f"{label} p50")
     ax2.set_ylabel("seconds")
-    ax2.set_title("Latency of completed requests, and of 429s")
-    ax2.legend(fontsize=8)
-    fig.tight_layout()
-    save_figure(fig, "overload")
+    ax2.set_ylim(bottom=0)
+    ax2.set_title("Latency of completed requests")
+    for stat, style in (("p99", "x-"), ("median", "x--")):
+        ax3.plot(x, [ms(p, "rejection_latency_ms", stat) for p in pts], style,
+                 color="tab:purple", label=f"429 latency {'p50' if stat == 'median' else stat}")
+    none = [p["offered_rate"] for p in pts if not p["rejected_429"]]
+    if none:
+        ax3.plot(none, [0] * len(none), "o", color="gray", mfc="none", clip_on=False,
+                 label="no 429 at this load")
+    ax3.set_ylabel("milliseconds")
+    if any(p["rejected_429"] for p in pts):
+        ax3.set_ylim(bottom=0)
+    else:
+        ax3.set_ylim(0, 1)
+        ax3.text(0.5, 0.5, "no request was refused", transform=ax3.transAxes, ha="center",
+                 va="center", color="gray")
+    ax3.set_title("Latency of the 429 responses (send to refusal)")
+    ax3.set_xlabel("offered load (requests/s)")
+    for ax in (ax1, ax2, ax3):
+        ax.axvline(capacity, color="red", ls="--", lw=1,
+                   label=f"capacity ({capacity:.2f} requests/s)")
+        legend_outside(ax)
+    save_figure(fig, "overload", out_dir)
 
 
 def load_list(text: str) -> list[float]:
@@ -130,20 +166,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--probe-requests", type=loadgen.positive_int, default=64,
                         help="requests of the closed-loop capacity probe")
     parser.add_argument("--seed", type=int, default=5, help="workload seed")
+    add_out_dir_flag(parser)
     args = parser.parse_args(argv)
     before = machine()
     data = asyncio.run(run(args))
-    plot(data)
+    plot(data, args.out_dir)
     print(f"capacity {data['capacity_req_s']:.2f} req/s")
     print_table([{"load": p["load"], "offered/s": p["offered_rate"],
                   "done/s": p["request_throughput"], "429/s": p["rejected_rate"],
                   "errors": p["errors"], "ttft_p50_ms": p["ttft_ms"]["median"],
                   "ttft_p99_ms": p["ttft_ms"]["p99"], "e2el_p99_ms": p["e2el_ms"]["p99"],
+                  "429_p50_ms": p["rejection_latency_ms"]["median"],
                   "429_p99_ms": p["rejection_latency_ms"]["p99"]} for p in data["points"]],
                 ["load", "offered/s", "done/s", "429/s", "errors", "ttft_p50_ms", "ttft_p99_ms",
-                 "e2el_p99_ms", "429_p99_ms"])
+                 "e2el_p99_ms", "429_p50_ms", "429_p99_ms"])
     path = write_json("overload", {"args": vars(args), "machine_before": before, "slos_ms":
-                                   SLOS_MS, **data})
+                                   SLOS_MS, **data}, args.out_dir)
     print(f"wrote {path}")
     return 0
 

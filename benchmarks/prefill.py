@@ -13,6 +13,8 @@ Usage::
 
     python -m benchmarks.prefill                       # ~3 min on 2 cores (3 modes)
     python -m benchmarks.prefill --long-lens 2000,3000,4000,4000,2500 --streams 8
+    python -m benchmarks.prefill --long-lens 96,160 --long-every 2 --warmup 1 --streams 2 \
+        --stream-tokens 200 --modes monolithic,chunked:32 --out-dir /tmp/prefill  # a quick check
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ from typing import Any
 
 from benchmarks import loadgen
 from benchmarks.common import (
+    add_out_dir_flag,
+    legend_outside,
     machine,
     make_engine,
     model_tokenizer,
+    ms_log_axis,
     print_table,
     save_figure,
     write_json,
@@ -78,13 +83,17 @@ async def run_mode(mode: str, args: argparse.Namespace, tokenizer: Any) -> dict[
         "short_ttft": [{"sent_s": r.sent_s, "ttft_s": r.ttft_s} for r in results
                        if r.tag == "short" and r.ttft_s is not None],
         "per_tag": summary,
+        "results": loadgen.records(results),
     }
 
 
-def plot(runs: list[dict[str, Any]]) -> None:
+def plot(runs: list[dict[str, Any]], out_dir: str | None = None) -> None:
+    """The streams' gaps between tokens and the short requests' TTFT over time, one colour per
+    mode; dotted lines where a long prompt arrives; legends to the right of the axes."""
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    fig, axes = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
+    fig, axes = plt.subplots(2, 1, figsize=(11.5, 6.5), sharex=True, layout="constrained")
     palette = ["tab:red", "tab:blue", "tab:green", "tab:purple", "tab:orange"]
     for i, run in enumerate(runs):
         c = palette[i % len(palette)]
@@ -97,16 +106,20 @@ def plot(runs: list[dict[str, Any]]) -> None:
     for t in runs[0]["long_arrivals_s"]:
         for ax in axes:
             ax.axvline(t, color="gray", ls=":", lw=1)
-    axes[0].set_yscale("log")
-    axes[0].set_ylabel("streams' ITL (ms, log)")
-    axes[0].set_title("Running streams' inter-token latency (dotted: a long prompt arrives)")
-    axes[0].legend(markerscale=3)
-    axes[1].set_yscale("log")
-    axes[1].set_ylabel("short requests' TTFT (ms, log)")
-    axes[1].set_xlabel("time (s)")
-    axes[1].legend()
-    fig.tight_layout()
-    save_figure(fig, "prefill")
+    arrival = Line2D([], [], color="gray", ls=":", lw=1, label="a long prompt arrives")
+    for ax in axes:
+        ax.set_yscale("log")
+        ms_log_axis(ax.yaxis)
+    axes[0].set_ylabel("streams' ITL (log scale)")
+    axes[0].set_title("Running streams' inter-token latency (every gap between two tokens)")
+    handles, _ = axes[0].get_legend_handles_labels()
+    legend_outside(axes[0], handles=[*handles, arrival], markerscale=3)
+    axes[1].set_ylabel("short requests' TTFT (log scale)")
+    axes[1].set_title("Short requests' TTFT, by send time")
+    axes[1].set_xlabel("time since the start of the run (s)")
+    handles, _ = axes[1].get_legend_handles_labels()
+    legend_outside(axes[1], handles=[*handles, arrival])
+    save_figure(fig, "prefill", out_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,11 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default=",".join(MODES),
                         help="monolithic, chunked (--chunk tokens) or chunked:N")
     parser.add_argument("--seed", type=int, default=3)
+    add_out_dir_flag(parser)
     args = parser.parse_args(argv)
     before = machine()
     tokenizer = model_tokenizer()
     runs = [asyncio.run(run_mode(mode, args, tokenizer)) for mode in args.modes.split(",")]
-    plot(runs)
+    plot(runs, args.out_dir)
     print_table([{"mode": r["mode"], "itl_p50_ms": r["stream_itl_ms"]["median"],
                   "itl_p99_ms": r["stream_itl_ms"]["p99"], "itl_max_ms": r["stream_itl_ms"]["max"],
                   "short_ttft_p50_ms": (r["short_ttft_ms"] or {}).get("median"),
@@ -137,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                   "long_ttft_mean_ms": (r["long_ttft_ms"] or {}).get("mean")} for r in runs],
                 ["mode", "itl_p50_ms", "itl_p99_ms", "itl_max_ms", "short_ttft_p50_ms",
                  "short_ttft_p99_ms", "long_ttft_mean_ms"])
-    path = write_json("prefill", {"args": vars(args), "machine_before": before, "runs": runs})
+    path = write_json("prefill", {"args": vars(args), "machine_before": before, "runs": runs},
+                      args.out_dir)
     print(f"wrote {path}")
     return 0
 

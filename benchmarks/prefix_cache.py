@@ -11,6 +11,8 @@ Usage::
 
     python -m benchmarks.prefix_cache                     # ~1 min on 2 cores
     python -m benchmarks.prefix_cache --requests 96 --prefix-len 1024
+    python -m benchmarks.prefix_cache --requests 4 --prefixes 2 --prefix-len 64 --suffix-len 8 \
+        --output-len 4 --concurrency 2 --out-dir /tmp/prefix_cache   # a quick check
 """
 
 from __future__ import annotations
@@ -22,9 +24,14 @@ from typing import Any
 
 from benchmarks import loadgen
 from benchmarks.common import (
+    add_out_dir_flag,
+    annotate_bars,
+    headroom,
+    legend_outside,
     machine,
     make_engine,
     model_tokenizer,
+    ms_log_axis,
     print_table,
     save_figure,
     write_json,
@@ -53,35 +60,53 @@ async def run_one(enabled: bool, args: argparse.Namespace, tokenizer: Any) -> di
         "prompt_tokens_computed": stats["prompt_tokens_computed"],
         "ttft": [{"i": i, "ttft_s": r.ttft_s, "cached": r.cached_prompt_tokens}
                  for i, r in enumerate(results) if r.ttft_s is not None],
+        "results": loadgen.records(results),
     }
 
 
-def plot(runs: list[dict[str, Any]]) -> None:
+# The bar panels: (key of the run or of its summary, title, format of the value on each bar).
+BAR_PANELS = (("prompt_tokens_computed", "Prompt tokens computed", "{:,.0f}"),
+              ("request_throughput", "Requests/s", "{:.2f}"),
+              ("output_throughput", "Output tokens/s", "{:.1f}"),
+              ("total_token_throughput", "Total tokens/s", "{:.0f}"))
+
+
+def plot(runs: list[dict[str, Any]], out_dir: str | None = None) -> None:
+    """TTFT's distribution per setting (top), and one bar panel per figure of the table, each
+    on its own scale and labelled with its values (bottom)."""
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplot_mosaic([["cdf"] * len(BAR_PANELS), [m for m, _, _ in BAR_PANELS]],
+                                   figsize=(11, 7), layout="constrained",
+                                   height_ratios=[1.1, 1])
     labels = ["on" if r["prefix_caching"] else "off" for r in runs]
+    colors = {"off": "tab:blue", "on": "tab:orange"}
+    ax1 = axes["cdf"]
     for run, label in zip(runs, labels, strict=True):
         ttft = sorted(p["ttft_s"] * 1000 for p in run["ttft"])
-        ax1.plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))],
-                 label=f"prefix cache {label}")
+        if not ttft:
+            continue
+        ax1.step([ttft[0], *ttft], [0.0, *((i + 1) / len(ttft) for i in range(len(ttft)))],
+                 where="post",
+                 color=colors[label],
+                 label=f"prefix cache {label} (hit rate {run['prefix_hit_rate']:.0%})")
     ax1.set_xscale("log")
-    ax1.set_xlabel("TTFT (ms, log)")
+    ms_log_axis(ax1.xaxis)
+    ax1.set_xlabel("TTFT (log scale)")
     ax1.set_ylabel("fraction of requests")
-    ax1.set_title("TTFT distribution")
-    ax1.legend()
-    metrics = [("request_throughput", "requests/s"), ("output_throughput", "output tok/s / 10"),
-               ("total_token_throughput", "total tok/s / 100")]
-    scale = {"request_throughput": 1, "output_throughput": 10, "total_token_throughput": 100}
-    for j, (run, label) in enumerate(zip(runs, labels, strict=True)):
-        vals = [run["summary"][m] / scale[m] for m, _ in metrics]
-        ax2.bar([i + 0.4 * j - 0.2 for i in range(len(metrics))], vals, width=0.4,
-                label=f"prefix cache {label} (hit rate {run['prefix_hit_rate']:.0%})")
-    ax2.set_xticks(range(len(metrics)), [name for _, name in metrics])
-    ax2.set_title("Throughput")
-    ax2.legend(fontsize=8)
-    fig.tight_layout()
-    save_figure(fig, "prefix_cache")
+    ax1.set_ylim(0, 1.05)
+    ax1.set_title("TTFT distribution (cumulative)")
+    legend_outside(ax1)
+    ticks = [f"cache {label}" for label in labels]
+    for key, title, fmt in BAR_PANELS:
+        ax = axes[key]
+        vals = [r[key] if key in r else r["summary"][key] for r in runs]
+        bars = ax.bar(range(len(runs)), vals, width=0.6, color=[colors[x] for x in labels])
+        annotate_bars(ax, bars, [fmt.format(v) for v in vals], fontsize=9)
+        ax.set_xticks(range(len(runs)), ticks)
+        ax.set_title(title, fontsize=10)
+        headroom(ax)
+    save_figure(fig, "prefix_cache", out_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,11 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=pos, default=32, help="tokens")
     parser.add_argument("--concurrency", type=pos, default=8)
     parser.add_argument("--seed", type=int, default=4)
+    add_out_dir_flag(parser)
     args = parser.parse_args(argv)
     before = machine()
     tokenizer = model_tokenizer()
     runs = [asyncio.run(run_one(enabled, args, tokenizer)) for enabled in (False, True)]
-    plot(runs)
+    plot(runs, args.out_dir)
     print_table([{"prefix_cache": "on" if r["prefix_caching"] else "off",
                   "hit_rate": r["prefix_hit_rate"],
                   "prompt_computed": r["prompt_tokens_computed"],
@@ -111,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                 ["prefix_cache", "hit_rate", "prompt_computed", "ttft_p50_ms", "ttft_p99_ms",
                  "req/s", "out_tok/s", "total_tok/s"])
     path = write_json("prefix_cache", {"args": vars(args), "machine_before": before,
-                                       "runs": runs})
+                                       "runs": runs}, args.out_dir)
     print(f"wrote {path}")
     return 0
 

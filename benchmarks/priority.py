@@ -15,17 +15,31 @@ Usage::
 
     python -m benchmarks.priority                # ~3 min: 3 runs of 30 s plus start-ups
     python -m benchmarks.priority --duration 120
+    python -m benchmarks.priority --duration 4 --runs same-tier,tiers-deep-prefetch \
+        --out-dir /tmp/priority                  # a quick check
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import random
 from typing import Any
 
 from benchmarks import loadgen
-from benchmarks.common import machine, reference_tokenizer, save_figure, write_json
+from benchmarks.common import (
+    add_out_dir_flag,
+    annotate_bars,
+    fmt_ms,
+    legend_outside,
+    machine,
+    ms_log_axis,
+    print_table,
+    reference_tokenizer,
+    save_figure,
+    write_json,
+)
 from benchmarks.servers import Platform, TenantSpec
 
 RUNS = {
@@ -64,37 +78,51 @@ async def run_one(name: str, args: argparse.Namespace, rate_bulk: float) -> dict
     return {"name": name, "tiers": tiers, "env": env,
             "per_tenant": loadgen.summarize_by(results, lambda r: r.tenant, duration),
             "vip_ttft": [{"sent_s": r.sent_s, "ttft_s": r.ttft_s} for r in results
-                         if r.tenant == "vip" and r.ttft_s is not None]}
+                         if r.tenant == "vip" and r.ttft_s is not None],
+            "results": loadgen.records(results)}
 
 
-def plot(runs: list[dict[str, Any]]) -> None:
+# The bars of the right-hand panel: (tenant, statistic of its TTFT), as in the printed table.
+BARS = (("vip", "median"), ("vip", "p99"), ("bulk", "median"), ("bulk", "p99"))
+
+
+def plot(runs: list[dict[str, Any]], out_dir: str | None = None) -> None:
+    """vip's TTFT over time per run, and TTFT percentiles per run as bars labelled with their
+    values (log scale from a decade below the smallest, so that a 100 ms bar next to 10 s ones
+    shows and reads)."""
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5), layout="constrained")
     for run in runs:
         pts = run["vip_ttft"]
-        ax1.plot([p["sent_s"] for p in pts], [p["ttft_s"] for p in pts], "o-", ms=3,
+        ax1.plot([p["sent_s"] for p in pts], [p["ttft_s"] * 1000 for p in pts], "o-", ms=3,
                  label=run["name"])
     ax1.set_yscale("log")
-    ax1.set_xlabel("time (s)")
-    ax1.set_ylabel("vip TTFT (s, log)")
+    ms_log_axis(ax1.yaxis)
+    ax1.set_xlabel("time the request was sent (s)")
+    ax1.set_ylabel("vip TTFT (log scale)")
     ax1.set_title("vip's TTFT while bulk saturates the worker")
-    ax1.legend()
-    names = [r["name"] for r in runs]
+    ax1.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=len(runs), fontsize=9)
     x = range(len(runs))
-    for offset, (tenant, stat) in enumerate([("vip", "median"), ("vip", "p99"),
-                                              ("bulk", "median")]):
-        vals = [r["per_tenant"].get(tenant, {}).get("ttft_ms", {}).get(stat, 0) / 1000
-                for r in runs]
-        ax2.bar([i + 0.27 * (offset - 1) for i in x], vals, width=0.27,
-                label=f"{tenant} {stat}")
-    ax2.set_xticks(list(x), names)
+    width = 0.8 / len(BARS)
+    values = []
+    for j, (tenant, stat) in enumerate(BARS):
+        vals = [(r["per_tenant"].get(tenant, {}).get("ttft_ms") or {}).get(stat) for r in runs]
+        vals = [v if v is not None else float("nan") for v in vals]
+        values.extend(v for v in vals if v == v and v > 0)
+        bars = ax2.bar([i + width * (j - (len(BARS) - 1) / 2) for i in x], vals, width=width,
+                       label=f"{tenant} {'p50' if stat == 'median' else stat}")
+        annotate_bars(ax2, bars, [fmt_ms(v) for v in vals], fontsize=8, rotation=90)
+    ax2.set_xticks(list(x), [r["name"] for r in runs])
     ax2.set_yscale("log")
-    ax2.set_ylabel("TTFT (s, log)")
-    ax2.set_title("TTFT by run")
-    ax2.legend()
-    fig.tight_layout()
-    save_figure(fig, "priority")
+    if values:
+        low = 10 ** math.floor(math.log10(min(values)) - 0.5)
+        ax2.set_ylim(low, max(values) * 12)
+    ms_log_axis(ax2.yaxis)
+    ax2.set_ylabel("TTFT (log scale)")
+    ax2.set_title("TTFT percentiles by run (value on each bar)")
+    legend_outside(ax2)
+    save_figure(fig, "priority", out_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,18 +137,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--queue", type=int, default=128, help="MAX_QUEUE_SIZE (gate 1)")
     parser.add_argument("--runs", default=",".join(RUNS))
     parser.add_argument("--seed", type=int, default=2)
+    add_out_dir_flag(parser)
     args = parser.parse_args(argv)
     before = machine()
     rate_bulk = args.overload * capacity_req_s(args)
     runs = [asyncio.run(run_one(name, args, rate_bulk)) for name in args.runs.split(",")]
-    plot(runs)
+    plot(runs, args.out_dir)
+    rows = []
     for run in runs:
-        vip, bulk = run["per_tenant"].get("vip", {}), run["per_tenant"].get("bulk", {})
-        print(f"{run['name']:>22}: vip TTFT p50 {vip['ttft_ms']['median']:.0f} ms, "
-              f"p99 {vip['ttft_ms']['p99']:.0f} ms; bulk TTFT p50 "
-              f"{bulk['ttft_ms']['median']:.0f} ms, 429s {bulk['rejected_429']}")
+        row: dict[str, Any] = {"run": run["name"]}
+        for tenant, stat in BARS:
+            ttft = run["per_tenant"].get(tenant, {}).get("ttft_ms") or {}
+            row[f"{tenant}_ttft_{'p50' if stat == 'median' else stat}_ms"] = ttft.get(stat)
+        row["429s"] = sum(t["rejected_429"] for t in run["per_tenant"].values())
+        rows.append(row)
+    print_table(rows, list(rows[0]))
     path = write_json("priority", {"args": vars(args), "bulk_rate": rate_bulk,
-                                   "machine_before": before, "runs": runs})
+                                   "machine_before": before, "runs": runs}, args.out_dir)
     print(f"wrote {path}")
     return 0
 

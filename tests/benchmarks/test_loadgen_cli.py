@@ -91,3 +91,40 @@ def test_bad_overload_flags_exit_before_any_run(argv, capsys, monkeypatch):
         overload.main(argv)
     assert exc.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_records_hold_every_request_and_recompute_the_summary():
+    done = RequestResult("a", "short", "ok", 200, 1.0, [1.2, 1.25, 1.4], 1.4, 12, 3, 4,
+                         arrival_s=0.9, max_tokens=3)
+    refused = failed("rejected", 429, json.dumps({"error": {"code": "queue_full",
+                                                            "message": "try later"}}), 2.0)
+    recs = loadgen.records([done, refused])
+    assert json.loads(json.dumps(recs)) == recs
+    first, second = recs
+    assert first["tenant"] == "a" and first["tag"] == "short" and first["status"] == "ok"
+    assert first["arrival_s"] == 0.9 and first["sent_s"] == 1.0 and first["max_tokens"] == 3
+    assert (first["prompt_tokens"], first["output_tokens"], first["cached_prompt_tokens"]) == (
+        12, 3, 4)
+    assert first["ttft_s"] == 0.2 and first["e2el_s"] == 0.4 and first["tpot_s"] == 0.1
+    assert first["itls_s"] == [0.05, 0.15] and first["failure_reason"] == ""
+    assert second["status"] == "rejected" and second["http_status"] == 429
+    assert second["failure_reason"] == "HTTP 429 queue_full: try later"
+    derived = {"ttft_s", "tpot_s", "e2el_s", "itls_s", "failure_reason"}
+    again = [RequestResult(**{k: v for k, v in r.items() if k not in derived}) for r in recs]
+    assert finite(summarize(again)) == finite(summarize([done, refused]))
+
+
+def test_fairness_json_holds_every_request_and_the_summaries(tmp_path):
+    from benchmarks import fairness
+
+    assert fairness.main(["--duration", "1", "--rate", "4", "--step-delay", "0.002",
+                          "--scenarios", "two", "--policies", "vtc", "--sample-every", "0.1",
+                          "--out-dir", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "fairness.json").read_text())
+    (run,) = data["runs"]
+    assert {"service", "max_difference", "bound", "per_tenant", "samples", "ttft"} <= set(run)
+    assert len(run["results"]) == sum(t["requests"] for t in run["per_tenant"].values()) > 0
+    assert {r["tenant"] for r in run["results"]} <= {"A", "B"}
+    assert all({"arrival_s", "ttft_s", "itls_s", "e2el_s", "status", "prompt_tokens",
+                "output_tokens", "failure_reason"} <= set(r) for r in run["results"])
+    assert (tmp_path / "fairness-two.png").stat().st_size > 0
