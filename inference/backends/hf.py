@@ -220,8 +220,9 @@ GROUP_OVERHEAD_SLOTS = 256
 MAX_ATTENTION_GROUPS = 4
 
 
-def _attention_groups(blocks: Sequence[int], block_size: int) -> list[tuple[int, int]]:
-    """Split rows sorted by context length into at most :data:`MAX_ATTENTION_GROUPS` runs.
+def _attention_groups(blocks: Sequence[int], block_size: int,
+                      max_groups: int = MAX_ATTENTION_GROUPS) -> list[tuple[int, int]]:
+    """Split rows sorted by context length into at most ``max_groups`` runs.
 
     Each group's K/V are gathered to its longest row's length, so one group over rows of very
     different lengths copies and reads mostly padding. This picks the split that minimises
@@ -231,6 +232,7 @@ def _attention_groups(blocks: Sequence[int], block_size: int) -> list[tuple[int,
     Args:
         blocks: KV blocks each row reads, ascending.
         block_size: tokens per block.
+        max_groups: most groups (1: one group, as a prefill pass).
 
     Returns:
         ``[(start, end), ...]`` half-open row ranges covering ``range(len(blocks))`` in order.
@@ -238,17 +240,18 @@ def _attention_groups(blocks: Sequence[int], block_size: int) -> list[tuple[int,
     n = len(blocks)
     inf = float("inf")
     # best[k][i]: cost of the first i rows in k groups; cut[k][i]: where the last group starts.
-    best = [[inf] * (n + 1) for _ in range(MAX_ATTENTION_GROUPS + 1)]
-    cut = [[0] * (n + 1) for _ in range(MAX_ATTENTION_GROUPS + 1)]
+    max_groups = max(1, max_groups)
+    best = [[inf] * (n + 1) for _ in range(max_groups + 1)]
+    cut = [[0] * (n + 1) for _ in range(max_groups + 1)]
     best[0][0] = 0.0
-    for k in range(1, MAX_ATTENTION_GROUPS + 1):
+    for k in range(1, max_groups + 1):
         for i in range(1, n + 1):
             width = blocks[i - 1] * block_size  # sorted: the group's last row is its longest
             for j in range(k - 1, i):
                 cost = best[k - 1][j] + (i - j) * width + GROUP_OVERHEAD_SLOTS
                 if cost < best[k][i]:
                     best[k][i], cut[k][i] = cost, j
-    k = min(range(1, MAX_ATTENTION_GROUPS + 1), key=lambda kk: best[kk][n])
+    k = min(range(1, max_groups + 1), key=lambda kk: best[kk][n])
     ranges: list[tuple[int, int]] = []
     end = n
     while k > 0:
@@ -288,6 +291,10 @@ class TransformersBackend(ModelBackend):
         vocab_size: logits per row.
         max_model_len: longest sequence (prompt + output, tokens) the backend accepts.
         device, dtype: where and in which precision the weights and KV pool live.
+        attention_groups: most groups of similar-length rows a decode step's attention runs
+            over (1: all rows gathered to the longest row's length).
+        small_batch_gemm: compute projections as ``W @ x^T`` (:func:`_linear_cpu`); on by
+            default on CPU, off elsewhere (``F.linear``).
     """
 
     def __init__(
@@ -339,7 +346,9 @@ class TransformersBackend(ModelBackend):
         self._lm_head_b = getattr(model.lm_head, "bias", None)
         self._layers = [self._fuse_layer(layer) for layer in inner.layers]
         self._act = _activation(cfg)
-        self._linear = _linear_cpu if self.device.type == "cpu" else F.linear
+        # Speed settings, both on by default (``benchmarks/bench_decode_step.py`` compares them).
+        self.attention_groups = MAX_ATTENTION_GROUPS
+        self.small_batch_gemm = self.device.type == "cpu"
         with torch.inference_mode():
             pos = torch.arange(self.max_model_len, device=self.device)[None]
             probe = torch.zeros(1, device=self.device, dtype=torch.float32)
@@ -581,7 +590,8 @@ class TransformersBackend(ModelBackend):
         # Dim-0 gathers and writes over flat views (a gather along an inner dim is ~2x slower):
         # K/V head h of block b is row h * num_blocks + b of the [2 KV * blocks, bs * D] view.
         heads = torch.arange(2 * self.num_kv_heads)[:, None]
-        ranges = _attention_groups(need_blocks, bs) if grouped else [(0, num_rows)]
+        ranges = (_attention_groups(need_blocks, bs, self.attention_groups) if grouped
+                  else [(0, num_rows)])
         groups = []
         for g_start, g_end in ranges:
             max_blocks = max(need_blocks[g_start:g_end])
@@ -633,7 +643,7 @@ class TransformersBackend(ModelBackend):
         slot_rows = kv_all[0].numel() // dim
         block_rows = kv_all[0].numel() // (self.block_size * dim)
 
-        linear = self._linear
+        linear = _linear_cpu if self.small_batch_gemm else F.linear
         h = F.embedding(b.tokens, self._embed)  # [N, hidden]
         for i, layer in enumerate(self._layers):
             x = _rms_norm(h, layer.ln1_w, layer.ln1_eps)

@@ -37,6 +37,8 @@ class RecordingBackend(ModelBackend):
         self.gaps: dict[str, list[float]] = defaultdict(list)
         self._last_prefill_gap: dict[str, float] = {}
         self.prefill_calls: list[list[tuple[str, int, int]]] = []
+        # (position, blocks in the table) of each row of each decode call
+        self.decode_calls: list[list[tuple[int, int]]] = []
 
     def kv_bytes_per_token(self) -> int:
         return self.inner.kv_bytes_per_token()
@@ -60,6 +62,7 @@ class RecordingBackend(ModelBackend):
 
     def decode(self, rows: Sequence[DecodeRow]) -> torch.Tensor:
         logits = self.inner.decode(rows)
+        self.decode_calls.append([(r.position, len(r.block_table)) for r in rows])
         for row, gap in zip(rows, _gaps(logits), strict=True):
             if not self.gaps[row.row_id]:
                 self.gaps[row.row_id].append(self._last_prefill_gap.pop(row.row_id))

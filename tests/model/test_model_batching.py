@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from inference.backends.hf import MAX_ATTENTION_GROUPS, _attention_groups
 from inference.request import SamplingParams
 from tests.model.helpers import assert_same_greedy, make_engine, run_alone, run_requests
 
@@ -88,3 +89,29 @@ def test_a_prefix_hit_equals_a_miss_and_survives_eviction(backend, corpus_ids):
     again = run_requests(engine, recorder, {"again": second}, sampling)["again"]
     assert again.final.usage.cached_prompt_tokens == 0
     assert_same_greedy(miss, again.tokens, "after eviction")
+
+
+def test_a_prompt_decoding_among_rows_of_very_different_lengths_equals_it_alone(
+        backend, corpus_ids, chat_prompt, alone):
+    # Decode attention runs over groups of rows of similar length; rows of 1 to 1,000 tokens
+    # decoding together are split into several groups, and the answer must not change.
+    engine, recorder = make_engine(backend, max_batch_size=8)
+    prompts = {f"n{n}": corpus_ids[:n] for n in (1, 30, 250, 600, 1000)}
+    prompts["prompt"] = chat_prompt
+    runs = run_requests(engine, recorder, prompts, GREEDY)
+    assert_same_greedy(alone, runs["prompt"].tokens, "rows of 1 to 1,000 tokens")
+    block = engine.config.kv_block_size
+    widest = max(recorder.decode_calls, key=len)
+    blocks = sorted(-(-(pos + 1) // block) for pos, _ in widest)
+    assert len(widest) == 6 and len(_attention_groups(blocks, block)) > 1
+
+
+def test_attention_groups_split_rows_by_length_only_when_it_pays():
+    assert _attention_groups([4, 4, 5, 5], 16) == [(0, 4)]
+    # a few short rows beside long ones: gathering the short ones to the long length is waste
+    groups = _attention_groups([1, 1, 2, 60, 62, 63], 16)
+    assert groups == [(0, 3), (3, 6)]
+    many = _attention_groups(list(range(1, 200, 3)), 16)
+    assert len(many) == MAX_ATTENTION_GROUPS
+    assert [s for s, _ in many][0] == 0 and many[-1][1] == len(range(1, 200, 3))
+    assert all(a[1] == b[0] for a, b in zip(many, many[1:], strict=False))  # in order
