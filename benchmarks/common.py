@@ -170,10 +170,12 @@ def make_engine(*, real_model: bool, step_delay_s: float = 0.0, **settings: Any)
 
 
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
-    """Print rows as a plain aligned table (numbers to 3 significant figures)."""
+    """Print rows as a plain aligned table (numbers to 3 significant figures, whole from 100)."""
 
     def fmt(v: Any) -> str:
-        return f"{v:.3g}" if isinstance(v, float) else str(v)
+        if not isinstance(v, float):
+            return str(v)
+        return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
 
     cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
     widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(columns)]

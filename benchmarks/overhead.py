@@ -12,12 +12,15 @@ loop), sent
   SSE chunk).
 
 Both are warmed up first with ``--warmup`` requests. Reported: the throughput ratio (REST output
-tokens/s over the engine's; target at least 0.9), and the latency the platform adds: TTFT, TPOT
-and ITL differences (ms). Repeats alternate the two systems.
+tokens/s over the engine's; target at least 0.9), the latency the platform adds: TTFT, TPOT
+and ITL differences (ms), and the CPU time each process spent during the measured run (psutil:
+user + system seconds of daphne, Redis, Celery, the worker and this client process), which shows
+what the platform costs independently of the machine's run-to-run noise in throughput. Repeats
+alternate the two systems.
 
 Usage::
 
-    python -m benchmarks.overhead                  # ~3.5 min on 2 cores (2 repeats)
+    python -m benchmarks.overhead                  # ~5 min on 2 cores (3 repeats)
     python -m benchmarks.overhead --repeats 3 --requests 96
     python -m benchmarks.overhead --requests 3 --warmup 1 --input-len 16 32 --output-len 4 \
         --concurrency 2 --repeats 1 --out-dir /tmp/overhead   # a quick check
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import statistics
 from typing import Any
@@ -53,29 +57,68 @@ def workload(args: argparse.Namespace, maker: loadgen.PromptMaker,
                                    (args.output_len, args.output_len), rng, tenant="bench")
 
 
+def cpu_seconds(processes: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds so far of each named process id (0 for one that is gone)."""
+    import psutil
+
+    out = {}
+    for name, pid in processes.items():
+        try:
+            times = psutil.Process(pid).cpu_times()
+        except psutil.Error:
+            out[name] = 0.0
+        else:
+            out[name] = times.user + times.system
+    return out
+
+
+def redis_server_pid() -> int | None:
+    """The local ``redis-server``'s process id, if it runs on this machine and is visible."""
+    import psutil
+
+    for proc in psutil.process_iter(["name"]):
+        if proc.info["name"] == "redis-server":
+            return proc.pid
+    return None
+
+
 async def drive(target: Any, args: argparse.Namespace, maker: loadgen.PromptMaker,
-                name: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The measured run's summary and its per-request records (the warm-up is left out)."""
+                name: str, processes: dict[str, int]
+                ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The measured run's summary (with ``cpu_s``, CPU seconds per process during the measured
+    run) and its per-request records (the warm-up is left out)."""
     await loadgen.run_load(target, workload(args, maker, args.warmup, args.seed + 1),
                            max_concurrency=args.concurrency, desc=f"{name} warm-up")
+    before = cpu_seconds(processes)
     results, duration = await loadgen.run_load(target, workload(args, maker, args.requests,
                                                                 args.seed),
                                                max_concurrency=args.concurrency, desc=name)
-    return loadgen.summarize(results, duration), loadgen.records(results)
+    after = cpu_seconds(processes)
+    summary = loadgen.summarize(results, duration)
+    summary["cpu_s"] = {k: round(after[k] - before[k], 2) for k in processes}
+    return summary, loadgen.records(results)
 
 
 async def run_engine(args: argparse.Namespace, maker: loadgen.PromptMaker
                      ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     engine = make_engine(real_model=True, scheduling_policy="vtc")
     async with loadgen.EngineTarget(engine) as target:
-        return await drive(target, args, maker, "engine")
+        return await drive(target, args, maker, "engine",
+                           {"engine + client": os.getpid()})
 
 
 async def run_rest(args: argparse.Namespace, maker: loadgen.PromptMaker
                    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     with Platform([TenantSpec("bench")], BACKEND="transformers") as platform:
+        stack = platform.stack
+        assert stack is not None
+        processes = {"daphne": stack.others[0].pid, "celery": stack.others[1].pid,
+                     "worker": stack.workers[0].pid, "client": os.getpid()}
+        redis_pid = redis_server_pid()
+        if redis_pid is not None:
+            processes["redis"] = redis_pid
         async with loadgen.RestTarget(platform.url, platform.keys) as target:
-            return await drive(target, args, maker, "rest")
+            return await drive(target, args, maker, "rest", processes)
 
 
 # The latency figures of the table and of the plot, (metric, statistic): the same in both.
@@ -97,7 +140,14 @@ def compare(engine: dict[str, Any], rest: dict[str, Any]) -> dict[str, float]:
         "added_tpot_ms": rest["tpot_ms"]["mean"] - engine["tpot_ms"]["mean"],
         "added_itl_ms": rest["itl_ms"]["mean"] - engine["itl_ms"]["mean"],
         "added_e2el_ms": rest["e2el_ms"]["mean"] - engine["e2el_ms"]["mean"],
+        # CPU time of the parts the engine alone does not have, over all CPU time of the run.
+        "platform_cpu_share": platform_cpu(rest) / (sum(rest.get("cpu_s", {}).values()) or 1),
     }
+
+
+def platform_cpu(summary: dict[str, Any]) -> float:
+    """CPU seconds of daphne, Celery and Redis in a REST run's summary (0 without ``cpu_s``)."""
+    return sum(v for k, v in summary.get("cpu_s", {}).items() if k in ("daphne", "celery", "redis"))
 
 
 def plot(runs: list[dict[str, Any]], overall: dict[str, float],
@@ -153,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                         metavar=("MIN", "MAX"), help="prompt tokens")
     parser.add_argument("--output-len", type=int, default=64, help="generated tokens")
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=6)
     add_out_dir_flag(parser)
     args = parser.parse_args(argv)
@@ -181,6 +231,14 @@ def main(argv: list[str] | None = None) -> int:
                          **{column(m, st): s[m][st] for m, st in LATENCY},
                          "errors": s["errors"]})
     print_table(rows, list(rows[0]))
+    print("CPU seconds during the measured run, per process:")
+    for i, run in enumerate(runs):
+        for system in SYSTEMS:
+            cpu = run[system]["cpu_s"]
+            share = (f"; daphne + Celery + Redis {run['platform_cpu_share']:.1%} of all"
+                     if system == "rest" else "")
+            print(f"  repeat {i + 1} {system:6}: "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in cpu.items()) + share)
     print("median over repeats: " + ", ".join(f"{k} {v:.3g}" for k, v in overall.items())
           + " (added_*: REST minus engine, of the means)")
     path = write_json("overhead", {"args": vars(args), "machine_before": before, "runs": runs,

@@ -7,9 +7,10 @@ that only the tiers differ. Runs:
 
 * ``same-tier``: both tenants ``standard``: vip waits behind bulk's backlog;
 * ``tiers``: vip ``premium``, bulk ``batch``, the default worker prefetch (``MAX_BATCH_SIZE``
-  requests taken from the Redis stream ahead of admission);
+  requests taken from Redis ahead of admission; each tier has its own Redis stream, read highest
+  first, so vip's requests go ahead of bulk's backlog there too);
 * ``tiers-deep-prefetch``: the same with ``WORKER_PREFETCH=MAX_QUEUE_SIZE``, so every accepted
-  request waits in the worker's priority-ordered queue rather than in the Redis stream (FIFO).
+  request waits in the worker's priority-ordered queue rather than in Redis.
 
 Usage::
 
