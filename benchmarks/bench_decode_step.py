@@ -50,16 +50,19 @@ def _int_list(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=_int_list, default=[2, 11, 24, 32],
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--rows", type=_int_list, default=[2, 11, 24, 32], metavar="LIST",
                         help="batch sizes (rows per decode step), comma-separated")
     parser.add_argument("--min-context", type=int, default=16, help="shortest row (tokens)")
     parser.add_argument("--max-context", type=int, default=576, help="longest row (tokens)")
     parser.add_argument("--steps", type=int, default=5, help="decode steps per round")
     parser.add_argument("--repeats", type=int, default=4, help="rounds per setting")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path,
-                        default=REPO / "benchmarks" / "results" / "decode_step.json")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the rows' context lengths and token ids")
+    parser.add_argument("--out", type=Path, metavar="FILE",
+                        default=REPO / "benchmarks" / "results" / "decode_step.json",
+                        help="JSON file to write")
     args = parser.parse_args(argv)
     if not 1 <= args.min_context <= args.max_context:
         parser.error("need 1 <= --min-context <= --max-context")
@@ -127,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                         "same_greedy_tokens": same})
     use("gemm+groups")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+    args.out.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v
+                                             for k, v in vars(args).items()},
                                     "torch_threads": torch.get_num_threads(),
                                     "results": results}, indent=2))
     print(f"ms per decode step (fastest round); Nx: speed-up over baseline. saved {args.out}")

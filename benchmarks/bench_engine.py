@@ -382,14 +382,25 @@ def format_table(results: dict[str, dict[str, dict]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sys.path.insert(0, str(REPO))
+    from benchmarks.common import HelpFormatter, name_list
+    from benchmarks.loadgen import positive_int
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller workloads, one repeat")
-    parser.add_argument("--systems", default=",".join(SYSTEMS))
-    parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="repeats per system and workload (default: 1 quick, 3 full; "
-                             "the peers run workload b once)")
-    parser.add_argument("--out", type=Path, default=None, help="JSON file to write")
+    parser.add_argument("--systems", type=name_list(SYSTEMS), default=",".join(SYSTEMS),
+                        metavar="LIST",
+                        help=f"comma-separated systems to run, out of {', '.join(SYSTEMS)}")
+    parser.add_argument("--workloads", type=name_list(WORKLOADS), default=",".join(WORKLOADS),
+                        metavar="LIST",
+                        help=f"comma-separated workloads to run, out of {', '.join(WORKLOADS)}")
+    parser.add_argument("--repeats", type=positive_int, default=None, metavar="N",
+                        help="repeats per system and workload, at least 1 (default: 1 with "
+                             "--quick, else 3; the peers run workload b once)")
+    parser.add_argument("--out", type=Path, default=None, metavar="FILE",
+                        help="JSON file to write (default: benchmarks/results/"
+                             "bench-<quick|full>-<time>.json)")
     parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--workload", choices=WORKLOADS, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -399,8 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     repeats = args.repeats or (1 if args.quick else 3)
-    systems = [s for s in args.systems.split(",") if s]
-    workloads = [w for w in args.workloads.split(",") if w]
+    systems, workloads = args.systems, args.workloads
     results: dict[str, dict[str, dict]] = {}
     descriptions: dict[str, str] = {}
     started = time.monotonic()
@@ -438,6 +448,11 @@ def main(argv: list[str] | None = None) -> int:
           "busy meanwhile (noise)")
     save(out, args.quick, descriptions, results)
     print(f"saved {out}")
+    failed = [f"{system} on {wl}" for wl, by_system in results.items()
+              for system, r in by_system.items() if "error" in r]
+    if failed:
+        print(f"ERROR: failed runs: {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 

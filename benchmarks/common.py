@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
 import subprocess
+import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +40,58 @@ def results_dir(out_dir: str | os.PathLike[str] | None = None) -> Path:
     return folder
 
 
-def add_out_dir_flag(parser: Any) -> None:
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default, except where the default is None (the help
+    says what that means) or the help already names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or "(default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def add_out_dir_flag(parser: Any, what: str = "the JSON and PNG files") -> None:
     """``--out-dir``: where an experiment writes its JSON and PNGs."""
     parser.add_argument("--out-dir", default=None, metavar="DIR",
-                        help="folder for the JSON and PNG files (default: benchmarks/results/)")
+                        help=f"folder for {what} (default: benchmarks/results/)")
+
+
+def name_list(known: Sequence[str], flag: str = "") -> Callable[[str], list[str]]:
+    """argparse ``type``: a comma-separated list of names out of ``known`` (not empty;
+    duplicates merged, order kept)."""
+
+    def parse(text: str) -> list[str]:
+        names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+        valid = ", ".join(known)
+        if not names:
+            raise argparse.ArgumentTypeError(f"empty list; choose from {valid}")
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(repr(n) for n in unknown)}; choose from {valid}")
+        return names
+
+    parse.__name__ = flag or "name list"  # what argparse calls the type in its errors
+    return parse
+
+
+def warn_if_all_failed(results: Sequence[Any], label: str) -> bool:
+    """Whether every request of a run (``results``: :class:`loadgen.RequestResult`) failed;
+    if so, print a WARNING naming the most frequent failure (as ``loadgen`` does)."""
+    from benchmarks import loadgen
+
+    if not results or any(r.status == "ok" for r in results):
+        return False
+    loadgen.report(loadgen.summarize(results), label)
+    return True
+
+
+def exit_status(failed_runs: Sequence[str]) -> int:
+    """1 (with an ERROR line naming them) when some runs had no request complete, else 0."""
+    if failed_runs:
+        print(f"ERROR: no request completed in {', '.join(failed_runs)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def write_json(name: str, payload: dict[str, Any],

@@ -32,11 +32,15 @@ from typing import Any
 
 from benchmarks import loadgen
 from benchmarks.common import (
+    HelpFormatter,
     add_out_dir_flag,
+    exit_status,
     legend_outside,
     make_engine,
+    name_list,
     reference_tokenizer,
     save_figure,
+    warn_if_all_failed,
     write_json,
 )
 
@@ -90,14 +94,19 @@ def max_min_difference(samples: list[dict[str, Any]]) -> list[float]:
     return diffs
 
 
+def engine_settings(policy: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig fields of a run (besides the backend)."""
+    return {"scheduling_policy": policy, "max_batch_size": args.batch,
+            "prefill_chunk_size": 64, "kv_block_size": 16, "kv_num_blocks": 256,
+            "active_kv_budget": args.kv_budget, "max_queue_size": 100_000,
+            "vtc_input_weight": W_IN, "vtc_output_weight": W_OUT}
+
+
 async def run_one(scenario: str, policy: str, args: argparse.Namespace) -> dict[str, Any]:
     maker = loadgen.PromptMaker(reference_tokenizer(), seed=args.seed)
     specs, longest_prompt = build_workload(scenario, args.duration, args.rate, args.seed, maker)
     engine = make_engine(real_model=False, step_delay_s=args.step_delay,
-                         scheduling_policy=policy, max_batch_size=args.batch,
-                         prefill_chunk_size=64, kv_block_size=16, kv_num_blocks=256,
-                         active_kv_budget=args.kv_budget, max_queue_size=100_000,
-                         vtc_input_weight=W_IN, vtc_output_weight=W_OUT)
+                         **engine_settings(policy, args))
     budget = engine.scheduler.active_kv_budget
     samples: list[dict[str, Any]] = []
 
@@ -130,6 +139,7 @@ async def run_one(scenario: str, policy: str, args: argparse.Namespace) -> dict[
                   "ttft_s": r.ttft_s if r.ttft_s is not None else r.ended_s - r.sent_s,
                   "waiting": r.ttft_s is None} for r in results],
         "results": loadgen.records(results),
+        "all_failed": warn_if_all_failed(results, f"{scenario}/{policy}"),
     }
 
 
@@ -193,27 +203,60 @@ def plot(runs: list[dict[str, Any]], scenario: str, out_dir: str | None = None) 
     save_figure(fig, f"fairness-{scenario}", out_dir)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--duration", type=float, default=40, help="seconds per run")
-    parser.add_argument("--rate", type=float, default=6.0,
+SCENARIOS = ("two", "three")
+POLICIES = ("fcfs", "vtc")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parsed and checked arguments (``parser.error`` on a bad value or combination)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--duration", type=loadgen.positive_float, default=40,
+                        help="seconds per run")
+    parser.add_argument("--rate", type=loadgen.positive_float, default=6.0,
                         help="requests/s of tenant A (B and C relative to it)")
-    parser.add_argument("--step-delay", type=float, default=0.01,
+    parser.add_argument("--step-delay", type=loadgen.non_negative_float, default=0.01,
                         help="seconds per forward pass of the reference backend")
-    parser.add_argument("--batch", type=int, default=4, help="MAX_BATCH_SIZE")
-    parser.add_argument("--kv-budget", type=int, default=512, help="ACTIVE_KV_BUDGET (tokens)")
-    parser.add_argument("--sample-every", type=float, default=0.2, help="seconds")
-    parser.add_argument("--scenarios", default="two,three")
-    parser.add_argument("--policies", default="fcfs,vtc")
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--batch", type=loadgen.positive_int, default=4, help="MAX_BATCH_SIZE")
+    parser.add_argument("--kv-budget", type=int, default=512,
+                        help="ACTIVE_KV_BUDGET (tokens; 0: the largest the KV pool holds)")
+    parser.add_argument("--sample-every", type=loadgen.positive_float, default=0.2,
+                        help="seconds between samples of the engine's stats (at most --duration)")
+    parser.add_argument("--scenarios", type=name_list(SCENARIOS), default=",".join(SCENARIOS),
+                        metavar="LIST", help=f"comma-separated, out of {', '.join(SCENARIOS)}")
+    parser.add_argument("--policies", type=name_list(POLICIES), default=",".join(POLICIES),
+                        metavar="LIST", help=f"comma-separated, out of {', '.join(POLICIES)}")
+    parser.add_argument("--seed", type=int, default=1, help="workload seed")
     add_out_dir_flag(parser)
     args = parser.parse_args(argv)
+    if args.sample_every > args.duration:
+        parser.error(f"--sample-every ({args.sample_every:g} s) is longer than --duration "
+                     f"({args.duration:g} s)")
+    from pydantic import ValidationError
+
+    from inference.config import EngineConfig
+
+    try:
+        EngineConfig(backend="reference", reference_step_delay_s=args.step_delay,
+                     **engine_settings(args.policies[0], args))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or "engine settings"
+        flag = {"active_kv_budget": "--kv-budget", "max_batch_size": "--batch"}.get(where)
+        if flag is None and "ACTIVE_KV_BUDGET" in first["msg"]:
+            flag, where = "--kv-budget", "active_kv_budget"
+        parser.error(f"{flag + ' (' + where + ')' if flag else where}: {first['msg']}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     from benchmarks.common import machine
 
     before = machine()
     runs = []
-    for scenario in args.scenarios.split(","):
-        for policy in args.policies.split(","):
+    for scenario in args.scenarios:
+        for policy in args.policies:
             runs.append(asyncio.run(run_one(scenario, policy, args)))
         plot(runs, scenario, args.out_dir)
     for run in runs:
@@ -223,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     path = write_json("fairness", {"args": vars(args), "machine_before": before, "runs": runs},
                       args.out_dir)
     print(f"wrote {path}")
-    return 0
+    return exit_status([f"{r['scenario']}/{r['policy']}" for r in runs if r["all_failed"]])
 
 
 if __name__ == "__main__":

@@ -281,15 +281,47 @@ def failure_reason(result: RequestResult) -> str:
     return f"HTTP {result.http_status} {message}" if result.http_status else message
 
 
+def failure_group(result: RequestResult) -> str:
+    """What identical failures share, without per-request numbers: ``HTTP <status> <code>``
+    (e.g. ``HTTP 429 kv_budget_exceeded``), ``HTTP <status>`` when the body has no code, the
+    exception's type for a client error (e.g. ``ConnectError``), or ``cancelled``."""
+    if result.status == "cancelled":
+        return "cancelled"
+    text = result.error.strip()
+    try:
+        body = json.loads(text) if text else None
+    except ValueError:
+        body = None
+    code = ""
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict):
+            code = str(err.get("code") or err.get("type") or "")
+    if result.http_status:
+        return f"HTTP {result.http_status} {code}".strip()
+    head, sep, _ = text.partition(":")
+    return head.strip() if sep and head.strip() and " " not in head.strip() else (
+        text[:80] or "no detail")
+
+
 def failure_counts(results: Iterable[RequestResult]) -> dict[str, int]:
-    """How many requests failed (rejected, error or cancelled) for each :func:`failure_reason`,
+    """How many requests failed (rejected, error or cancelled) in each :func:`failure_group`,
     most frequent first."""
     counts: dict[str, int] = {}
     for r in results:
         if r.status != "ok":
-            reason = failure_reason(r)
-            counts[reason] = counts.get(reason, 0) + 1
+            group = failure_group(r)
+            counts[group] = counts.get(group, 0) + 1
     return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def failure_examples(results: Iterable[RequestResult]) -> dict[str, str]:
+    """One :func:`failure_reason` (the first) per :func:`failure_group`."""
+    examples: dict[str, str] = {}
+    for r in results:
+        if r.status != "ok":
+            examples.setdefault(failure_group(r), failure_reason(r))
+    return examples
 
 
 def summarize(results: Sequence[RequestResult], duration_s: float | None = None,
@@ -314,6 +346,7 @@ def summarize(results: Sequence[RequestResult], duration_s: float | None = None,
         "errors": sum(r.status == "error" for r in results),
         "cancelled": sum(r.status == "cancelled" for r in results),
         "failures_by_reason": failure_counts(results),
+        "failure_examples": failure_examples(results),
         "duration_s": duration_s,
         "total_input_tokens": sum(r.prompt_tokens for r in ok),
         "total_output_tokens": sum(r.output_tokens for r in ok),
@@ -488,7 +521,7 @@ class EngineTarget:
             self._queues.pop(rid)
             result.status = "rejected" if exc.error.status == 429 else "error"
             result.http_status = exc.error.status
-            result.error = exc.error.message[:300]
+            result.error = _error_body(exc.error)
             result.ended_s = clock()
             return
         result.prompt_tokens = handle.prompt_len
@@ -509,13 +542,19 @@ class EngineTarget:
         if event.finish_reason == "error":
             result.http_status = event.error.status if event.error else 500
             result.status = "rejected" if result.http_status == 429 else "error"
-            result.error = event.error.message[:300] if event.error else "error"
+            result.error = _error_body(event.error) if event.error else "error"
         else:
             result.status, result.http_status = "ok", 200
             result.output_tokens = event.usage.completion_tokens
             result.cached_prompt_tokens = event.usage.cached_prompt_tokens
         if event.text and result.chunk_times_s:
             result.chunk_times_s.append(at - offset)
+
+
+def _error_body(error: Any) -> str:
+    """An engine error as the REST API's body (``{"error": {"code", "message"}}``)."""
+    return json.dumps({"error": {"code": getattr(error, "code", "") or "",
+                                 "message": str(error.message)[:300]}})
 
 
 # --------------------------------------------------------------------------- the runner
@@ -552,7 +591,13 @@ async def run_load(target: Target, specs: Sequence[RequestSpec], *,
 
     background = set(background_tags)
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    bar = tqdm(total=len(specs), desc=desc, unit="req", dynamic_ncols=True)
+    # A time-limited run shows its seconds (most of its requests may never be sent).
+    if stop_at_s is None:
+        bar = tqdm(total=len(specs), desc=desc, unit="req", dynamic_ncols=True)
+    else:
+        bar = tqdm(total=round(stop_at_s, 1), desc=desc, unit="s", dynamic_ncols=True,
+                   bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} s{postfix}")
+    ended = 0
     results: list[RequestResult | None] = [None] * len(specs)
 
     async def one(i: int, spec: RequestSpec) -> None:
@@ -572,7 +617,16 @@ async def run_load(target: Target, specs: Sequence[RequestSpec], *,
         finally:
             if gate is not None:
                 gate.release()
-        bar.update(1)
+        nonlocal ended
+        ended += 1
+        if stop_at_s is None:
+            bar.update(1)
+
+    async def ticker() -> None:
+        while True:
+            bar.n = round(min(clock(), bar.total), 1)
+            bar.set_postfix_str(f"{ended} requests done", refresh=True)
+            await asyncio.sleep(0.5)
 
     async def sampler() -> None:
         while True:
@@ -582,6 +636,7 @@ async def run_load(target: Target, specs: Sequence[RequestSpec], *,
             await asyncio.sleep(sample_every_s)
 
     sampling = asyncio.create_task(sampler()) if sample else None
+    ticking = asyncio.create_task(ticker()) if stop_at_s is not None else None
     tasks = [asyncio.create_task(one(i, s)) for i, s in enumerate(specs)]
     foreground = [t for t, s in zip(tasks, specs, strict=True) if s.tag not in background]
     timeout = None if stop_at_s is None else max(0.0, stop_at_s - clock())
@@ -593,6 +648,10 @@ async def run_load(target: Target, specs: Sequence[RequestSpec], *,
     finally:
         if sampling is not None:
             sampling.cancel()
+        if ticking is not None:
+            ticking.cancel()
+            bar.n = bar.total  # the run is over: its time is up or every request ended
+            bar.set_postfix_str(f"{ended} requests done", refresh=False)
         bar.close()
     done = [r for r in results if r is not None]
     duration = (max((r.ended_s for r in done), default=0.0)
@@ -687,10 +746,12 @@ def build_parser():
     """The command line of ``python -m benchmarks.loadgen``."""
     import argparse
 
+    from benchmarks.common import HelpFormatter
+
     parser = argparse.ArgumentParser(
         description="Send one workload and print vLLM's serving metrics (JSON under "
                     "benchmarks/results/).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     parser.add_argument("--target", choices=("rest", "engine"), default="rest",
                         help="the REST API of a running platform, or the engine in-process")
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the platform (rest)")
@@ -742,8 +803,9 @@ def parse_args(argv: list[str] | None = None):
     return args
 
 
-def report(summary: dict[str, Any]) -> str | None:
-    """Print a one-line warning when requests failed; return the first reason when all did."""
+def report(summary: dict[str, Any], label: str = "") -> str | None:
+    """Print a one-line warning when requests failed (``label``: which run); return the most
+    frequent failure group when every request failed."""
     import sys
 
     failed = summary["requests"] - summary["completed"]
@@ -751,10 +813,12 @@ def report(summary: dict[str, Any]) -> str | None:
         return None
     reasons = summary.get("failures_by_reason", {})
     first = next(iter(reasons), "unknown")
-    print(f"WARNING: {failed} of {summary['requests']} requests did not complete "
-          f"({summary['rejected_429']} rejected with 429, {summary['errors']} errors, "
-          f"{summary.get('cancelled', 0)} cancelled); most frequent: {first} "
-          f"(x{reasons.get(first, failed)})", file=sys.stderr)
+    example = summary.get("failure_examples", {}).get(first, "")
+    detail = f", e.g. {example}" if example and example != first else ""
+    print(f"WARNING: {label + ': ' if label else ''}{failed} of {summary['requests']} requests "
+          f"did not complete ({summary['rejected_429']} rejected with 429, {summary['errors']} "
+          f"errors, {summary.get('cancelled', 0)} cancelled); most frequent: {first} "
+          f"(x{reasons.get(first, failed)}{detail})", file=sys.stderr)
     return first if summary["completed"] == 0 else None
 
 

@@ -37,14 +37,17 @@ from typing import Any
 
 from benchmarks import loadgen
 from benchmarks.common import (
+    HelpFormatter,
     add_out_dir_flag,
     annotate_bars,
+    exit_status,
     headroom,
     machine,
     make_engine,
     model_tokenizer,
     print_table,
     save_figure,
+    warn_if_all_failed,
     write_json,
 )
 from benchmarks.servers import Platform, TenantSpec
@@ -96,6 +99,7 @@ async def drive(target: Any, args: argparse.Namespace, maker: loadgen.PromptMake
     after = cpu_seconds(processes)
     summary = loadgen.summarize(results, duration)
     summary["cpu_s"] = {k: round(after[k] - before[k], 2) for k in processes}
+    summary["all_failed"] = warn_if_all_failed(results, name)
     return summary, loadgen.records(results)
 
 
@@ -196,15 +200,20 @@ def plot(runs: list[dict[str, Any]], overall: dict[str, float],
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--requests", type=int, default=48)
-    parser.add_argument("--warmup", type=int, default=4)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--requests", type=loadgen.positive_int, default=48,
+                        help="measured requests per system and repeat")
+    parser.add_argument("--warmup", type=loadgen.non_negative_int, default=4,
+                        help="warm-up requests before each measured run")
     parser.add_argument("--input-len", type=int, nargs=2, default=(64, 192),
                         metavar=("MIN", "MAX"), help="prompt tokens")
     parser.add_argument("--output-len", type=int, default=64, help="generated tokens")
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=6)
+    parser.add_argument("--concurrency", type=loadgen.positive_int, default=8,
+                        help="requests in flight")
+    parser.add_argument("--repeats", type=loadgen.positive_int, default=3,
+                        help="repeats of each system, alternating which goes first")
+    parser.add_argument("--seed", type=int, default=6, help="workload seed")
     add_out_dir_flag(parser)
     args = parser.parse_args(argv)
     before = machine()
@@ -244,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     path = write_json("overhead", {"args": vars(args), "machine_before": before, "runs": runs,
                                    "overall": overall}, args.out_dir)
     print(f"wrote {path}")
-    return 0
+    return exit_status([f"repeat {i + 1} {system}" for i, run in enumerate(runs)
+                        for system in SYSTEMS if run[system]["all_failed"]])
 
 
 if __name__ == "__main__":

@@ -25,12 +25,15 @@ from typing import Any
 
 from benchmarks import loadgen
 from benchmarks.common import (
+    HelpFormatter,
     add_out_dir_flag,
+    exit_status,
     legend_outside,
     machine,
     print_table,
     reference_tokenizer,
     save_figure,
+    warn_if_all_failed,
     write_json,
 )
 from benchmarks.servers import Platform, TenantSpec
@@ -65,6 +68,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             probe_results = loadgen.records(results)
             capacity = loadgen.summarize(results, duration)["request_throughput"]
             if not capacity > 0:
+                warn_if_all_failed(results, "capacity probe")
                 raise SystemExit("overload: the capacity probe completed no request "
                                  f"({loadgen.failure_counts(results) or 'no results'})")
             for i, load in enumerate(args.loads):
@@ -79,7 +83,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 points.append({"load": load, "offered_rate": load * capacity,
                                "offered_requests": len(specs),
                                "rejected_rate": summary["rejected_429"] / args.duration,
-                               **summary, "results": loadgen.records(results)})
+                               **summary, "results": loadgen.records(results),
+                               "all_failed": warn_if_all_failed(results,
+                                                                f"{load:g} x capacity")})
                 await asyncio.sleep(args.queue / capacity)  # let the backlog drain
     return {"capacity_req_s": capacity, "env": env, "points": points,
             "probe_results": probe_results}
@@ -153,7 +159,7 @@ def load_list(text: str) -> list[float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--duration", type=loadgen.positive_float, default=30,
                         help="seconds per load")
     parser.add_argument("--loads", type=load_list, default="0.25,0.5,1,1.5,2",
@@ -183,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     path = write_json("overload", {"args": vars(args), "machine_before": before, "slos_ms":
                                    SLOS_MS, **data}, args.out_dir)
     print(f"wrote {path}")
-    return 0
+    return exit_status([f"{p['load']:g} x capacity" for p in data["points"] if p["all_failed"]])
 
 
 if __name__ == "__main__":

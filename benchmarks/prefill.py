@@ -26,7 +26,9 @@ from typing import Any
 
 from benchmarks import loadgen
 from benchmarks.common import (
+    HelpFormatter,
     add_out_dir_flag,
+    exit_status,
     legend_outside,
     machine,
     make_engine,
@@ -34,6 +36,7 @@ from benchmarks.common import (
     ms_log_axis,
     print_table,
     save_figure,
+    warn_if_all_failed,
     write_json,
 )
 
@@ -73,6 +76,7 @@ async def run_mode(mode: str, args: argparse.Namespace, tokenizer: Any) -> dict[
                                    duration)
     return {
         "mode": mode, "settings": settings, "duration_s": duration,
+        "all_failed": warn_if_all_failed(results, mode),
         "stream_tokens": sum(len(r.chunk_times_s) for r in streams),
         "stream_itl_ms": {**loadgen.describe_ms(itl), "max": max(itl, default=0) * 1000},
         "short_ttft_ms": summary.get("short", {}).get("ttft_ms"),
@@ -123,7 +127,8 @@ def plot(runs: list[dict[str, Any]], out_dir: str | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--long-lens", default="2000,4000,3000",
                         help="prompt tokens of the long requests, in order of arrival")
     parser.add_argument("--long-every", type=float, default=12, help="seconds between them")
@@ -154,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     path = write_json("prefill", {"args": vars(args), "machine_before": before, "runs": runs},
                       args.out_dir)
     print(f"wrote {path}")
-    return 0
+    return exit_status([r["mode"] for r in runs if r["all_failed"]])
 
 
 if __name__ == "__main__":

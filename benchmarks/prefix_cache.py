@@ -24,8 +24,10 @@ from typing import Any
 
 from benchmarks import loadgen
 from benchmarks.common import (
+    HelpFormatter,
     add_out_dir_flag,
     annotate_bars,
+    exit_status,
     headroom,
     legend_outside,
     machine,
@@ -34,6 +36,7 @@ from benchmarks.common import (
     ms_log_axis,
     print_table,
     save_figure,
+    warn_if_all_failed,
     write_json,
 )
 
@@ -49,11 +52,12 @@ async def run_one(enabled: bool, args: argparse.Namespace, tokenizer: Any) -> di
     async with loadgen.EngineTarget(engine) as target:
         results, duration = await loadgen.run_load(target, specs,
                                                    max_concurrency=args.concurrency,
-                                                   desc=f"prefix cache {int(enabled)}")
+                                                   desc=f"cache {'on' if enabled else 'off'}")
         stats = engine.stats()
     summary = loadgen.summarize(results, duration)
     return {
         "prefix_caching": enabled, "summary": summary,
+        "all_failed": warn_if_all_failed(results, f"cache {'on' if enabled else 'off'}"),
         "prefix_hit_rate": stats["prefix_hit_rate"],
         "prefix_hit_tokens": stats["prefix_hit_tokens"],
         "prefix_queried_tokens": stats["prefix_queried_tokens"],
@@ -111,15 +115,16 @@ def plot(runs: list[dict[str, Any]], out_dir: str | None = None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=HelpFormatter)
     pos = loadgen.positive_int
-    parser.add_argument("--requests", type=pos, default=32)
+    parser.add_argument("--requests", type=pos, default=32, help="requests per setting")
     parser.add_argument("--prefixes", type=pos, default=4, help="distinct shared prefixes")
     parser.add_argument("--prefix-len", type=pos, default=512, help="tokens")
     parser.add_argument("--suffix-len", type=pos, default=32, help="tokens")
     parser.add_argument("--output-len", type=pos, default=32, help="tokens")
-    parser.add_argument("--concurrency", type=pos, default=8)
-    parser.add_argument("--seed", type=int, default=4)
+    parser.add_argument("--concurrency", type=pos, default=8,
+                        help="requests in flight (and MAX_BATCH_SIZE)")
+    parser.add_argument("--seed", type=int, default=4, help="workload seed")
     add_out_dir_flag(parser)
     args = parser.parse_args(argv)
     before = machine()
@@ -127,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = [asyncio.run(run_one(enabled, args, tokenizer)) for enabled in (False, True)]
     plot(runs, args.out_dir)
     print_table([{"prefix_cache": "on" if r["prefix_caching"] else "off",
-                  "hit_rate": r["prefix_hit_rate"],
+                  "hit_rate": f"{r['prefix_hit_rate']:.1%}",
                   "prompt_computed": r["prompt_tokens_computed"],
                   "ttft_p50_ms": r["summary"]["ttft_ms"]["median"],
                   "ttft_p99_ms": r["summary"]["ttft_ms"]["p99"],
@@ -139,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     path = write_json("prefix_cache", {"args": vars(args), "machine_before": before,
                                        "runs": runs}, args.out_dir)
     print(f"wrote {path}")
-    return 0
+    return exit_status([f"cache {'on' if r['prefix_caching'] else 'off'}"
+                        for r in runs if r["all_failed"]])
 
 
 if __name__ == "__main__":

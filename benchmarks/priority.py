@@ -30,15 +30,19 @@ from typing import Any
 
 from benchmarks import loadgen
 from benchmarks.common import (
+    HelpFormatter,
     add_out_dir_flag,
     annotate_bars,
+    exit_status,
     fmt_ms,
     legend_outside,
     machine,
     ms_log_axis,
+    name_list,
     print_table,
     reference_tokenizer,
     save_figure,
+    warn_if_all_failed,
     write_json,
 )
 from benchmarks.servers import Platform, TenantSpec
@@ -80,7 +84,8 @@ async def run_one(name: str, args: argparse.Namespace, rate_bulk: float) -> dict
             "per_tenant": loadgen.summarize_by(results, lambda r: r.tenant, duration),
             "vip_ttft": [{"sent_s": r.sent_s, "ttft_s": r.ttft_s} for r in results
                          if r.tenant == "vip" and r.ttft_s is not None],
-            "results": loadgen.records(results)}
+            "results": loadgen.records(results),
+            "all_failed": warn_if_all_failed(results, name)}
 
 
 # The bars of the right-hand panel: (tenant, statistic of its TTFT), as in the printed table.
@@ -127,7 +132,8 @@ def plot(runs: list[dict[str, Any]], out_dir: str | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--duration", type=float, default=30, help="seconds of arrivals per run")
     parser.add_argument("--overload", type=float, default=2.0,
                         help="bulk's rate as a multiple of the worker's capacity")
@@ -136,13 +142,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds per forward pass of the reference backend")
     parser.add_argument("--batch", type=int, default=4, help="MAX_BATCH_SIZE")
     parser.add_argument("--queue", type=int, default=128, help="MAX_QUEUE_SIZE (gate 1)")
-    parser.add_argument("--runs", default=",".join(RUNS))
-    parser.add_argument("--seed", type=int, default=2)
+    parser.add_argument("--runs", type=name_list(tuple(RUNS)), default=",".join(RUNS),
+                        metavar="LIST", help=f"comma-separated, out of {', '.join(RUNS)}")
+    parser.add_argument("--seed", type=int, default=2, help="workload seed")
     add_out_dir_flag(parser)
     args = parser.parse_args(argv)
     before = machine()
     rate_bulk = args.overload * capacity_req_s(args)
-    runs = [asyncio.run(run_one(name, args, rate_bulk)) for name in args.runs.split(",")]
+    runs = [asyncio.run(run_one(name, args, rate_bulk)) for name in args.runs]
     plot(runs, args.out_dir)
     rows = []
     for run in runs:
@@ -156,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     path = write_json("priority", {"args": vars(args), "bulk_rate": rate_bulk,
                                    "machine_before": before, "runs": runs}, args.out_dir)
     print(f"wrote {path}")
-    return 0
+    return exit_status([r["name"] for r in runs if r["all_failed"]])
 
 
 if __name__ == "__main__":

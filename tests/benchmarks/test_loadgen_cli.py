@@ -24,14 +24,25 @@ def test_failure_reasons_name_http_status_error_code_and_exception_text():
     limited = failed("rejected", 429, "queue full")
     assert failure_reason(limited) == "HTTP 429 queue full"
     counts = failure_counts([conn, http, conn])
-    assert counts == {"ConnectError: All connection attempts failed": 2,
-                      "HTTP 500 internal: boom": 1}
+    assert counts == {"ConnectError": 2, "HTTP 500 internal": 1}
+
+
+def test_failures_group_by_status_and_code_without_per_request_numbers():
+    def budget(n: int) -> RequestResult:
+        return failed("rejected", 429, json.dumps({"error": {
+            "code": "kv_budget_exceeded", "message": f"{n} + 36 = {n + 36} tokens exceeds"}}))
+
+    s = summarize([budget(51), budget(60), failed("rejected", 429, "queue full")])
+    assert s["failures_by_reason"] == {"HTTP 429 kv_budget_exceeded": 2, "HTTP 429": 1}
+    assert s["failure_examples"]["HTTP 429 kv_budget_exceeded"] == (
+        "HTTP 429 kv_budget_exceeded: 51 + 36 = 87 tokens exceeds")
 
 
 def test_summary_of_only_failures_is_strict_json_with_reasons():
     s = summarize([failed("error", 0, "ConnectError: refused")])
     assert s["completed"] == 0 and s["errors"] == 1
-    assert s["failures_by_reason"] == {"ConnectError: refused": 1}
+    assert s["failures_by_reason"] == {"ConnectError": 1}
+    assert s["failure_examples"] == {"ConnectError": "ConnectError: refused"}
     text = json.dumps(finite(s))
     assert "NaN" not in text
     assert json.loads(text)["ttft_ms"]["p99"] is None
@@ -39,7 +50,7 @@ def test_summary_of_only_failures_is_strict_json_with_reasons():
 
 def test_report_warns_and_flags_when_every_request_failed(capsys):
     s = summarize([failed("error", 0, "ConnectError: refused")])
-    assert loadgen.report(s) == "ConnectError: refused"
+    assert loadgen.report(s) == "ConnectError"
     assert "WARNING: 1 of 1 requests did not complete" in capsys.readouterr().err
     ok = RequestResult("a", "", "ok", 200, 0.0, [0.1], 0.2, 5, 1)
     assert loadgen.report(summarize([ok, failed("error", 0, "x")])) is None
@@ -128,3 +139,72 @@ def test_fairness_json_holds_every_request_and_the_summaries(tmp_path):
     assert all({"arrival_s", "ttft_s", "itls_s", "e2el_s", "status", "prompt_tokens",
                 "output_tokens", "failure_reason"} <= set(r) for r in run["results"])
     assert (tmp_path / "fairness-two.png").stat().st_size > 0
+
+
+def test_every_request_failing_warns_and_exits_1(tmp_path, capsys):
+    from benchmarks import fairness
+
+    assert fairness.main(["--duration", "0.5", "--rate", "4", "--step-delay", "0.002",
+                          "--scenarios", "two", "--policies", "fcfs", "--sample-every", "0.1",
+                          "--kv-budget", "10", "--out-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "WARNING: two/fcfs:" in err and "HTTP 429 kv_budget_exceeded" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--duration", "0"], "greater than 0"),
+    (["--rate", "-1"], "greater than 0"),
+    (["--batch", "0"], "at least 1"),
+    (["--step-delay", "-1"], "at least 0"),
+    (["--policies", "fcfs,lifo"], "choose from fcfs, vtc"),
+    (["--policies", ","], "empty list"),
+    (["--scenarios", "four"], "choose from two, three"),
+    (["--sample-every", "0"], "greater than 0"),
+    (["--duration", "1", "--sample-every", "2"], "longer than --duration"),
+    (["--kv-budget", "-5"], "--kv-budget"),
+    (["--kv-budget", "99999"], "--kv-budget"),
+])
+def test_bad_fairness_flags_are_argparse_errors(argv, message, capsys):
+    from benchmarks import fairness
+
+    with pytest.raises(SystemExit) as exc:
+        fairness.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workloads", "d"], "argument --workloads: unknown 'd'; choose from a, b, c"),
+    (["--systems", "engine,foo"], "argument --systems: unknown 'foo'"),
+    (["--workloads", ""], "empty list"),
+    (["--repeats", "0"], "at least 1"),
+    (["--repeats", "-1"], "at least 1"),
+])
+def test_bad_bench_engine_flags_are_argparse_errors(argv, message, capsys):
+    from benchmarks import bench_engine
+
+    with pytest.raises(SystemExit) as exc:
+        bench_engine.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_name_lists_merge_duplicates_in_order():
+    from benchmarks.common import name_list
+
+    assert name_list(("a", "b", "c"))("b,a,b, c") == ["b", "a", "c"]
+
+
+def test_bench_engine_exits_1_after_the_table_when_a_run_failed(tmp_path, monkeypatch, capsys):
+    from benchmarks import bench_engine
+
+    monkeypatch.setattr(bench_engine, "run_one",
+                        lambda *a, **k: {"error": "exit 1: boom", "description": "c"})
+    out = tmp_path / "bench.json"
+    assert bench_engine.main(["--quick", "--workloads", "c,c", "--systems", "engine",
+                              "--out", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert "failed: exit 1: boom" in captured.out
+    assert "failed runs: engine on c" in captured.err
+    assert list(json.loads(out.read_text())["results"]) == ["c"]
