@@ -109,8 +109,9 @@ class LLMEngine:
     Args:
         config: engine settings; see :class:`inference.config.EngineConfig`.
         backend: the model; by default loaded from ``config`` (``BACKEND``, ``MODEL_PATH``).
-        event_sink: called on the worker thread once per tick with that tick's events, in
-            order (for the Redis bridge); events also go to each request's handle.
+        event_sink: called on the worker thread with each tick's events, in order (for the
+            Redis bridge): once with the events before the tick's decode step (first tokens)
+            when there are any, once with the rest; events also go to each request's handle.
 
     Raises:
         ValueError: if the KV pool cannot hold the active-KV budget.
@@ -242,10 +243,17 @@ class LLMEngine:
         """
         self._drain_inbox()
         started = time.perf_counter()
-        events = self.scheduler.step()
+        early: list[Event] = []
+
+        def emit_early(events: list[Event]) -> None:
+            # First tokens go out before the tick's decode step, not after it.
+            early.extend(events)
+            self._emit(events)
+
+        events = self.scheduler.step(emit_early)
         self._tick_seconds = time.perf_counter() - started
         self._after_tick(events)
-        return events
+        return early + events
 
     def has_work(self) -> bool:
         with self._lock:
@@ -314,9 +322,15 @@ class LLMEngine:
     def _after_tick(self, events: list[Event]) -> None:
         left = self.scheduler.left_pending
         self.scheduler.left_pending = 0
-        finals = []
         with self._lock:
             self._queued -= left
+        self._emit(events)
+        self._stats = self._build_stats()
+
+    def _emit(self, events: list[Event]) -> None:
+        """Deliver ``events`` to their handles and the event sink (on the engine's thread)."""
+        finals = []
+        with self._lock:
             handles = [self._handles.get(e.request_id) for e in events]
             for event in events:
                 if isinstance(event, FinalEvent):
@@ -330,7 +344,6 @@ class LLMEngine:
                 self.event_sink(events)
             except Exception:
                 log.exception("event sink failed")
-        self._stats = self._build_stats()
 
     def _build_stats(self) -> dict[str, Any]:
         snapshot = self.scheduler.stats()

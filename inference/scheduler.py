@@ -111,12 +111,24 @@ class Scheduler:
         self._finish(request, FinishReason.ABORT)
         return True
 
-    def step(self) -> list[Event]:
-        """Run one tick; return the events it produced, in order."""
+    def step(self, on_prefill_events: Callable[[list[Event]], None] | None = None
+             ) -> list[Event]:
+        """Run one tick; return the events it produced, in order.
+
+        Args:
+            on_prefill_events: if given, called with the events of the phases before decode
+                (first tokens of rows promoted this tick, requests ended by the gates or by
+                their first token) before the decode step runs, so a first token reaches its
+                client without waiting for the batch's decode step; those events are then
+                not returned again.
+        """
         self._expire_pending()
         self._admit_pending()
         self._advance_prefill_chunk()
         self._evict_finished()
+        if on_prefill_events is not None and self._events:
+            early, self._events = self._events, []
+            on_prefill_events(early)
         self._decode_step()
         self.tick_count += 1
         events, self._events = self._events, []

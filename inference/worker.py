@@ -98,7 +98,9 @@ def main() -> int:
     bridge.ensure_groups()
     pubsub = client.pubsub(ignore_subscribe_messages=True)
     pubsub.subscribe(**{bridge.keys.control: bridge.on_control})
-    control_thread = pubsub.run_in_thread(sleep_time=0.01, daemon=True)
+    # get_message() returns as soon as a control message arrives; the timeout only bounds how
+    # often the thread wakes when none does (each wake-up competes with the model's threads).
+    control_thread = pubsub.run_in_thread(sleep_time=0.5, daemon=True)
 
     engine.start()
     bridge.publish_stats(settings.worker_heartbeat_ttl_s)

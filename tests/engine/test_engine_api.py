@@ -196,3 +196,23 @@ def test_stats_report_the_documented_fields():
     acme = stats["per_key"]["acme"]
     assert acme["tokens_served"] == 3 + 3 and acme["in_flight"] == 0
     assert acme["vtc_counter"] == pytest.approx(3 * 1.0 + 3 * 2.0)
+
+
+def test_a_first_token_reaches_its_client_before_the_ticks_decode_step():
+    # A long decode step (many rows, a slow model) must not delay a new request's first token:
+    # it is delivered as soon as the prefill that produced it ends.
+    backend = GatedBackend()
+    sunk: list[list] = []
+    engine = make_engine(backend, prefill_chunk_size=64)
+    engine.event_sink = sunk.append
+    engine.start()
+    handle = engine.submit(prompt="hello there", sampling=SamplingParams(max_tokens=5))
+    assert backend.in_decode.wait(5)
+    # The tick that promoted the row is now blocked in its decode step.
+    first = next(handle.events(timeout=5))
+    assert isinstance(first, TokenEvent) and first.seq == 0
+    assert [type(e) for batch in sunk for e in batch] == [TokenEvent]
+    backend.release.set()
+    _, rest, final = handle.result(timeout=10)  # the events after the one read above
+    assert final.finish_reason is FinishReason.LENGTH and len([first, *rest]) == 5
+    engine.shutdown()
