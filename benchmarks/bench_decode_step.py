@@ -31,6 +31,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks.loadgen import positive_int  # noqa: E402 - after the path set-up above
+
 SETTINGS = {
     "baseline": {"small_batch_gemm": False, "attention_groups": 1},
     "gemm": {"small_batch_gemm": True, "attention_groups": 1},
@@ -54,20 +56,20 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--rows", type=_int_list, default=[2, 11, 24, 32], metavar="LIST",
                         help="batch sizes (rows per decode step), comma-separated")
-    parser.add_argument("--min-context", type=int, default=16, help="shortest row (tokens)")
-    parser.add_argument("--max-context", type=int, default=576, help="longest row (tokens)")
-    parser.add_argument("--steps", type=int, default=5, help="decode steps per round")
-    parser.add_argument("--repeats", type=int, default=4, help="rounds per setting")
+    parser.add_argument("--min-context", type=positive_int, default=16,
+                        help="shortest row (tokens)")
+    parser.add_argument("--max-context", type=positive_int, default=576,
+                        help="longest row (tokens)")
+    parser.add_argument("--steps", type=positive_int, default=5, help="decode steps per round")
+    parser.add_argument("--repeats", type=positive_int, default=4, help="rounds per setting")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the rows' context lengths and token ids")
     parser.add_argument("--out", type=Path, metavar="FILE",
                         default=REPO / "benchmarks" / "results" / "decode_step.json",
                         help="JSON file to write")
     args = parser.parse_args(argv)
-    if not 1 <= args.min_context <= args.max_context:
-        parser.error("need 1 <= --min-context <= --max-context")
-    if args.steps < 1 or args.repeats < 1:
-        parser.error("--steps and --repeats must be at least 1")
+    if args.min_context > args.max_context:
+        parser.error("need --min-context <= --max-context")
 
     import torch
 
