@@ -91,14 +91,21 @@ def test_a_prefix_hit_equals_a_miss_and_survives_eviction(backend, corpus_ids):
     assert_same_greedy(miss, again.tokens, "after eviction")
 
 
+@pytest.mark.parametrize("native_attention", [True, False], ids=["native", "gather"])
 def test_a_prompt_decoding_among_rows_of_very_different_lengths_equals_it_alone(
-        backend, corpus_ids, chat_prompt, alone):
-    # Decode attention runs over groups of rows of similar length; rows of 1 to 1,000 tokens
-    # decoding together are split into several groups, and the answer must not change.
+        backend, corpus_ids, chat_prompt, alone, native_attention):
+    # The native kernel reads each row's K/V in place; the gather path runs decode attention
+    # over groups of rows of similar length, so rows of 1 to 1,000 tokens decoding together are
+    # split into several groups. Either way the answer must not change.
     engine, recorder = make_engine(backend, max_batch_size=8)
     prompts = {f"n{n}": corpus_ids[:n] for n in (1, 30, 250, 600, 1000)}
     prompts["prompt"] = chat_prompt
-    runs = run_requests(engine, recorder, prompts, GREEDY)
+    before = backend.native_attention
+    backend.native_attention = native_attention and before
+    try:
+        runs = run_requests(engine, recorder, prompts, GREEDY)
+    finally:
+        backend.native_attention = before
     assert_same_greedy(alone, runs["prompt"].tokens, "rows of 1 to 1,000 tokens")
     block = engine.config.kv_block_size
     widest = max(recorder.decode_calls, key=len)

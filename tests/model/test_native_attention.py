@@ -1,0 +1,119 @@
+"""The native paged decode-attention kernel: its math against the gather path, its errors, and
+the backend's fallback where it cannot be built."""
+
+from __future__ import annotations
+
+import random
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from inference.backends import native
+from inference.backends.base import DecodeRow, PrefillChunk
+
+HAS_COMPILER = any(shutil.which(cc) for cc in ("cc", "gcc"))
+
+
+@pytest.fixture(scope="module")
+def lib():
+    if not HAS_COMPILER:
+        pytest.skip("no C compiler on this machine: the backend uses its gather path")
+    loaded = native.load()
+    assert loaded is not None, "a C compiler is present but the kernel did not build"
+    return loaded
+
+
+def reference(q, pool, tables, lens, scale):
+    """Gather each row's K/V by block table and run scaled_dot_product_attention row by row."""
+    rows, kv_heads, group, dim = q.shape
+    block = pool.shape[2]
+    out = torch.empty_like(q)
+    for r in range(rows):
+        n = int(lens[r])
+        blocks = tables[r, : -(-n // block)]
+        kv = pool[:, blocks].reshape(2 * kv_heads, -1, dim)[:, :n]  # [2 KV, n, D]
+        k = kv[:kv_heads].repeat_interleave(group, 0)
+        v = kv[kv_heads:].repeat_interleave(group, 0)
+        o = F.scaled_dot_product_attention(q[r].reshape(kv_heads * group, 1, dim), k, v,
+                                           scale=scale)
+        out[r] = o.reshape(kv_heads, group, dim)
+    return out
+
+
+@pytest.mark.parametrize("kv_heads, group, dim, block", [(3, 3, 64, 16), (2, 4, 128, 32),
+                                                          (4, 1, 32, 1), (1, 8, 64, 16)])
+def test_kernel_equals_gathered_attention_over_scattered_blocks(lib, kv_heads, group, dim, block):
+    rng = random.Random(kv_heads * 100 + group)
+    # Lengths of 1 token, a block boundary, one past it, and longer rows.
+    lens = [1, block, block + 1, 3 * block, 700, rng.randint(2, 300), rng.randint(2, 300)]
+    need = [-(-n // block) for n in lens]
+    num_blocks = sum(need) + 5
+    pool = torch.randn(2 * kv_heads, num_blocks, block, dim)
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)  # out of order, not contiguous
+    width = max(need)
+    tables, used = [], 0
+    for n in need:
+        tables.append(ids[used:used + n] + [0] * (width - n))
+        used += n
+    tables_t = torch.tensor(tables)
+    lens_t = torch.tensor(lens)
+    q = torch.randn(len(lens), kv_heads, group, dim)
+    scale = dim ** -0.5
+    got = native.paged_decode_attention(lib, q, pool, tables_t, lens_t, scale)
+    torch.testing.assert_close(got, reference(q, pool, tables_t, lens_t, scale),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_refuses_lengths_and_block_ids_outside_the_pool(lib):
+    pool = torch.zeros(2, 4, 16, 8)
+    q = torch.zeros(1, 1, 1, 8)
+    with pytest.raises(ValueError, match="beyond its block table"):
+        native.paged_decode_attention(lib, q, pool, torch.tensor([[1]]), torch.tensor([17]), 1.0)
+    with pytest.raises(ValueError, match="below 1"):
+        native.paged_decode_attention(lib, q, pool, torch.tensor([[1]]), torch.tensor([0]), 1.0)
+    with pytest.raises(ValueError, match="outside the pool"):
+        native.paged_decode_attention(lib, q, pool, torch.tensor([[4]]), torch.tensor([3]), 1.0)
+
+
+def ragged_decode_logits(backend, corpus_ids):
+    backend.allocate_kv_pool(96, 16)
+    prompts = {"a": corpus_ids[:5], "b": corpus_ids[100:148], "c": corpus_ids[300:333],
+               "d": corpus_ids[400:900]}
+    tables = {"a": [3], "b": [10, 11, 12, 13], "c": [20, 5, 21], "d": list(range(60, 92))}
+    backend.prefill([PrefillChunk(r, ids, 0, tables[r]) for r, ids in prompts.items()])
+    rows = [DecodeRow(r, 42 + i, len(ids), tables[r]) for i, (r, ids) in enumerate(prompts.items())]
+    return backend.decode(rows)
+
+
+@pytest.mark.model
+def test_backend_decodes_alike_with_the_kernel_and_with_gathers(backend, corpus_ids, lib):
+    try:
+        backend.native_attention = True
+        with_kernel = ragged_decode_logits(backend, corpus_ids)
+        backend.native_attention = False
+        gathered = ragged_decode_logits(backend, corpus_ids)
+    finally:
+        backend.native_attention = True
+    torch.testing.assert_close(with_kernel, gathered, atol=1e-3, rtol=0)
+    assert torch.equal(with_kernel.argmax(-1), gathered.argmax(-1))
+
+
+@pytest.mark.model
+def test_without_a_compiler_the_backend_falls_back_to_gathers(backend, corpus_ids, tmp_path,
+                                                               monkeypatch):
+    expected = ragged_decode_logits(backend, corpus_ids)
+    monkeypatch.setenv("CC", "false")  # a "compiler" that fails
+    monkeypatch.setenv("LLM_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_loaded", {})
+    saved = backend._native
+    try:
+        backend._native, backend.native_attention = None, True
+        logits = ragged_decode_logits(backend, corpus_ids)
+        assert backend.native_attention is False  # switched itself off
+    finally:
+        backend._native, backend.native_attention = saved, saved is not False
+    assert list(tmp_path.iterdir()) == []
+    torch.testing.assert_close(logits, expected, atol=1e-3, rtol=0)
