@@ -1,12 +1,14 @@
-"""One decode step of the transformers backend, with and without its two CPU speed settings.
+"""One decode step of the transformers backend, with and without its CPU speed settings.
 
 The same rows (mixed context lengths, the KV pool filled with random values) are decoded under
-three settings, interleaved so that machine noise hits them alike:
+four settings, interleaved so that machine noise hits them alike:
 
 * ``baseline``: ``F.linear`` projections, attention over all rows gathered to the longest one;
 * ``gemm``: projections as ``W @ x^T`` (``TransformersBackend.small_batch_gemm``);
 * ``gemm+groups``: also attention over groups of similar-length rows
-  (``TransformersBackend.attention_groups``), the default.
+  (``TransformersBackend.attention_groups``);
+* ``gemm+native``: projections as ``W @ x^T`` and attention read in place from the KV pool by the
+  native kernel (``TransformersBackend.native_attention``), the default.
 
 For each batch size it prints milliseconds per step (the fastest of ``--repeats`` rounds of
 ``--steps`` steps each) and the ratio to the baseline, checks that the settings pick the same
@@ -34,9 +36,13 @@ if str(REPO) not in sys.path:
 from benchmarks.loadgen import positive_int  # noqa: E402 - after the path set-up above
 
 SETTINGS = {
-    "baseline": {"small_batch_gemm": False, "attention_groups": 1},
-    "gemm": {"small_batch_gemm": True, "attention_groups": 1},
-    "gemm+groups": {"small_batch_gemm": True, "attention_groups": None},  # None: the default
+    "baseline": {"small_batch_gemm": False, "attention_groups": 1, "native_attention": False},
+    "gemm": {"small_batch_gemm": True, "attention_groups": 1, "native_attention": False},
+    # None: the backend's default
+    "gemm+groups": {"small_batch_gemm": True, "attention_groups": None,
+                    "native_attention": False},
+    "gemm+native": {"small_batch_gemm": True, "attention_groups": None,
+                    "native_attention": True},
 }
 
 
@@ -103,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         setting = SETTINGS[name]
         backend.small_batch_gemm = setting["small_batch_gemm"]
         backend.attention_groups = setting["attention_groups"] or default_groups
+        backend.native_attention = setting["native_attention"]
 
     results = []
     print(f"{'rows':>4} {'mean ctx':>8} " + " ".join(f"{n:>14}" for n in SETTINGS)

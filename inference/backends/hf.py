@@ -6,10 +6,12 @@ rotary embedding, paged attention, output projection, RMSNorm, gated MLP; final 
 
 Paged attention: the KV cache of every row lives in one pool tensor allocated once
 (:meth:`TransformersBackend.allocate_kv_pool`). Each forward pass writes the new tokens' K/V into
-the slots their row's block table names, gathers each row's K/V by block table, and runs
-``scaled_dot_product_attention`` with a per-row mask: rows of different lengths decode in one pass,
-and a prefill chunk attends causally to itself and to every earlier position of its row (earlier
-chunks or prefix-cache hits).
+the slots their row's block table names. A decode pass then runs the native paged-attention kernel
+(:mod:`inference.backends.native`), which reads each row's K/V in place along its block table; a
+prefill pass (or a decode pass without the kernel) gathers each row's K/V by block table and runs
+``scaled_dot_product_attention`` with a per-row mask. Either way rows of different lengths decode
+in one pass, and a prefill chunk attends causally to itself and to every earlier position of its
+row (earlier chunks or prefix-cache hits).
 
 Supported architectures: Llama, Mistral, Qwen2 and Qwen3 style decoders (``q/k/v/o_proj``,
 ``gate/up/down_proj``, RMSNorm, rotary embedding with a position-only table).
