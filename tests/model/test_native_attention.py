@@ -3,8 +3,12 @@ the backend's fallback where it cannot be built."""
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +17,7 @@ import torch.nn.functional as F
 from inference.backends import native
 from inference.backends.base import DecodeRow, PrefillChunk
 
+REPO = Path(__file__).resolve().parents[2]
 HAS_COMPILER = any(shutil.which(cc) for cc in ("cc", "gcc"))
 
 
@@ -117,3 +122,33 @@ def test_without_a_compiler_the_backend_falls_back_to_gathers(backend, corpus_id
         backend._native, backend.native_attention = saved, saved is not False
     assert list(tmp_path.iterdir()) == []
     torch.testing.assert_close(logits, expected, atol=1e-3, rtol=0)
+
+
+def test_kernel_refuses_tensors_of_the_wrong_kind(lib):
+    pool = torch.zeros(2, 4, 16, 8)
+    q = torch.zeros(1, 1, 1, 8)
+    tables, lens = torch.tensor([[1]]), torch.tensor([3])
+    with pytest.raises(ValueError, match="q must be a contiguous 4-d torch.float32"):
+        native.paged_decode_attention(lib, q.double(), pool, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="tables must be"):
+        native.paged_decode_attention(lib, q, pool, tables.int(), lens, 1.0)
+    with pytest.raises(ValueError, match="pool must be"):
+        native.paged_decode_attention(lib, q, pool.transpose(2, 3), tables, lens, 1.0)
+    with pytest.raises(ValueError, match="shapes do not match"):
+        native.paged_decode_attention(lib, torch.zeros(1, 2, 1, 8), pool, tables, lens, 1.0)
+
+
+def test_a_damaged_cached_kernel_is_rebuilt(tmp_path):
+    if not HAS_COMPILER:
+        pytest.skip("no C compiler on this machine")
+    # Each load in a process of its own: a process that loaded a library keeps using its mapping.
+    load = [sys.executable, "-c", "from inference.backends import native; "
+            "raise SystemExit(0 if native.load() is not None else 3)"]
+    env = {**os.environ, "LLM_KERNEL_DIR": str(tmp_path)}
+    subprocess.run(load, env=env, cwd=REPO, check=True, timeout=120)
+    (built,) = tmp_path.glob("*.so")
+    built.write_bytes(b"not a shared library")
+    done = subprocess.run(load, env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "rebuilding it" in done.stderr
+    assert built.read_bytes()[:4] == b"\x7fELF"

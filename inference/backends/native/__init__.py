@@ -73,7 +73,7 @@ def load() -> ctypes.CDLL | None:
         lib = None
         try:
             lib = _build_and_load()
-        except (OSError, subprocess.SubprocessError) as exc:
+        except (OSError, AttributeError, subprocess.SubprocessError) as exc:
             logger.warning("native paged attention unavailable, using the gather path: %s", exc)
         _loaded["lib"] = lib
         return lib
@@ -94,27 +94,41 @@ def _build_and_load() -> ctypes.CDLL | None:
                     platform.machine().encode()])
     ).hexdigest()[:16]
     target = kernel_dir() / f"paged_attention-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Build beside the target and rename: concurrent builders never load a half-written file.
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        try:
-            result = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"],
-                                    capture_output=True, text=True, timeout=300)
-            if result.returncode != 0:
-                logger.warning("building native paged attention failed, using the gather path:"
-                               "\n%s", result.stderr[-2000:])
-                return None
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    lib = ctypes.CDLL(str(target))
+    if not target.exists() and not _compile(cc, target):
+        return None
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as exc:
+        # A damaged cache entry (a truncated copy, say): build it again, once.
+        logger.warning("cached kernel %s does not load (%s); rebuilding it", target, exc)
+        target.unlink(missing_ok=True)
+        if not _compile(cc, target):
+            return None
+        lib = ctypes.CDLL(str(target))
     fn = lib.paged_decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7 + [ctypes.c_float]
     return lib
+
+
+def _compile(cc: str, target: Path) -> bool:
+    """Build the library at ``target``; ``False`` (and a logged warning) if the compiler fails."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent builders never load a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"],
+                                capture_output=True, text=True, timeout=300)
+        if result.returncode != 0:
+            logger.warning("building native paged attention failed, using the gather path:\n%s",
+                           result.stderr[-2000:])
+            return False
+        os.replace(tmp, target)
+        return True
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def paged_decode_attention(lib: ctypes.CDLL, q: torch.Tensor, pool: torch.Tensor,
@@ -134,10 +148,24 @@ def paged_decode_attention(lib: ctypes.CDLL, q: torch.Tensor, pool: torch.Tensor
         ``[rows, kv_heads, group, head_dim]`` attention output.
 
     Raises:
-        ValueError: for a length or block id that does not fit the pool.
+        ValueError: for tensors of another dtype, device, rank or layout than above, or a
+            length or block id that does not fit the pool.
         MemoryError: if the kernel cannot allocate its score buffer.
     """
+    for name, tensor, dtype, dims in (("q", q, torch.float32, 4), ("pool", pool, torch.float32, 4),
+                                      ("tables", tables, torch.int64, 2),
+                                      ("lens", lens, torch.int64, 1)):
+        if (tensor.dtype != dtype or tensor.device.type != "cpu" or tensor.dim() != dims
+                or not tensor.is_contiguous()):
+            raise ValueError(f"paged decode attention: {name} must be a contiguous {dims}-d "
+                             f"{dtype} CPU tensor, got {tuple(tensor.shape)} {tensor.dtype} "
+                             f"on {tensor.device}")
     rows, kv_heads, group, head_dim = q.shape
+    if (pool.shape[0] != 2 * kv_heads or pool.shape[3] != head_dim or tables.shape[0] != rows
+            or lens.shape[0] != rows):
+        raise ValueError(f"paged decode attention: shapes do not match: q {tuple(q.shape)}, "
+                         f"pool {tuple(pool.shape)}, tables {tuple(tables.shape)}, "
+                         f"lens {tuple(lens.shape)}")
     num_blocks, block_size = pool.shape[1], pool.shape[2]
     out = torch.empty_like(q)
     rc = lib.paged_decode_attention(
