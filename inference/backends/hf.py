@@ -365,7 +365,11 @@ class TransformersBackend(ModelBackend):
         self.attention_groups = MAX_ATTENTION_GROUPS
         self.small_batch_gemm = self.device.type == "cpu"
         self.native_attention = self.device.type == "cpu" and self.dtype == torch.float32
+        # The kernel library (built now, before serving; False: unavailable; None: not tried).
         self._native: Any = None
+        if self.native_attention:
+            self._native = native_kernels.load() or False
+            self.native_attention = bool(self._native)
         with torch.inference_mode():
             pos = torch.arange(self.max_model_len, device=self.device)[None]
             probe = torch.zeros(1, device=self.device, dtype=torch.float32)

@@ -1,23 +1,31 @@
-"""Native CPU kernels of the transformers backend, compiled on first use.
+"""Native CPU kernels of the transformers backend, compiled once per machine.
 
 One kernel so far, :func:`paged_decode_attention` (``paged_attention.c``): decode attention read
 straight from the paged KV pool, without first gathering each row's K/V into a padded tensor.
 
-The C source is compiled with the system C compiler (``$CC``, else ``cc``/``gcc``) for this CPU
-(``-O3 -march=native -fopenmp``) into a shared library cached under ``<repo>/.cache/kernels``
-(``LLM_KERNEL_DIR`` overrides), keyed by the source, the compiler and the CPU, and loaded with
-``ctypes``. It takes about a second, once per machine. Where no compiler is present or the build
-fails, :func:`load` returns ``None`` and logs why; the backend then keeps its gather path.
+The C source is compiled with the system C compiler (``$CC``, else ``cc`` or ``gcc``) for this
+CPU (:data:`CFLAGS`: ``-O3 -march=native -ffast-math -fopenmp``; linked without ``-ffast-math``,
+whose start-up code would flush subnormals to zero for the whole process) into a shared library
+cached under ``<repo>/.cache/kernels`` (``LLM_KERNEL_DIR`` overrides). The cache entry is keyed
+by the source, the flags, the compiler and the CPU (model and feature flags), and holds a SHA-256
+of the built file that is checked before every load, so a truncated or altered file is rebuilt
+instead of mapped. The build takes about a second; the transformers backend runs it when it is
+created, before serving. Where no compiler is present, the build fails or times out
+(:data:`BUILD_TIMEOUT_S`), :func:`load` returns ``None`` and logs why; the backend then keeps its
+gather path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -29,7 +37,11 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
 REPO_ROOT = Path(__file__).resolve().parents[3]
-CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+# Compiled with -ffast-math (vectorised dot products and expf) but linked without it: linking
+# with it adds start-up code that flushes subnormal floats to zero for the whole process.
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
+LDFLAGS = ("-shared", "-fopenmp")
+BUILD_TIMEOUT_S = 120.0
 
 _ERRORS = {
     1: "a row length is below 1 or beyond its block table",
@@ -47,36 +59,74 @@ def kernel_dir() -> Path:
     return Path(configured).expanduser() if configured else REPO_ROOT / ".cache" / "kernels"
 
 
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC", "").strip(), "cc", "gcc"):
-        if name and shutil.which(name):
-            return name
+def _compiler() -> list[str] | None:
+    """The compiler command: ``$CC`` (split like a shell would: ``ccache gcc``), else cc, gcc."""
+    configured = os.environ.get("CC", "").strip()
+    if configured:
+        try:
+            command = shlex.split(configured)
+        except ValueError:
+            command = []
+        if command and shutil.which(command[0]):
+            return command
+        logger.warning("CC=%r is not a program on the PATH; trying cc and gcc", configured)
+    for name in ("cc", "gcc"):
+        if shutil.which(name):
+            return [name]
     return None
 
 
 def _cpu_id() -> str:
+    """The CPU's model and feature flags (``-march=native`` code must not move between CPUs)."""
+    wanted = ("model name", "flags", "Features", "CPU implementer", "CPU part")
+    lines: list[str] = []
     try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
-                if line.startswith("flags") or line.startswith("model name"):
-                    return line
+                key = line.split(":", 1)[0].strip()
+                if key in wanted and line not in lines:
+                    lines.append(line)
+                if not line.strip() and lines:
+                    break  # the first processor's block is enough
     except OSError:
         pass
-    return platform.processor()
+    return "".join(lines) or platform.processor()
+
+
+def _run(command: list[str], timeout: float) -> subprocess.CompletedProcess[bytes]:
+    """Run ``command`` in a session of its own; on timeout kill all of it (cc1, as, ld too)."""
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
 def load() -> ctypes.CDLL | None:
-    """The compiled kernel library, building it on first use; ``None`` where it cannot be built."""
+    """The compiled kernel library, building it on first use; ``None`` where it cannot be built.
+
+    Never raises: any failure is logged as a warning and remembered (no retry in this process).
+    """
     with _lock:
         if "lib" in _loaded:
             return _loaded["lib"]
         lib = None
         try:
             lib = _build_and_load()
-        except (OSError, AttributeError, subprocess.SubprocessError) as exc:
-            logger.warning("native paged attention unavailable, using the gather path: %s", exc)
+        except Exception as exc:  # noqa: BLE001 - any failure means: use the gather path
+            logger.warning("native paged attention unavailable, using the gather path: %s: %s",
+                           type(exc).__name__, exc)
         _loaded["lib"] = lib
         return lib
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _build_and_load() -> ctypes.CDLL | None:
@@ -86,49 +136,67 @@ def _build_and_load() -> ctypes.CDLL | None:
     if cc is None:
         logger.warning("no C compiler found ($CC, cc, gcc): native paged attention is off")
         return None
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30,
-                             check=True).stdout
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(
-        b"\0".join([source, " ".join(CFLAGS).encode(), version.encode(), _cpu_id().encode(),
-                    platform.machine().encode()])
-    ).hexdigest()[:16]
+    version = _run([*cc, "--version"], timeout=30)
+    if version.returncode != 0:
+        raise subprocess.CalledProcessError(version.returncode, version.args)
+    key = hashlib.sha256(b"\0".join([
+        SOURCE.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), " ".join(cc).encode(),
+        version.stdout,
+        _cpu_id().encode(), platform.machine().encode(),
+    ])).hexdigest()[:16]
     target = kernel_dir() / f"paged_attention-{key}.so"
-    if not target.exists() and not _compile(cc, target):
-        return None
+    stamp = target.with_name(target.name + ".sha256")
     try:
-        lib = ctypes.CDLL(str(target))
-    except OSError as exc:
-        # A damaged cache entry (a truncated copy, say): build it again, once.
-        logger.warning("cached kernel %s does not load (%s); rebuilding it", target, exc)
-        target.unlink(missing_ok=True)
-        if not _compile(cc, target):
+        intact = target.is_file() and stamp.read_text().strip() == _digest(target)
+    except (OSError, UnicodeDecodeError):
+        intact = False
+    if not intact:
+        if target.exists() or stamp.exists():
+            logger.warning("cached kernel %s is missing its checksum or does not match it; "
+                           "rebuilding it", target)
+        if not _compile(cc, target, stamp):
             return None
-        lib = ctypes.CDLL(str(target))
+    lib = ctypes.CDLL(str(target))
     fn = lib.paged_decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7 + [ctypes.c_float]
+    logger.info("native paged attention loaded from %s", target)
     return lib
 
 
-def _compile(cc: str, target: Path) -> bool:
-    """Build the library at ``target``; ``False`` (and a logged warning) if the compiler fails."""
+def _compile(cc: list[str], target: Path, stamp: Path) -> bool:
+    """Build the library at ``target`` and its checksum at ``stamp``; ``False`` (and a logged
+    warning) if the compiler fails, times out or writes nothing."""
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: concurrent builders never load a half-written file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
+    fd, tmp_stamp = tempfile.mkstemp(suffix=".sha256", dir=target.parent)
+    os.close(fd)
     try:
-        result = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"],
-                                capture_output=True, text=True, timeout=300)
-        if result.returncode != 0:
-            logger.warning("building native paged attention failed, using the gather path:\n%s",
-                           result.stderr[-2000:])
+        try:
+            result = _run([*cc, *CFLAGS, "-c", str(SOURCE), "-o", tmp + ".o"], BUILD_TIMEOUT_S)
+            if result.returncode == 0:
+                result = _run([*cc, *LDFLAGS, tmp + ".o", "-o", tmp, "-lm"], BUILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            logger.warning("building native paged attention took over %g s; using the gather "
+                           "path", BUILD_TIMEOUT_S)
             return False
+        if result.returncode != 0 or os.path.getsize(tmp) == 0:
+            logger.warning("building native paged attention failed (exit %s), using the gather "
+                           "path:\n%s", result.returncode,
+                           result.stderr.decode(errors="replace")[-2000:])
+            return False
+        os.chmod(tmp, 0o755)  # mkstemp's 0600 would shut out other users of a shared cache
+        Path(tmp_stamp).write_text(_digest(Path(tmp)) + "\n")
+        os.chmod(tmp_stamp, 0o644)
         os.replace(tmp, target)
+        os.replace(tmp_stamp, stamp)
         return True
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for leftover in (tmp, tmp + ".o", tmp_stamp):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
 
 
 def paged_decode_attention(lib: ctypes.CDLL, q: torch.Tensor, pool: torch.Tensor,
@@ -167,7 +235,19 @@ def paged_decode_attention(lib: ctypes.CDLL, q: torch.Tensor, pool: torch.Tensor
                          f"pool {tuple(pool.shape)}, tables {tuple(tables.shape)}, "
                          f"lens {tuple(lens.shape)}")
     num_blocks, block_size = pool.shape[1], pool.shape[2]
+    if min(kv_heads, group, head_dim, num_blocks, block_size) < 1:
+        raise ValueError(f"paged decode attention: empty dimension in q {tuple(q.shape)} or "
+                         f"pool {tuple(pool.shape)}")
     out = torch.empty_like(q)
+    if rows == 0:
+        return out
+    longest, shortest = int(lens.max()), int(lens.min())
+    if shortest < 1 or longest > tables.shape[1] * block_size:
+        raise ValueError(f"paged decode attention: {_ERRORS[1]} (lengths {shortest} to "
+                         f"{longest}, tables of {tables.shape[1]} blocks of {block_size})")
+    if longest > num_blocks * block_size:
+        raise ValueError(f"paged decode attention: a row of {longest} tokens cannot fit a pool "
+                         f"of {num_blocks} blocks of {block_size}")
     rc = lib.paged_decode_attention(
         q.data_ptr(), pool.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
         rows, kv_heads, group, head_dim, num_blocks, block_size, tables.shape[1], scale,

@@ -36,6 +36,8 @@ int paged_decode_attention(const float *q, const float *pool, const int64_t *tab
             if (tables[r * max_blocks + j] < 0 || tables[r * max_blocks + j] >= num_blocks)
                 return 3;
     }
+    if (group < 1 || head_dim < 1 || max_len > (int64_t)(SIZE_MAX / sizeof(float)) / group)
+        return 2;
     const int64_t D = head_dim, G = group, bs = block_size;
     const int64_t block_stride = bs * D;
     const int64_t head_stride = num_blocks * block_stride;
