@@ -162,3 +162,17 @@ def test_a_damaged_cached_kernel_is_rebuilt(tmp_path):
 def test_loading_the_kernel_leaves_subnormal_floats_alone(lib):
     # -ffast-math's start-up code would set flush-to-zero for the whole process.
     assert (torch.tensor([1e-39]) * 1).item() != 0.0
+
+
+def test_a_compiler_that_writes_garbage_leaves_no_cache_entry(tmp_path, monkeypatch):
+    fake = tmp_path / "fakecc"
+    # Answers --version, and "builds" by writing a file that is not a library.
+    fake.write_text('#!/bin/sh\n[ "$1" = --version ] && { echo fake 1.0; exit 0; }\n'
+                    'while [ $# -gt 0 ]; do [ "$1" = -o ] && echo garbage > "$2"; shift; done\n')
+    fake.chmod(0o755)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("CC", str(fake))
+    monkeypatch.setenv("LLM_KERNEL_DIR", str(cache))
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.load() is None
+    assert list(cache.iterdir()) == []

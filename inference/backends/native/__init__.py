@@ -9,8 +9,8 @@ whose start-up code would flush subnormals to zero for the whole process) into a
 cached under ``<repo>/.cache/kernels`` (``LLM_KERNEL_DIR`` overrides). The cache entry is keyed
 by the source, the flags, the compiler and the CPU (model and feature flags), and holds a SHA-256
 of the built file that is checked before every load, so a truncated or altered file is rebuilt
-instead of mapped. The build takes about a second; the transformers backend runs it when it is
-created, before serving. Where no compiler is present, the build fails or times out
+instead of mapped. The build takes a fraction of a second; the transformers backend runs it when
+it is created, before serving. Where no compiler is present, the build fails or times out
 (:data:`BUILD_TIMEOUT_S`), :func:`load` returns ``None`` and logs why; the backend then keeps its
 gather path.
 """
@@ -41,7 +41,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 # with it adds start-up code that flushes subnormal floats to zero for the whole process.
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
 LDFLAGS = ("-shared", "-fopenmp")
-BUILD_TIMEOUT_S = 120.0
+BUILD_TIMEOUT_S = 120.0  # per compile or link step
 
 _ERRORS = {
     1: "a row length is below 1 or beyond its block table",
@@ -102,7 +102,9 @@ def _run(command: list[str], timeout: float) -> subprocess.CompletedProcess[byte
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+            # A process that left the group may still hold the pipes: do not wait for it.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.communicate(timeout=5)
             raise
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
@@ -136,7 +138,7 @@ def _build_and_load() -> ctypes.CDLL | None:
     if cc is None:
         logger.warning("no C compiler found ($CC, cc, gcc): native paged attention is off")
         return None
-    version = _run([*cc, "--version"], timeout=30)
+    version = _run([*cc, "--version"], timeout=10)
     if version.returncode != 0:
         raise subprocess.CalledProcessError(version.returncode, version.args)
     key = hashlib.sha256(b"\0".join([
@@ -147,7 +149,8 @@ def _build_and_load() -> ctypes.CDLL | None:
     target = kernel_dir() / f"paged_attention-{key}.so"
     stamp = target.with_name(target.name + ".sha256")
     try:
-        intact = target.is_file() and stamp.read_text().strip() == _digest(target)
+        intact = (target.is_file() and stamp.is_file()
+                  and stamp.read_text().strip() == _digest(target))
     except (OSError, UnicodeDecodeError):
         intact = False
     if not intact:
@@ -162,6 +165,13 @@ def _build_and_load() -> ctypes.CDLL | None:
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7 + [ctypes.c_float]
     logger.info("native paged attention loaded from %s", target)
     return lib
+
+
+def _looks_built(path: Path) -> bool:
+    """A shared object with the kernel's symbol in it (a compiler that wrote nothing or garbage
+    must not leave a checksummed entry that is then mapped)."""
+    data = path.read_bytes()
+    return data[:4] == b"\x7fELF" and b"paged_decode_attention" in data
 
 
 def _compile(cc: list[str], target: Path, stamp: Path) -> bool:
@@ -182,7 +192,7 @@ def _compile(cc: list[str], target: Path, stamp: Path) -> bool:
             logger.warning("building native paged attention took over %g s; using the gather "
                            "path", BUILD_TIMEOUT_S)
             return False
-        if result.returncode != 0 or os.path.getsize(tmp) == 0:
+        if result.returncode != 0 or not _looks_built(Path(tmp)):
             logger.warning("building native paged attention failed (exit %s), using the gather "
                            "path:\n%s", result.returncode,
                            result.stderr.decode(errors="replace")[-2000:])

@@ -46,14 +46,15 @@ int paged_decode_attention(const float *q, const float *pool, const int64_t *tab
 #pragma omp parallel
     {
         float *scores = (float *)malloc(sizeof(float) * (size_t)(G * max_len));
-        if (scores == NULL) {
+        float *inv = (float *)malloc(sizeof(float) * (size_t)G);
+        if (scores == NULL || inv == NULL) {
 #pragma omp atomic write
             failed = 2;
         }
 #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t r = 0; r < rows; r++) {
             for (int64_t h = 0; h < kv_heads; h++) {
-                if (scores == NULL) continue;
+                if (scores == NULL || inv == NULL) continue;
                 const int64_t L = lens[r];
                 const int64_t *table = tables + r * max_blocks;
                 const float *qh = q + (r * kv_heads + h) * G * D;
@@ -77,7 +78,6 @@ int paged_decode_attention(const float *q, const float *pool, const int64_t *tab
                     }
                 }
                 /* softmax over t, per query head */
-                float inv[G > 0 ? G : 1];
                 for (int64_t g = 0; g < G; g++) {
                     float *sg = scores + g * L;
                     float m = sg[0];
@@ -109,6 +109,7 @@ int paged_decode_attention(const float *q, const float *pool, const int64_t *tab
             }
         }
         free(scores);
+        free(inv);
     }
     return failed;
 }
