@@ -368,8 +368,7 @@ class TransformersBackend(ModelBackend):
         # The kernel library (built now, before serving; False: unavailable; None: not tried).
         self._native: Any = None
         if self.native_attention:
-            self._native = native_kernels.load() or False
-            self.native_attention = bool(self._native)
+            self._load_native()
         with torch.inference_mode():
             pos = torch.arange(self.max_model_len, device=self.device)[None]
             probe = torch.zeros(1, device=self.device, dtype=torch.float32)
@@ -443,6 +442,11 @@ class TransformersBackend(ModelBackend):
             path, model_type, dev, torch_dtype, backend.max_model_len,
         )
         return backend
+
+    def _load_native(self) -> None:
+        """Build or load the native kernel; without it, switch ``native_attention`` off."""
+        self._native = native_kernels.load() or False
+        self.native_attention = bool(self._native)
 
     @property
     def hf_model(self) -> Any:
@@ -554,13 +558,10 @@ class TransformersBackend(ModelBackend):
         if self._kv is None:
             raise RuntimeError("allocate_kv_pool() must be called before prefill or decode")
         order = None
-        native = False
-        if self.native_attention and all(len(t) == 1 for t, _, _ in rows):
-            if self._native is None:
-                self._native = native_kernels.load() or False
-                if not self._native:
-                    self.native_attention = False
-            native = bool(self._native)
+        native = self.native_attention and all(len(t) == 1 for t, _, _ in rows)
+        if native and self._native is None:  # switched on after start-up: build it now
+            self._load_native()
+        native = native and bool(self._native)
         if not native and len(rows) > 1 and all(len(t) == 1 for t, _, _ in rows):
             # Decode: rows sorted by length, so attention can run over groups of similar length.
             order = sorted(range(len(rows)), key=lambda r: rows[r][1])
@@ -674,7 +675,7 @@ class TransformersBackend(ModelBackend):
     def _forward(self, b: _Batch) -> torch.Tensor:
         assert self._kv is not None
         n_heads, kv_heads, dim, group = self.num_heads, self.num_kv_heads, self.head_dim, self.group
-        rows, t_max = b.rows, b.max_new
+        rows = b.rows
         num_tokens = b.tokens.shape[0]
         q_width = n_heads * dim
         qk_heads = n_heads + kv_heads
@@ -683,7 +684,6 @@ class TransformersBackend(ModelBackend):
         half = dim // 2
         kv_all = self._kv  # [layers, 2 * kv_heads, blocks, block_size, D]
         slot_rows = kv_all[0].numel() // dim
-        block_rows = kv_all[0].numel() // (self.block_size * dim)
 
         linear = _linear_cpu if self.small_batch_gemm else F.linear
         h = F.embedding(b.tokens, self._embed)  # [N, hidden]
@@ -711,33 +711,9 @@ class TransformersBackend(ModelBackend):
                 # Decode through the native kernel: K/V read in place from the pool.
                 o = native_kernels.paged_decode_attention(
                     self._native, q.reshape(rows, kv_heads, group, dim).contiguous(), pool,
-                    b.tables, b.lengths, self.scale)
-                h = h + linear(o.view(rows, q_width), layer.w_o, layer.b_o)
-                x = _rms_norm(h, layer.ln2_w, layer.ln2_eps)
-                gate_up = linear(x, layer.w_gate_up, layer.b_gate_up)
-                gate, up = gate_up.chunk(2, dim=-1)
-                h = h + linear(self._act(gate) * up, layer.w_down, layer.b_down)
-                continue
-
-            qf = q.reshape(num_tokens, q_width)
-            if b.pad_index is not None:
-                qf = qf.index_select(0, b.pad_index)  # [R * T, H * D]
-            # Query heads of one KV head side by side: [KV, R, G * T, D] (no K/V repeat for GQA).
-            qh = qf.view(rows, t_max, kv_heads, group, dim).permute(2, 0, 3, 1, 4)
-            qh = qh.reshape(kv_heads, rows, group * t_max, dim)
-            parts = []
-            for g in b.groups:
-                gathered = pool.view(block_rows, -1).index_select(0, g.gather_index)
-                gathered = gathered.view(2 * kv_heads, g.end - g.start, g.ctx_len, dim)
-                k, v = gathered[:kv_heads], gathered[kv_heads:]  # [KV, rows, L, D]
-                q_g = qh if len(b.groups) == 1 else qh[:, g.start:g.end]
-                parts.append(F.scaled_dot_product_attention(q_g, k, v, attn_mask=g.mask,
-                                                            scale=self.scale))
-            o = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [KV, R, G * T, D]
-            o = o.view(kv_heads, rows, group, t_max, dim).permute(1, 3, 0, 2, 4)
-            o = o.reshape(rows * t_max, q_width)
-            if b.unpad_index is not None:
-                o = o.index_select(0, b.unpad_index)
+                    b.tables, b.lengths, self.scale).view(rows, q_width)
+            else:
+                o = self._gathered_attention(b, q, pool)
             h = h + linear(o, layer.w_o, layer.b_o)
 
             x = _rms_norm(h, layer.ln2_w, layer.ln2_eps)
@@ -747,6 +723,34 @@ class TransformersBackend(ModelBackend):
 
         h = _rms_norm(h.index_select(0, b.last_index), *self._norm)
         return linear(h, self._lm_head_w, self._lm_head_b)  # [R, vocab]
+
+    def _gathered_attention(self, b: _Batch, q: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+        """Attention of ``q [N, H, D]`` over K/V gathered from one layer's ``pool`` by block
+        table, per group of rows, with the batch's masks; returns ``[N, H * D]``."""
+        kv_heads, group, dim = self.num_kv_heads, self.group, self.head_dim
+        rows, t_max = b.rows, b.max_new
+        q_width = self.num_heads * dim
+        block_rows = pool.numel() // (self.block_size * dim)
+        qf = q.reshape(-1, q_width)
+        if b.pad_index is not None:
+            qf = qf.index_select(0, b.pad_index)  # [R * T, H * D]
+        # Query heads of one KV head side by side: [KV, R, G * T, D] (no K/V repeat for GQA).
+        qh = qf.view(rows, t_max, kv_heads, group, dim).permute(2, 0, 3, 1, 4)
+        qh = qh.reshape(kv_heads, rows, group * t_max, dim)
+        parts = []
+        for g in b.groups:
+            gathered = pool.view(block_rows, -1).index_select(0, g.gather_index)
+            gathered = gathered.view(2 * kv_heads, g.end - g.start, g.ctx_len, dim)
+            k, v = gathered[:kv_heads], gathered[kv_heads:]  # [KV, rows, L, D]
+            q_g = qh if len(b.groups) == 1 else qh[:, g.start:g.end]
+            parts.append(F.scaled_dot_product_attention(q_g, k, v, attn_mask=g.mask,
+                                                        scale=self.scale))
+        o = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [KV, R, G * T, D]
+        o = o.view(kv_heads, rows, group, t_max, dim).permute(1, 3, 0, 2, 4)
+        o = o.reshape(rows * t_max, q_width)
+        if b.unpad_index is not None:
+            o = o.index_select(0, b.unpad_index)
+        return o
 
 
 def _eps(norm: Any) -> float:

@@ -251,13 +251,6 @@ def paged_decode_attention(lib: ctypes.CDLL, q: torch.Tensor, pool: torch.Tensor
     out = torch.empty_like(q)
     if rows == 0:
         return out
-    longest, shortest = int(lens.max()), int(lens.min())
-    if shortest < 1 or longest > tables.shape[1] * block_size:
-        raise ValueError(f"paged decode attention: {_ERRORS[1]} (lengths {shortest} to "
-                         f"{longest}, tables of {tables.shape[1]} blocks of {block_size})")
-    if longest > num_blocks * block_size:
-        raise ValueError(f"paged decode attention: a row of {longest} tokens cannot fit a pool "
-                         f"of {num_blocks} blocks of {block_size}")
     rc = lib.paged_decode_attention(
         q.data_ptr(), pool.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
         rows, kv_heads, group, head_dim, num_blocks, block_size, tables.shape[1], scale,

@@ -30,9 +30,10 @@ int paged_decode_attention(const float *q, const float *pool, const int64_t *tab
 {
     int64_t max_len = 0;
     for (int64_t r = 0; r < rows; r++) {
-        if (lens[r] < 1 || lens[r] > max_blocks * block_size) return 1;
+        /* (len - 1) / block_size: the last block's index, with no overflow for any int64 */
+        if (lens[r] < 1 || (lens[r] - 1) / block_size >= max_blocks) return 1;
         if (lens[r] > max_len) max_len = lens[r];
-        for (int64_t j = 0; j < (lens[r] + block_size - 1) / block_size; j++)
+        for (int64_t j = 0; j <= (lens[r] - 1) / block_size; j++)
             if (tables[r * max_blocks + j] < 0 || tables[r * max_blocks + j] >= num_blocks)
                 return 3;
     }
