@@ -104,6 +104,9 @@ class ReferenceBackend(ModelBackend):
         if self.eos_every and h % self.eos_every == 0:
             logits[ByteTokenizer.eos_token_id] = 10.0
         else:
+            # EOS only where the hash says so, even when sampling: "0 never" must hold at any
+            # temperature, or a test of length limits would flake on a sampled EOS.
+            logits[ByteTokenizer.eos_token_id] = float("-inf")
             logits[_ALPHABET[h % len(_ALPHABET)]] = 10.0
             logits[_ALPHABET[(h // 7) % len(_ALPHABET)]] += 5.0
         return logits
