@@ -430,8 +430,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=positive_int, default=None, metavar="N",
                         help="repeats per system and workload, at least 1 (default: 1 with "
                              "--quick, else 3; the peers run workload b once)")
-    parser.add_argument("--out", type=Path, default=None, metavar="FILE",
-                        help="JSON file to write (default: benchmarks/results/"
+    parser.add_argument("--out", type=out_file, default=None, metavar="FILE",
+                        help="JSON file to write, rewritten after every run so that an "
+                             "interrupted benchmark keeps the figures of the runs that finished; "
+                             "missing folders are created (default: benchmarks/results/"
                              "bench-<quick|full>-<time>.json)")
     parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--workload", choices=WORKLOADS, help=argparse.SUPPRESS)
@@ -448,28 +450,12 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     out = args.out or RESULTS_DIR / f"bench-{'quick' if args.quick else 'full'}-" \
                                     f"{time.strftime('%Y%m%d-%H%M%S')}.json"
-    # Systems take turns, one run per process, so a slow spell of a shared machine hits them
-    # alike rather than all the runs of one system.
-    for wl in workloads:
-        results[wl] = {}
-        for rep in range(repeats):
-            for system in systems:
-                if rep and wl == "b" and system != "engine":
-                    continue  # the peers take minutes on the mixed workload: one run
-                if "error" in results[wl].get(system, {}):
-                    continue
-                print(f"[{time.monotonic() - started:6.0f}s] {system} on workload {wl}, "
-                      f"run {rep + 1} ...", flush=True)
-                one = run_one(system, wl, args.quick, 1)
-                descriptions[wl] = one.pop("description", descriptions.get(wl, ""))
-                merged = results[wl].setdefault(system, {"runs": [], "peak_rss_bytes": 0})
-                if "error" in one:
-                    merged["error"] = one["error"]
-                    continue
-                merged["runs"] += one["runs"]
-                merged["peak_rss_bytes"] = max(merged["peak_rss_bytes"], one["peak_rss_bytes"])
-                merged["median"] = median_run(merged["runs"])
-                save(out, args.quick, descriptions, results)  # an interrupted run keeps its figures
+    try:
+        run_all(systems, workloads, repeats, args.quick, out, results, descriptions, started)
+    except KeyboardInterrupt:
+        kept = f"the finished runs' figures are in {out}" if out.exists() else "no run finished"
+        print(f"\ninterrupted: {kept}", file=sys.stderr)
+        return 130
     table = format_table(results)
     print()
     for wl, text in descriptions.items():
@@ -486,6 +472,49 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ERROR: failed runs: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def out_file(text: str) -> Path:
+    """argparse type of ``--out``: a file path that can be written (checked before any run)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path")
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory, not a file")
+    for parent in path.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise argparse.ArgumentTypeError(f"{parent} is not a directory")
+            break
+    return path
+
+
+def run_all(systems: list[str], workloads: list[str], repeats: int, quick: bool, out: Path,
+            results: dict[str, dict[str, dict]], descriptions: dict[str, str],
+            started: float) -> None:
+    """Run every system on every workload ``repeats`` times, saving ``out`` after each run."""
+    # Systems take turns, one run per process, so a slow spell of a shared machine hits them
+    # alike rather than all the runs of one system.
+    for wl in workloads:
+        results[wl] = {}
+        for rep in range(repeats):
+            for system in systems:
+                if rep and wl == "b" and system != "engine":
+                    continue  # the peers take minutes on the mixed workload: one run
+                if "error" in results[wl].get(system, {}):
+                    continue
+                print(f"[{time.monotonic() - started:6.0f}s] {system} on workload {wl}, "
+                      f"run {rep + 1} ...", flush=True)
+                one = run_one(system, wl, quick, 1)
+                descriptions[wl] = one.pop("description", descriptions.get(wl, ""))
+                merged = results[wl].setdefault(system, {"runs": [], "peak_rss_bytes": 0})
+                if "error" in one:
+                    merged["error"] = one["error"]
+                    continue
+                merged["runs"] += one["runs"]
+                merged["peak_rss_bytes"] = max(merged["peak_rss_bytes"], one["peak_rss_bytes"])
+                merged["median"] = median_run(merged["runs"])
+                save(out, quick, descriptions, results)  # an interrupted run keeps its figures
 
 
 def save(out: Path, quick: bool, descriptions: dict[str, str],
