@@ -20,7 +20,7 @@ alternate the two systems.
 
 Usage::
 
-    python -m benchmarks.overhead                  # ~4.5 min on 2 cores (3 repeats)
+    python -m benchmarks.overhead                  # 4.5-8 min on 2 cores (3 repeats)
     python -m benchmarks.overhead --repeats 3 --requests 96
     python -m benchmarks.overhead --requests 3 --warmup 1 --input-len 16 32 --output-len 4 \
         --concurrency 2 --repeats 1 --out-dir /tmp/overhead   # a quick check
