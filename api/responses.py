@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from inference.protocol import FinalEvent, Usage
+
 
 @dataclass(frozen=True)
 class ResponseShape:
@@ -25,27 +27,26 @@ class ResponseShape:
         return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
 
 
-def usage_body(usage: dict[str, int]) -> dict[str, Any]:
+def usage_body(usage: Usage) -> dict[str, Any]:
     """The standard ``usage`` object; prefix-cache hits in ``prompt_tokens_details``."""
-    prompt, completion = usage["prompt_tokens"], usage["completion_tokens"]
     return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": usage.get("cached_prompt_tokens", 0)},
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
     }
 
 
-def full_response(shape: ResponseShape, text: str, final: dict[str, Any]) -> dict[str, Any]:
+def full_response(shape: ResponseShape, text: str, final: FinalEvent) -> dict[str, Any]:
     """A non-streaming response for the answer ``text`` and the worker's final event."""
     if shape.kind == "chat":
         choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "finish_reason": final["finish_reason"], "logprobs": None}
+                  "finish_reason": final.finish_reason.value, "logprobs": None}
     else:
-        choice = {"index": 0, "text": text, "finish_reason": final["finish_reason"],
+        choice = {"index": 0, "text": text, "finish_reason": final.finish_reason.value,
                   "logprobs": None}
     return {"id": shape.id, "object": shape.object, "created": shape.created,
-            "model": shape.model, "choices": [choice], "usage": usage_body(final["usage"])}
+            "model": shape.model, "choices": [choice], "usage": usage_body(final.usage)}
 
 
 def _chunk(shape: ResponseShape, choice: dict[str, Any]) -> dict[str, Any]:
@@ -81,26 +82,11 @@ def finish_chunk(shape: ResponseShape, finish_reason: str) -> dict[str, Any]:
                           "logprobs": None})
 
 
-def usage_chunk(shape: ResponseShape, final: dict[str, Any]) -> dict[str, Any]:
+def usage_chunk(shape: ResponseShape, final: FinalEvent) -> dict[str, Any]:
     """The ``stream_options.include_usage`` chunk: empty ``choices`` and the usage."""
     return {"id": shape.id, "object": shape.chunk_object, "created": shape.created,
-            "model": shape.model, "choices": [], "usage": usage_body(final["usage"])}
+            "model": shape.model, "choices": [], "usage": usage_body(final.usage)}
 
 
 def model_object(name: str) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": 0, "owned_by": "llm-platform"}
-
-
-def sum_stats(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
-    """Sum the numeric top-level fields of several workers' stats (ratios are averaged)."""
-    total: dict[str, Any] = {}
-    for snap in snapshots:
-        for name, value in snap.items():
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                continue
-            total[name] = total.get(name, 0) + value
-    for name in ("kv_pressure",):
-        if name in total and snapshots:
-            total[name] = total[name] / len(snapshots)
-    total["workers"] = len(snapshots)
-    return total

@@ -27,7 +27,7 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails, PydanticCustomError
 
-from api.errors import APIError
+from gateway.errors import APIError
 
 MAX_STOP_SEQUENCES = 4
 # Upper bound of the token counts a request may name (an int32, as most servers take).

@@ -1,21 +1,19 @@
 """The OpenAI-compatible REST API and the health and stats endpoints.
 
-Views translate HTTP to calls and back: validation lives in :mod:`api.schemas`, admission (rate
-limits, budget, gate 1) in :mod:`api.admission`, response shapes in :mod:`api.responses`.
+Views translate HTTP to calls and back: validation lives in :mod:`api.schemas`, the request's life
+(admission, events, abort, release) in :mod:`gateway.lifecycle`, response shapes in
+:mod:`api.responses`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import redis.exceptions
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
@@ -23,9 +21,7 @@ from django.db import connection
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from api import admission, responses
-from api.conf import platform_settings, redis_keys
-from api.errors import APIError
+from api import responses
 from api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -34,8 +30,14 @@ from api.schemas import (
     validate,
 )
 from api.sse import DONE, KEEPALIVE, sse_data
-from api.tokens import count_chat_tokens, count_text_tokens
-from inference.protocol import RequestMessage
+from gateway import lifecycle, workers
+from gateway.admission import Principal
+from gateway.clients import aredis
+from gateway.conf import platform_settings
+from gateway.errors import APIError, unexpected_error
+from gateway.events import Waiting
+from gateway.lifecycle import Generation
+from inference.protocol import ErrorInfo, Event, FinalEvent, Sampling, TokenEvent
 from tenants.models import ApiKey
 from tenants.selectors import aauthenticate_key
 
@@ -44,21 +46,6 @@ log = logging.getLogger(__name__)
 View = Callable[..., Awaitable[HttpResponse]]
 
 ANY_METHOD = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
-
-
-def unexpected_error(exc: Exception) -> APIError:
-    """The client-facing error for an exception that is not an :class:`APIError` (logged here).
-
-    Redis trouble (connection lost, connection pool exhausted under a burst) is transient: 503
-    with ``Retry-After``. Anything else is a 500 that names nothing internal.
-    """
-    if isinstance(exc, redis.exceptions.RedisError):
-        log.exception("Redis is unavailable: %s", exc)
-        return APIError(503, "The server is temporarily unable to handle the request; retry "
-                        "shortly.", code="service_unavailable", retry_after_s=1)
-    log.exception("Unexpected error while serving a request")
-    return APIError(500, "The server had an error while processing your request.",
-                    code="internal_error")
 
 
 def api_view(*methods: str) -> Callable[[View], View]:
@@ -131,16 +118,6 @@ def _check_model(name: str) -> str:
     return served
 
 
-def _fairness_key(key: ApiKey, user: str | None) -> str:
-    mode = platform_settings()["FAIRNESS_KEY"]
-    tenant = key.tenant.slug
-    if mode == "api_key":
-        return f"{tenant}/key-{key.pk}"
-    if mode == "user" and user:
-        return f"{tenant}/user-{user}"
-    return tenant
-
-
 @api_view("POST")
 async def chat_completions(request: HttpRequest) -> HttpResponse:
     """``POST /v1/chat/completions``."""
@@ -169,39 +146,24 @@ async def _generate(
     messages: list[dict[str, str]] | None = None,
     prompt: str | None = None,
 ) -> HttpResponse:
-    conf = platform_settings()
-    tenant = key.tenant
     request_id = uuid.uuid4().hex
     kind = "chat" if messages is not None else "text"
     shape = responses.ResponseShape(
         kind=kind, id=f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id}",
         model=model, created=int(time.time()), include_usage=req.include_usage,
     )
-    prompt_tokens = count_chat_tokens(messages) if messages is not None else count_text_tokens(
-        prompt or "")
-    max_tokens = req.requested_max_tokens
-    message = RequestMessage(
-        request_id=request_id,
-        tenant=tenant.slug,
-        fairness_key=_fairness_key(key, req.user),
-        priority=tenant.tier.priority,
-        fairness_weight=tenant.fairness_weight,
-        messages=messages,
-        prompt=prompt,
-        sampling=req.sampling(max_tokens),
-        default_max_tokens=conf["DEFAULT_MAX_TOKENS"],
-        queue_deadline_s=conf["MAX_QUEUE_WAIT_S"],
-        meta={"tenant_id": tenant.pk, "api_key_id": key.pk, "model": model,
-              "public_id": shape.id},
-    )
-    await admission.admit(key, message, prompt_tokens + (max_tokens or conf["DEFAULT_MAX_TOKENS"]))
+    generation = await lifecycle.start(
+        Principal.for_api_key(key), request_id=request_id, messages=messages, prompt=prompt,
+        sampling=Sampling(**req.sampling(req.requested_max_tokens)),
+        default_max_tokens=platform_settings()["DEFAULT_MAX_TOKENS"], user=req.user,
+        meta={"model": model, "public_id": shape.id})
     worker_error = functools.partial(_worker_error, req)
     if req.stream:
-        return await _stream(request_id, message.meta, shape, worker_error)
-    return await _complete(request_id, message.meta, shape, worker_error)
+        return await _stream(generation, shape, worker_error)
+    return await _complete(generation, shape, worker_error)
 
 
-def _worker_error(req: GenerationRequest, error: dict[str, Any]) -> APIError:
+def _worker_error(req: GenerationRequest, error: ErrorInfo) -> APIError:
     """The client-facing error for a worker's error, naming the field the client wrote.
 
     The worker does not know the API's field names: a context overflow names the field that set
@@ -213,55 +175,40 @@ def _worker_error(req: GenerationRequest, error: dict[str, Any]) -> APIError:
     return exc
 
 
-WorkerError = Callable[[dict[str, Any]], APIError]
+WorkerError = Callable[[ErrorInfo], APIError]
 
 
-async def _end(request_id: str, meta: dict[str, Any], finished: bool) -> None:
-    """Abort an unfinished request in its worker and give back its concurrency lease."""
-    try:
-        if not finished:
-            await admission.abort(request_id)
-    finally:
-        await admission.release(meta)
-
-
-async def _complete(request_id: str, meta: dict[str, Any], shape: responses.ResponseShape,
+async def _complete(generation: Generation, shape: responses.ResponseShape,
                     worker_error: WorkerError) -> HttpResponse:
-    idle = platform_settings()["REQUEST_IDLE_TIMEOUT_S"]
     parts: list[str] = []
-    final: dict[str, Any] | None = None
     try:
-        async for event in admission.events(request_id, idle):
-            if event["type"] == "token":
-                parts.append(event["text"])
-            elif event["type"] == "final":
-                final = event
+        async for event in generation.events():
+            if isinstance(event, TokenEvent):
+                parts.append(event.text)
     finally:
         # Also runs when the client disconnects: the view is cancelled and the worker aborts.
-        await asyncio.shield(_end(request_id, meta, finished=final is not None))
+        await generation.close()
+    final = generation.final
     assert final is not None
-    if final["finish_reason"] == "error":
-        raise worker_error(final["error"])
-    text = "".join(parts) + final["text"]
-    return JsonResponse(responses.full_response(shape, text, final))
+    if final.error is not None:
+        raise worker_error(final.error)
+    return JsonResponse(responses.full_response(shape, "".join(parts) + final.text, final))
 
 
-async def _stream(request_id: str, meta: dict[str, Any], shape: responses.ResponseShape,
+async def _stream(generation: Generation, shape: responses.ResponseShape,
                   worker_error: WorkerError) -> HttpResponse:
-    conf = platform_settings()
-    events = admission.events(request_id, conf["REQUEST_IDLE_TIMEOUT_S"],
-                              first_timeout_s=conf["STREAM_DECISION_TIMEOUT_S"])
+    events = generation.events(first_timeout_s=platform_settings()["STREAM_DECISION_TIMEOUT_S"])
     # The status is decided before the first byte: wait (bounded) for the worker's first event.
     try:
         first = await anext(events)
     except BaseException:
-        await asyncio.shield(_end(request_id, meta, finished=False))
+        await generation.close()
         raise
-    if first["type"] == "final" and first["finish_reason"] == "error":
-        await _end(request_id, meta, finished=True)
-        raise worker_error(first["error"])
+    if isinstance(first, FinalEvent) and first.error is not None:
+        await generation.close()
+        raise worker_error(first.error)
     response = StreamingHttpResponse(
-        _sse_events(request_id, meta, shape, first, events, worker_error),
+        _sse_events(generation, shape, first, events, worker_error),
         content_type="text/event-stream",
     )
     response["Cache-Control"] = "no-cache"
@@ -270,33 +217,30 @@ async def _stream(request_id: str, meta: dict[str, Any], shape: responses.Respon
 
 
 async def _sse_events(
-    request_id: str,
-    meta: dict[str, Any],
+    generation: Generation,
     shape: responses.ResponseShape,
-    first: dict[str, Any],
-    events: AsyncIterator[dict[str, Any]],
+    first: Event | Waiting,
+    events: AsyncIterator[Event | Waiting],
     worker_error: WorkerError,
 ) -> AsyncIterator[str]:
-    finished = False
     try:
         opening = responses.opening_chunk(shape)
         if opening is not None:
             yield sse_data(opening)
-        event: dict[str, Any] | None = first
+        event: Event | Waiting | None = first
         while event is not None:
-            if event["type"] == "waiting":
+            if isinstance(event, Waiting):
                 yield KEEPALIVE
-            elif event["type"] == "token":
-                if event["text"]:
-                    yield sse_data(responses.text_chunk(shape, event["text"]))
-            elif event["type"] == "final":
-                finished = True
-                if event["finish_reason"] == "error":
-                    yield sse_data(worker_error(event["error"]).body())
+            elif isinstance(event, TokenEvent):
+                if event.text:
+                    yield sse_data(responses.text_chunk(shape, event.text))
+            else:
+                if event.error is not None:
+                    yield sse_data(worker_error(event.error).body())
                     return
-                if event["text"]:
-                    yield sse_data(responses.text_chunk(shape, event["text"]))
-                yield sse_data(responses.finish_chunk(shape, event["finish_reason"]))
+                if event.text:
+                    yield sse_data(responses.text_chunk(shape, event.text))
+                yield sse_data(responses.finish_chunk(shape, event.finish_reason))
                 if shape.include_usage:
                     yield sse_data(responses.usage_chunk(shape, event))
                 yield DONE
@@ -308,9 +252,9 @@ async def _sse_events(
         yield sse_data(unexpected_error(exc).body())
     finally:
         try:
-            await asyncio.shield(_end(request_id, meta, finished))
+            await generation.close()
         except Exception:  # noqa: BLE001 - the response is over; the lease expires on its own
-            log.exception("Could not end request %s", request_id)
+            log.exception("Could not end request %s", generation.request_id)
 
 
 @api_view(*ANY_METHOD)
@@ -342,7 +286,7 @@ async def _is_staff(request: HttpRequest) -> bool:
 
 @api_view("GET")
 async def scheduler_stats(request: HttpRequest) -> HttpResponse:
-    """``GET /scheduler/stats``: each live worker's stats snapshot and their sum.
+    """``GET /scheduler/stats``: gate 1, each live worker's stats snapshot and their aggregate.
 
     For staff users (session) and operator keys only: 401 without credentials, 403 otherwise.
     """
@@ -351,16 +295,11 @@ async def scheduler_stats(request: HttpRequest) -> HttpResponse:
         if not key.is_operator:
             raise APIError(403, "Only operator keys and staff users may read scheduler stats.",
                            code="forbidden")
-    client = admission.aredis()
-    keys = redis_keys()
-    workers = await admission.live_workers()
-    raw = await client.mget([keys.stats(w) for w in workers]) if workers else []
-    snapshots = {w: json.loads(r) for w, r in zip(workers, raw, strict=True) if r}
-    queued = int(await client.get(keys.queue) or 0)
+    snapshots = await workers.worker_snapshots()
     return JsonResponse({
-        "gate1": {"queued": queued, "max_queue_size": platform_settings()["MAX_QUEUE_SIZE"]},
+        "gate1": workers.gate1(await workers.gate1_queued()),
         "workers": snapshots,
-        "total": responses.sum_stats(list(snapshots.values())),
+        "total": workers.aggregate(list(snapshots.values())),
     })
 
 
@@ -385,10 +324,10 @@ async def readyz(request: HttpRequest) -> HttpResponse:
     except Exception as exc:  # noqa: BLE001 - any failure means not ready
         checks["database"] = f"error: {exc}"
     try:
-        await admission.aredis().ping()
+        await aredis().ping()
         checks["redis"] = "ok"
-        workers = await admission.live_workers()
-        checks["workers"] = len(workers) if workers else "error: no live worker"
+        alive = await workers.alive_workers()
+        checks["workers"] = len(alive) if alive else "error: no live worker"
     except Exception as exc:  # noqa: BLE001
         checks["redis"] = f"error: {exc}"
         checks["workers"] = "unknown"

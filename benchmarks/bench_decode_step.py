@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.loadgen import positive_int  # noqa: E402 - after the path set-up above
+from benchmarks.cli import positive_int  # noqa: E402 - after the path set-up above
 
 SETTINGS = {
     "baseline": {"small_batch_gemm": False, "attention_groups": 1, "native_attention": False},

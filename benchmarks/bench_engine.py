@@ -160,7 +160,7 @@ def run_engine(model_path: str, wl: Workload) -> list[Trace]:
                 traces[event.request_id].token_times.append(now)
 
     engine = LLMEngine(EngineConfig(max_batch_size=wl.concurrency, kv_num_blocks=blocks,
-                                    kv_block_size=KV_BLOCK_SIZE, max_queue_size=10_000),
+                                    kv_block_size=KV_BLOCK_SIZE, max_pending=10_000),
                        backend, event_sink=stamp)
     todo = list(enumerate(wl.requests))
     live = 0
@@ -319,11 +319,13 @@ RUNNERS = {"engine": run_engine, "generate": run_generate, "generate_batch": run
 def worker(system: str, workload: str, quick: bool, repeats: int, out: Path) -> None:
     """Run one system on one workload ``repeats`` times (after a warm-up) and write JSON."""
     sys.path.insert(0, str(REPO))
-    from inference.backends.hf import HFTokenizer
     from inference.model_store import resolve_model_path
+    from inference.protocol import PlatformSettings
+    from inference.tokenization import Tokenizer
 
-    model_path = str(resolve_model_path(os.environ.get("MODEL_PATH", "")))
-    corpus_ids = HFTokenizer.from_pretrained(model_path).encode(CORPUS * 8)
+    shared = PlatformSettings()
+    model_path = str(resolve_model_path(shared.model_path, shared.model_cache_dir))
+    corpus_ids = Tokenizer.from_folder(model_path).encode(CORPUS * 8)
     wl = build_workload(workload, quick, corpus_ids)
     runner = RUNNERS[system]
     global _PLAN
@@ -415,8 +417,7 @@ def format_table(results: dict[str, dict[str, dict]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO))
-    from benchmarks.common import HelpFormatter, name_list
-    from benchmarks.loadgen import positive_int
+    from benchmarks.cli import HelpFormatter, name_list, positive_int
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=HelpFormatter)

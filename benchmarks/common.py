@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - after choosing the Agg backend
+
+from benchmarks.metrics import report, summarize  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "benchmarks" / "results"
@@ -40,49 +41,12 @@ def results_dir(out_dir: str | os.PathLike[str] | None = None) -> Path:
     return folder
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Every flag's help ends with its default, except where the default is None (the help
-    says what that means) or the help already names it."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or "(default:" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
-def add_out_dir_flag(parser: Any, what: str = "the JSON and PNG files") -> None:
-    """``--out-dir``: where an experiment writes its JSON and PNGs."""
-    parser.add_argument("--out-dir", default=None, metavar="DIR",
-                        help=f"folder for {what} (default: benchmarks/results/)")
-
-
-def name_list(known: Sequence[str], flag: str = "") -> Callable[[str], list[str]]:
-    """argparse ``type``: a comma-separated list of names out of ``known`` (not empty;
-    duplicates merged, order kept)."""
-
-    def parse(text: str) -> list[str]:
-        names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
-        valid = ", ".join(known)
-        if not names:
-            raise argparse.ArgumentTypeError(f"empty list; choose from {valid}")
-        unknown = [n for n in names if n not in known]
-        if unknown:
-            raise argparse.ArgumentTypeError(
-                f"unknown {', '.join(repr(n) for n in unknown)}; choose from {valid}")
-        return names
-
-    parse.__name__ = flag or "name list"  # what argparse calls the type in its errors
-    return parse
-
-
 def warn_if_all_failed(results: Sequence[Any], label: str) -> bool:
-    """Whether every request of a run (``results``: :class:`loadgen.RequestResult`) failed;
+    """Whether every request of a run (``results``: :class:`metrics.RequestResult`) failed;
     if so, print a WARNING naming the most frequent failure (as ``loadgen`` does)."""
-    from benchmarks import loadgen
-
     if not results or any(r.status == "ok" for r in results):
         return False
-    loadgen.report(loadgen.summarize(results), label)
+    report(summarize(results), label)
     return True
 
 
@@ -201,10 +165,10 @@ def reference_tokenizer():
 
 def model_tokenizer():
     """The default model's tokenizer (without loading the model)."""
-    from inference.backends.hf import HFTokenizer
-    from inference.model_store import resolve_model_path
+    from inference.protocol import PlatformSettings
+    from inference.tokenization import Tokenizer
 
-    return HFTokenizer.from_pretrained(resolve_model_path(os.environ.get("MODEL_PATH", "")))
+    return Tokenizer.from_folder(PlatformSettings().model_folder)
 
 
 def make_engine(*, real_model: bool, step_delay_s: float = 0.0, **settings: Any):

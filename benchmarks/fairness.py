@@ -30,19 +30,26 @@ import asyncio
 import random
 from typing import Any
 
-from benchmarks import loadgen
-from benchmarks.common import (
+from benchmarks.cli import (
     HelpFormatter,
     add_out_dir_flag,
+    name_list,
+    non_negative_float,
+    positive_float,
+    positive_int,
+)
+from benchmarks.common import (
     exit_status,
     legend_outside,
     make_engine,
-    name_list,
     reference_tokenizer,
     save_figure,
     warn_if_all_failed,
     write_json,
 )
+from benchmarks.metrics import records, summarize_by
+from benchmarks.targets import EngineTarget, run_load
+from benchmarks.workload import PromptMaker, RequestSpec, merge, poisson_arrivals, random_requests
 
 W_IN, W_OUT = 1.0, 2.0
 # Tenant C's request rate relative to A's in scenario ``three``.
@@ -50,32 +57,32 @@ ON_OFF_RATE = 0.4
 
 
 def build_workload(scenario: str, duration: float, rate: float, seed: int,
-                   maker: loadgen.PromptMaker) -> tuple[list[loadgen.RequestSpec], int]:
+                   maker: PromptMaker) -> tuple[list[RequestSpec], int]:
     """The scenario's requests and its longest prompt (tokens)."""
     rng = random.Random(f"{seed}-{scenario}")
     short_in, short_out = (48, 80), (24, 40)
     long_in, long_out = (4 * short_in[0], 4 * short_in[1]), (4 * short_out[0], 4 * short_out[1])
     if scenario == "two":
         parts = [
-            loadgen.random_requests(maker, loadgen.poisson_arrivals(rate, duration, rng),
-                                    short_in, short_out, rng, tenant="A"),
-            loadgen.random_requests(maker, loadgen.poisson_arrivals(2 * rate, duration, rng),
-                                    short_in, short_out, rng, tenant="B"),
+            random_requests(maker, poisson_arrivals(rate, duration, rng),
+                            short_in, short_out, rng, tenant="A"),
+            random_requests(maker, poisson_arrivals(2 * rate, duration, rng),
+                            short_in, short_out, rng, tenant="B"),
         ]
-        return loadgen.merge(*parts), short_in[1]
+        return merge(*parts), short_in[1]
     third = duration / 3
     parts = [
-        loadgen.random_requests(maker, loadgen.poisson_arrivals(rate, duration, rng),
-                                short_in, short_out, rng, tenant="A"),
-        loadgen.random_requests(maker, loadgen.poisson_arrivals(rate, duration, rng),
-                                long_in, long_out, rng, tenant="B"),
+        random_requests(maker, poisson_arrivals(rate, duration, rng),
+                        short_in, short_out, rng, tenant="A"),
+        random_requests(maker, poisson_arrivals(rate, duration, rng),
+                        long_in, long_out, rng, tenant="B"),
         # C asks for a little more than its share while on, so its backlog drains when off.
-        loadgen.random_requests(
-            maker, loadgen.poisson_arrivals(ON_OFF_RATE * rate, duration, rng,
-                                            windows=[(0, third), (2 * third, duration)]),
+        random_requests(
+            maker, poisson_arrivals(ON_OFF_RATE * rate, duration, rng,
+                                    windows=[(0, third), (2 * third, duration)]),
             short_in, short_out, rng, tenant="C"),
     ]
-    return loadgen.merge(*parts), long_in[1]
+    return merge(*parts), long_in[1]
 
 
 def max_min_difference(samples: list[dict[str, Any]]) -> list[float]:
@@ -98,12 +105,12 @@ def engine_settings(policy: str, args: argparse.Namespace) -> dict[str, Any]:
     """The EngineConfig fields of a run (besides the backend)."""
     return {"scheduling_policy": policy, "max_batch_size": args.batch,
             "prefill_chunk_size": 64, "kv_block_size": 16, "kv_num_blocks": 256,
-            "active_kv_budget": args.kv_budget, "max_queue_size": 100_000,
+            "active_kv_budget": args.kv_budget, "max_pending": 100_000,
             "vtc_input_weight": W_IN, "vtc_output_weight": W_OUT}
 
 
 async def run_one(scenario: str, policy: str, args: argparse.Namespace) -> dict[str, Any]:
-    maker = loadgen.PromptMaker(reference_tokenizer(), seed=args.seed)
+    maker = PromptMaker(reference_tokenizer(), seed=args.seed)
     specs, longest_prompt = build_workload(scenario, args.duration, args.rate, args.seed, maker)
     engine = make_engine(real_model=False, step_delay_s=args.step_delay,
                          **engine_settings(policy, args))
@@ -117,10 +124,10 @@ async def run_one(scenario: str, policy: str, args: argparse.Namespace) -> dict[
                 "backlogged": v["in_flight"] > 0, "pending": v["pending"]}
             for k, v in per_key.items()}})
 
-    async with loadgen.EngineTarget(engine) as target:
-        results, _ = await loadgen.run_load(target, specs, desc=f"{scenario}/{policy}",
-                                            sample=sample, sample_every_s=args.sample_every,
-                                            stop_at_s=args.duration)
+    async with EngineTarget(engine) as target:
+        results, _ = await run_load(target, specs, desc=f"{scenario}/{policy}",
+                                    sample=sample, sample_every_s=args.sample_every,
+                                    stop_at_s=args.duration)
     diffs = max_min_difference(samples)
     bound = 2 * max(W_IN * longest_prompt, W_OUT * budget)
     tenants = sorted({s.tenant for s in specs})
@@ -132,13 +139,13 @@ async def run_one(scenario: str, policy: str, args: argparse.Namespace) -> dict[
         "within_bound": max(diffs) <= bound,
         "service": {k: final.get(k, {}).get("weighted_service", 0.0) for k in tenants},
         "sent": {k: sum(s.tenant == k for s in specs) for k in tenants},
-        "per_tenant": loadgen.summarize_by(results, lambda r: r.tenant),
+        "per_tenant": summarize_by(results, lambda r: r.tenant),
         "samples": samples, "differences": diffs,
         # Requests without a first token by the end count with their wait so far (a lower bound).
         "ttft": [{"tenant": r.tenant, "sent_s": r.sent_s,
                   "ttft_s": r.ttft_s if r.ttft_s is not None else r.ended_s - r.sent_s,
                   "waiting": r.ttft_s is None} for r in results],
-        "results": loadgen.records(results),
+        "results": records(results),
         "all_failed": warn_if_all_failed(results, f"{scenario}/{policy}"),
     }
 
@@ -211,16 +218,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parsed and checked arguments (``parser.error`` on a bad value or combination)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=HelpFormatter)
-    parser.add_argument("--duration", type=loadgen.positive_float, default=40,
+    parser.add_argument("--duration", type=positive_float, default=40,
                         help="seconds per run")
-    parser.add_argument("--rate", type=loadgen.positive_float, default=6.0,
+    parser.add_argument("--rate", type=positive_float, default=6.0,
                         help="requests/s of tenant A (B and C relative to it)")
-    parser.add_argument("--step-delay", type=loadgen.non_negative_float, default=0.01,
+    parser.add_argument("--step-delay", type=non_negative_float, default=0.01,
                         help="seconds per forward pass of the reference backend")
-    parser.add_argument("--batch", type=loadgen.positive_int, default=4, help="MAX_BATCH_SIZE")
+    parser.add_argument("--batch", type=positive_int, default=4, help="MAX_BATCH_SIZE")
     parser.add_argument("--kv-budget", type=int, default=512,
                         help="ACTIVE_KV_BUDGET (tokens; 0: the largest the KV pool holds)")
-    parser.add_argument("--sample-every", type=loadgen.positive_float, default=0.2,
+    parser.add_argument("--sample-every", type=positive_float, default=0.2,
                         help="seconds between samples of the engine's stats (at most --duration)")
     parser.add_argument("--scenarios", type=name_list(SCENARIOS), default=",".join(SCENARIOS),
                         metavar="LIST", help=f"comma-separated, out of {', '.join(SCENARIOS)}")

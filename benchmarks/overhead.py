@@ -35,10 +35,8 @@ import random
 import statistics
 from typing import Any
 
-from benchmarks import loadgen
+from benchmarks.cli import HelpFormatter, add_out_dir_flag, non_negative_int, positive_int
 from benchmarks.common import (
-    HelpFormatter,
-    add_out_dir_flag,
     annotate_bars,
     exit_status,
     headroom,
@@ -50,14 +48,17 @@ from benchmarks.common import (
     warn_if_all_failed,
     write_json,
 )
+from benchmarks.metrics import records, summarize
 from benchmarks.servers import Platform, TenantSpec
+from benchmarks.targets import EngineTarget, RestTarget, run_load
+from benchmarks.workload import PromptMaker, RequestSpec, random_requests
 
 
-def workload(args: argparse.Namespace, maker: loadgen.PromptMaker,
-             count: int, seed: int) -> list[loadgen.RequestSpec]:
+def workload(args: argparse.Namespace, maker: PromptMaker,
+             count: int, seed: int) -> list[RequestSpec]:
     rng = random.Random(seed)
-    return loadgen.random_requests(maker, [0.0] * count, tuple(args.input_len),
-                                   (args.output_len, args.output_len), rng, tenant="bench")
+    return random_requests(maker, [0.0] * count, tuple(args.input_len),
+                           (args.output_len, args.output_len), rng, tenant="bench")
 
 
 def cpu_seconds(processes: dict[str, int]) -> dict[str, float]:
@@ -85,33 +86,33 @@ def redis_server_pid() -> int | None:
     return None
 
 
-async def drive(target: Any, args: argparse.Namespace, maker: loadgen.PromptMaker,
+async def drive(target: Any, args: argparse.Namespace, maker: PromptMaker,
                 name: str, processes: dict[str, int]
                 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The measured run's summary (with ``cpu_s``, CPU seconds per process during the measured
     run) and its per-request records (the warm-up is left out)."""
-    await loadgen.run_load(target, workload(args, maker, args.warmup, args.seed + 1),
-                           max_concurrency=args.concurrency, desc=f"{name} warm-up")
+    await run_load(target, workload(args, maker, args.warmup, args.seed + 1),
+                   max_concurrency=args.concurrency, desc=f"{name} warm-up")
     before = cpu_seconds(processes)
-    results, duration = await loadgen.run_load(target, workload(args, maker, args.requests,
-                                                                args.seed),
-                                               max_concurrency=args.concurrency, desc=name)
+    results, duration = await run_load(target, workload(args, maker, args.requests,
+                                                        args.seed),
+                                       max_concurrency=args.concurrency, desc=name)
     after = cpu_seconds(processes)
-    summary = loadgen.summarize(results, duration)
+    summary = summarize(results, duration)
     summary["cpu_s"] = {k: round(after[k] - before[k], 2) for k in processes}
     summary["all_failed"] = warn_if_all_failed(results, name)
-    return summary, loadgen.records(results)
+    return summary, records(results)
 
 
-async def run_engine(args: argparse.Namespace, maker: loadgen.PromptMaker
+async def run_engine(args: argparse.Namespace, maker: PromptMaker
                      ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     engine = make_engine(real_model=True, scheduling_policy="vtc")
-    async with loadgen.EngineTarget(engine) as target:
+    async with EngineTarget(engine) as target:
         return await drive(target, args, maker, "engine",
                            {"engine + client": os.getpid()})
 
 
-async def run_rest(args: argparse.Namespace, maker: loadgen.PromptMaker
+async def run_rest(args: argparse.Namespace, maker: PromptMaker
                    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     with Platform([TenantSpec("bench")], BACKEND="transformers") as platform:
         stack = platform.stack
@@ -121,7 +122,7 @@ async def run_rest(args: argparse.Namespace, maker: loadgen.PromptMaker
         redis_pid = redis_server_pid()
         if redis_pid is not None:
             processes["redis"] = redis_pid
-        async with loadgen.RestTarget(platform.url, platform.keys) as target:
+        async with RestTarget(platform.url, platform.keys) as target:
             return await drive(target, args, maker, "rest", processes)
 
 
@@ -202,22 +203,22 @@ def plot(runs: list[dict[str, Any]], overall: dict[str, float],
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=HelpFormatter)
-    parser.add_argument("--requests", type=loadgen.positive_int, default=48,
+    parser.add_argument("--requests", type=positive_int, default=48,
                         help="measured requests per system and repeat")
-    parser.add_argument("--warmup", type=loadgen.non_negative_int, default=4,
+    parser.add_argument("--warmup", type=non_negative_int, default=4,
                         help="warm-up requests before each measured run")
     parser.add_argument("--input-len", type=int, nargs=2, default=(64, 192),
                         metavar=("MIN", "MAX"), help="prompt tokens")
     parser.add_argument("--output-len", type=int, default=64, help="generated tokens")
-    parser.add_argument("--concurrency", type=loadgen.positive_int, default=8,
+    parser.add_argument("--concurrency", type=positive_int, default=8,
                         help="requests in flight")
-    parser.add_argument("--repeats", type=loadgen.positive_int, default=3,
+    parser.add_argument("--repeats", type=positive_int, default=3,
                         help="repeats of each system, alternating which goes first")
     parser.add_argument("--seed", type=int, default=6, help="workload seed")
     add_out_dir_flag(parser)
     args = parser.parse_args(argv)
     before = machine()
-    maker = loadgen.PromptMaker(model_tokenizer(), seed=args.seed)
+    maker = PromptMaker(model_tokenizer(), seed=args.seed)
     runs = []
     for i in range(args.repeats):
         order = ("engine", "rest") if i % 2 == 0 else ("rest", "engine")

@@ -23,10 +23,14 @@ import asyncio
 import random
 from typing import Any
 
-from benchmarks import loadgen
-from benchmarks.common import (
+from benchmarks.cli import (
     HelpFormatter,
     add_out_dir_flag,
+    non_negative_float,
+    positive_float,
+    positive_int,
+)
+from benchmarks.common import (
     exit_status,
     legend_outside,
     machine,
@@ -36,7 +40,10 @@ from benchmarks.common import (
     warn_if_all_failed,
     write_json,
 )
+from benchmarks.metrics import failure_counts, records, summarize
 from benchmarks.servers import Platform, TenantSpec
+from benchmarks.targets import RestTarget, run_load
+from benchmarks.workload import PromptMaker, RequestSpec, merge, poisson_arrivals, random_requests
 
 INPUT_LEN, OUTPUT_LEN = (32, 128), (32, 64)
 TENANTS = ("t1", "t2")
@@ -44,46 +51,46 @@ SLOS_MS = {"ttft": 2000, "tpot": 200}
 
 
 def workload(rate: float, duration: float, seed: int,
-             maker: loadgen.PromptMaker) -> list[loadgen.RequestSpec]:
+             maker: PromptMaker) -> list[RequestSpec]:
     rng = random.Random(seed)
-    return loadgen.merge(*(
-        loadgen.random_requests(maker, loadgen.poisson_arrivals(rate / 2, duration, rng),
-                                INPUT_LEN, OUTPUT_LEN, rng, tenant=t) for t in TENANTS))
+    return merge(*(
+        random_requests(maker, poisson_arrivals(rate / 2, duration, rng),
+                        INPUT_LEN, OUTPUT_LEN, rng, tenant=t) for t in TENANTS))
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    maker = loadgen.PromptMaker(reference_tokenizer(), seed=args.seed)
+    maker = PromptMaker(reference_tokenizer(), seed=args.seed)
     env = {"BACKEND": "reference", "REFERENCE_STEP_DELAY_S": args.step_delay,
            "MAX_BATCH_SIZE": args.batch, "MAX_QUEUE_SIZE": args.queue}
     points = []
     with Platform([TenantSpec(t) for t in TENANTS], **env) as platform:
-        async with loadgen.RestTarget(platform.url, platform.keys) as target:
+        async with RestTarget(platform.url, platform.keys) as target:
             rng = random.Random(args.seed)
-            probe = [loadgen.RequestSpec(maker.make(rng.randint(*INPUT_LEN), rng),
-                                         rng.randint(*OUTPUT_LEN), TENANTS[i % 2])
+            probe = [RequestSpec(maker.make(rng.randint(*INPUT_LEN), rng),
+                                 rng.randint(*OUTPUT_LEN), TENANTS[i % 2])
                      for i in range(args.probe_requests)]
-            results, duration = await loadgen.run_load(target, probe,
-                                                       max_concurrency=3 * args.batch,
-                                                       desc="capacity")
-            probe_results = loadgen.records(results)
-            capacity = loadgen.summarize(results, duration)["request_throughput"]
+            results, duration = await run_load(target, probe,
+                                               max_concurrency=3 * args.batch,
+                                               desc="capacity")
+            probe_results = records(results)
+            capacity = summarize(results, duration)["request_throughput"]
             if not capacity > 0:
                 warn_if_all_failed(results, "capacity probe")
                 raise SystemExit("overload: the capacity probe completed no request "
-                                 f"({loadgen.failure_counts(results) or 'no results'})")
+                                 f"({failure_counts(results) or 'no results'})")
             for i, load in enumerate(args.loads):
                 specs = workload(load * capacity, args.duration, args.seed + i, maker)
                 if not specs:
                     print(f"note: {load:g} x capacity: the Poisson draw over "
                           f"{args.duration:g} s is empty; load point skipped")
                     continue
-                results, duration = await loadgen.run_load(target, specs,
-                                                           desc=f"{load:g} x capacity")
-                summary = loadgen.summarize(results, duration, SLOS_MS)
+                results, duration = await run_load(target, specs,
+                                                   desc=f"{load:g} x capacity")
+                summary = summarize(results, duration, SLOS_MS)
                 points.append({"load": load, "offered_rate": load * capacity,
                                "offered_requests": len(specs),
                                "rejected_rate": summary["rejected_429"] / args.duration,
-                               **summary, "results": loadgen.records(results),
+                               **summary, "results": records(results),
                                "all_failed": warn_if_all_failed(results,
                                                                 f"{load:g} x capacity")})
                 await asyncio.sleep(args.queue / capacity)  # let the backlog drain
@@ -150,7 +157,7 @@ def load_list(text: str) -> list[float]:
     loads = []
     for item in text.split(","):
         try:
-            loads.append(loadgen.positive_float(item.strip()))
+            loads.append(positive_float(item.strip()))
         except argparse.ArgumentTypeError as exc:
             raise argparse.ArgumentTypeError(
                 f"{text!r} is not a comma-separated list of positive numbers ({exc})") from None
@@ -160,16 +167,16 @@ def load_list(text: str) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=HelpFormatter)
-    parser.add_argument("--duration", type=loadgen.positive_float, default=30,
+    parser.add_argument("--duration", type=positive_float, default=30,
                         help="seconds per load")
     parser.add_argument("--loads", type=load_list, default="0.25,0.5,1,1.5,2",
                         help="multiples of capacity, comma-separated")
-    parser.add_argument("--step-delay", type=loadgen.non_negative_float, default=0.02,
+    parser.add_argument("--step-delay", type=non_negative_float, default=0.02,
                         help="seconds per forward pass of the reference backend")
-    parser.add_argument("--batch", type=loadgen.positive_int, default=8, help="MAX_BATCH_SIZE")
-    parser.add_argument("--queue", type=loadgen.positive_int, default=16,
+    parser.add_argument("--batch", type=positive_int, default=8, help="MAX_BATCH_SIZE")
+    parser.add_argument("--queue", type=positive_int, default=16,
                         help="MAX_QUEUE_SIZE (gate 1)")
-    parser.add_argument("--probe-requests", type=loadgen.positive_int, default=64,
+    parser.add_argument("--probe-requests", type=positive_int, default=64,
                         help="requests of the closed-loop capacity probe")
     parser.add_argument("--seed", type=int, default=5, help="workload seed")
     add_out_dir_flag(parser)

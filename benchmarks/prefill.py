@@ -24,10 +24,8 @@ import asyncio
 import random
 from typing import Any
 
-from benchmarks import loadgen
+from benchmarks.cli import HelpFormatter, add_out_dir_flag
 from benchmarks.common import (
-    HelpFormatter,
-    add_out_dir_flag,
     exit_status,
     legend_outside,
     machine,
@@ -39,46 +37,49 @@ from benchmarks.common import (
     warn_if_all_failed,
     write_json,
 )
+from benchmarks.metrics import describe_ms, records, summarize_by
+from benchmarks.targets import EngineTarget, run_load
+from benchmarks.workload import PromptMaker, RequestSpec, merge
 
 MODES = ("monolithic", "chunked", "chunked:64")
 
 
-def workload(args: argparse.Namespace, maker: loadgen.PromptMaker) -> list[loadgen.RequestSpec]:
+def workload(args: argparse.Namespace, maker: PromptMaker) -> list[RequestSpec]:
     rng = random.Random(args.seed)
-    specs = [loadgen.RequestSpec(maker.make(64, rng), args.stream_tokens, "streams", 0.0, 64,
-                                 "stream") for _ in range(args.streams)]
+    specs = [RequestSpec(maker.make(64, rng), args.stream_tokens, "streams", 0.0, 64,
+                         "stream") for _ in range(args.streams)]
     lens = [int(x) for x in args.long_lens.split(",")]
     first = args.warmup
     for i, n in enumerate(lens):
-        specs.append(loadgen.RequestSpec(maker.make(n, rng), 8, "long", first + i * args.long_every,
-                                         n, "long"))
+        specs.append(RequestSpec(maker.make(n, rng), 8, "long", first + i * args.long_every,
+                                 n, "long"))
     end = first + len(lens) * args.long_every
     t = args.short_every / 2
     while t < end:
-        specs.append(loadgen.RequestSpec(maker.make(32, rng), 8, "short", t, 32, "short"))
+        specs.append(RequestSpec(maker.make(32, rng), 8, "short", t, 32, "short"))
         t += args.short_every
-    return loadgen.merge(specs)
+    return merge(specs)
 
 
 async def run_mode(mode: str, args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
-    maker = loadgen.PromptMaker(tokenizer, seed=args.seed)
+    maker = PromptMaker(tokenizer, seed=args.seed)
     specs = workload(args, maker)
     name, _, chunk = mode.partition(":")
     settings = {"prefill_mode": name, "prefill_chunk_size": int(chunk or args.chunk)}
     engine = make_engine(real_model=True, max_batch_size=args.batch, kv_num_blocks=1024,
-                         max_queue_size=1000, **settings)
-    async with loadgen.EngineTarget(engine) as target:
-        results, duration = await loadgen.run_load(target, specs, desc=mode,
-                                                   background_tags={"stream"})
+                         max_pending=1000, **settings)
+    async with EngineTarget(engine) as target:
+        results, duration = await run_load(target, specs, desc=mode,
+                                           background_tags={"stream"})
     streams = [r for r in results if r.tag == "stream"]
     itl = [g for r in streams for g in r.itls_s]
-    summary = loadgen.summarize_by([r for r in results if r.tag != "stream"], lambda r: r.tag,
-                                   duration)
+    summary = summarize_by([r for r in results if r.tag != "stream"], lambda r: r.tag,
+                           duration)
     return {
         "mode": mode, "settings": settings, "duration_s": duration,
         "all_failed": warn_if_all_failed(results, mode),
         "stream_tokens": sum(len(r.chunk_times_s) for r in streams),
-        "stream_itl_ms": {**loadgen.describe_ms(itl), "max": max(itl, default=0) * 1000},
+        "stream_itl_ms": {**describe_ms(itl), "max": max(itl, default=0) * 1000},
         "short_ttft_ms": summary.get("short", {}).get("ttft_ms"),
         "long_ttft_ms": summary.get("long", {}).get("ttft_ms"),
         "long_arrivals_s": [r.sent_s for r in results if r.tag == "long"],
@@ -87,7 +88,7 @@ async def run_mode(mode: str, args: argparse.Namespace, tokenizer: Any) -> dict[
         "short_ttft": [{"sent_s": r.sent_s, "ttft_s": r.ttft_s} for r in results
                        if r.tag == "short" and r.ttft_s is not None],
         "per_tag": summary,
-        "results": loadgen.records(results),
+        "results": records(results),
     }
 
 

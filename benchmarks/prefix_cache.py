@@ -22,10 +22,8 @@ import asyncio
 import random
 from typing import Any
 
-from benchmarks import loadgen
+from benchmarks.cli import HelpFormatter, add_out_dir_flag, positive_int
 from benchmarks.common import (
-    HelpFormatter,
-    add_out_dir_flag,
     annotate_bars,
     exit_status,
     headroom,
@@ -39,22 +37,25 @@ from benchmarks.common import (
     warn_if_all_failed,
     write_json,
 )
+from benchmarks.metrics import records, summarize
+from benchmarks.targets import EngineTarget, run_load
+from benchmarks.workload import PromptMaker, shared_prefix_requests
 
 
 async def run_one(enabled: bool, args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
     rng = random.Random(args.seed)
-    maker = loadgen.PromptMaker(tokenizer, seed=args.seed)
-    specs = loadgen.shared_prefix_requests(maker, [0.0] * args.requests, args.prefixes,
-                                           args.prefix_len, args.suffix_len, args.output_len, rng,
-                                           tenant="docs")
+    maker = PromptMaker(tokenizer, seed=args.seed)
+    specs = shared_prefix_requests(maker, [0.0] * args.requests, args.prefixes,
+                                   args.prefix_len, args.suffix_len, args.output_len, rng,
+                                   tenant="docs")
     engine = make_engine(real_model=True, enable_prefix_caching=enabled,
-                         max_batch_size=args.concurrency, kv_num_blocks=1024, max_queue_size=1000)
-    async with loadgen.EngineTarget(engine) as target:
-        results, duration = await loadgen.run_load(target, specs,
-                                                   max_concurrency=args.concurrency,
-                                                   desc=f"cache {'on' if enabled else 'off'}")
+                         max_batch_size=args.concurrency, kv_num_blocks=1024, max_pending=1000)
+    async with EngineTarget(engine) as target:
+        results, duration = await run_load(target, specs,
+                                           max_concurrency=args.concurrency,
+                                           desc=f"cache {'on' if enabled else 'off'}")
         stats = engine.stats()
-    summary = loadgen.summarize(results, duration)
+    summary = summarize(results, duration)
     return {
         "prefix_caching": enabled, "summary": summary,
         "all_failed": warn_if_all_failed(results, f"cache {'on' if enabled else 'off'}"),
@@ -64,7 +65,7 @@ async def run_one(enabled: bool, args: argparse.Namespace, tokenizer: Any) -> di
         "prompt_tokens_computed": stats["prompt_tokens_computed"],
         "ttft": [{"i": i, "ttft_s": r.ttft_s, "cached": r.cached_prompt_tokens}
                  for i, r in enumerate(results) if r.ttft_s is not None],
-        "results": loadgen.records(results),
+        "results": records(results),
     }
 
 
@@ -116,7 +117,7 @@ def plot(runs: list[dict[str, Any]], out_dir: str | None = None) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=HelpFormatter)
-    pos = loadgen.positive_int
+    pos = positive_int
     parser.add_argument("--requests", type=pos, default=32, help="requests per setting")
     parser.add_argument("--prefixes", type=pos, default=4, help="distinct shared prefixes")
     parser.add_argument("--prefix-len", type=pos, default=512, help="tokens")

@@ -28,24 +28,24 @@ import math
 import random
 from typing import Any
 
-from benchmarks import loadgen
+from benchmarks.cli import HelpFormatter, add_out_dir_flag, name_list
 from benchmarks.common import (
-    HelpFormatter,
-    add_out_dir_flag,
     annotate_bars,
     exit_status,
     fmt_ms,
     legend_outside,
     machine,
     ms_log_axis,
-    name_list,
     print_table,
     reference_tokenizer,
     save_figure,
     warn_if_all_failed,
     write_json,
 )
+from benchmarks.metrics import records, summarize_by
 from benchmarks.servers import Platform, TenantSpec
+from benchmarks.targets import RestTarget, run_load
+from benchmarks.workload import PromptMaker, merge, poisson_arrivals, random_requests
 
 RUNS = {
     "same-tier": ({"bulk": "standard", "vip": "standard"}, False),
@@ -65,26 +65,26 @@ def capacity_req_s(args: argparse.Namespace) -> float:
 async def run_one(name: str, args: argparse.Namespace, rate_bulk: float) -> dict[str, Any]:
     tiers, deep_prefetch = RUNS[name]
     rng = random.Random(args.seed)
-    maker = loadgen.PromptMaker(reference_tokenizer(), seed=args.seed)
-    specs = loadgen.merge(
-        loadgen.random_requests(maker, loadgen.poisson_arrivals(rate_bulk, args.duration, rng),
-                                INPUT_LEN, OUTPUT_LEN, rng, tenant="bulk"),
-        loadgen.random_requests(maker,
-                                loadgen.poisson_arrivals(args.vip_rate, args.duration, rng),
-                                INPUT_LEN, OUTPUT_LEN, rng, tenant="vip"))
+    maker = PromptMaker(reference_tokenizer(), seed=args.seed)
+    specs = merge(
+        random_requests(maker, poisson_arrivals(rate_bulk, args.duration, rng),
+                        INPUT_LEN, OUTPUT_LEN, rng, tenant="bulk"),
+        random_requests(maker,
+                        poisson_arrivals(args.vip_rate, args.duration, rng),
+                        INPUT_LEN, OUTPUT_LEN, rng, tenant="vip"))
     env = {"BACKEND": "reference", "REFERENCE_STEP_DELAY_S": args.step_delay,
            "MAX_BATCH_SIZE": args.batch, "MAX_QUEUE_SIZE": args.queue,
            "SCHEDULING_POLICY": "fcfs"}
     if deep_prefetch:
         env["WORKER_PREFETCH"] = args.queue
     with Platform([TenantSpec(t, tier) for t, tier in tiers.items()], **env) as platform:
-        async with loadgen.RestTarget(platform.url, platform.keys) as target:
-            results, duration = await loadgen.run_load(target, specs, desc=name)
+        async with RestTarget(platform.url, platform.keys) as target:
+            results, duration = await run_load(target, specs, desc=name)
     return {"name": name, "tiers": tiers, "env": env,
-            "per_tenant": loadgen.summarize_by(results, lambda r: r.tenant, duration),
+            "per_tenant": summarize_by(results, lambda r: r.tenant, duration),
             "vip_ttft": [{"sent_s": r.sent_s, "ttft_s": r.ttft_s} for r in results
                          if r.tenant == "vip" and r.ttft_s is not None],
-            "results": loadgen.records(results),
+            "results": records(results),
             "all_failed": warn_if_all_failed(results, name)}
 
 

@@ -16,9 +16,10 @@ from typing import Any
 import httpx
 import redis
 
+from inference.protocol import PlatformSettings
 from tests.platform.stack import REPO, Stack
 
-REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+REDIS_URL = PlatformSettings().redis_url
 
 _CREATE_TENANTS = """
 import json, os

@@ -23,12 +23,11 @@ from typing import Any
 from asgiref.sync import sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
-from api import admission
-from api.errors import APIError
 from chat import generation, selectors, services
 from chat.conf import chat_settings
 from chat.context import ContextOverflowError
 from chat.models import Conversation
+from gateway.errors import APIError
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +125,7 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         answer, task = self.answer, self.task
         if answer is None or task is None or task.done():
             return
-        await admission.abort(answer.request_id)
+        await answer.generation.abort()
         # The worker ends the request within a tick or two (a final "abort" event ends the
         # relay); if it does not confirm in time, stop relaying anyway.
         asyncio.get_running_loop().call_later(chat_settings()["STOP_GRACE_S"],

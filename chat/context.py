@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 ChatMessage = dict[str, str]
+# Tokens of a whole chat prompt (the chat template's additions included).
 TokenCounter = Callable[[list[ChatMessage]], int]
 
 
@@ -51,27 +52,28 @@ def fit_to_context(
     Args:
         messages: the conversation in order, ending with the new user message; no system ones.
         prompt_limit_tokens: tokens the prompt may take (the context less the answer's room).
-        count_tokens: tokens of a chat prompt (template markers included); additive over
-            messages plus a fixed overhead, as :func:`api.tokens.count_chat_tokens` is.
-        system: a system message to put first.
+        count_tokens: tokens of a whole chat prompt, as the worker will count it (template
+            included, as :func:`gateway.tokens.count_chat_tokens`); it must not shrink when a
+            turn is added. A binary search over the number of turns kept calls it about
+            ``log2(turns)`` times.
 
     Raises:
         ContextOverflowError: if the system message and the newest turn alone do not fit.
     """
     head = [system] if system else []
     turns = split_turns(messages)
-    # A chat prompt's count is its messages' counts plus a fixed overhead (the generation
-    # prompt), so each message is counted once, not once per candidate prefix.
-    overhead = count_tokens([])
-    used = count_tokens(head)
-    kept: list[list[ChatMessage]] = []
-    for turn in reversed(turns):
-        cost = sum(count_tokens([m]) - overhead for m in turn)
-        if used + cost > prompt_limit_tokens:
-            break
-        used += cost
-        kept.insert(0, turn)
-    if not kept:
-        newest = head + (turns[-1] if turns else [])
-        raise ContextOverflowError(count_tokens(newest), prompt_limit_tokens)
-    return head + [m for t in kept for m in t]
+
+    def prompt(kept: int) -> list[ChatMessage]:
+        return head + [m for t in turns[len(turns) - kept:] for m in t]
+
+    newest = count_tokens(prompt(1)) if turns else count_tokens(head)
+    if not turns or newest > prompt_limit_tokens:
+        raise ContextOverflowError(newest, prompt_limit_tokens)
+    fits, too_many = 1, len(turns) + 1  # fits(n) holds for n <= fits and fails at too_many
+    while too_many - fits > 1:
+        middle = (fits + too_many) // 2
+        if count_tokens(prompt(middle)) <= prompt_limit_tokens:
+            fits = middle
+        else:
+            too_many = middle
+    return prompt(fits)

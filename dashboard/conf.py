@@ -1,4 +1,4 @@
-"""The dashboard's own settings (``settings.DASHBOARD``), read at call time with defaults."""
+"""The dashboard's own settings (``settings.DASHBOARD``), read at call time with these defaults."""
 
 from __future__ import annotations
 
@@ -27,3 +27,16 @@ DEFAULTS: dict[str, Any] = {
 def dashboard_settings() -> dict[str, Any]:
     """The dashboard settings: ``settings.DASHBOARD`` over :data:`DEFAULTS`."""
     return {**DEFAULTS, **getattr(settings, "DASHBOARD", {})}
+
+
+def beat_schedule(overrides: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Celery beat's schedule (``CELERY_BEAT_SCHEDULE``) for the settings ``overrides``.
+
+    Built while the settings module loads, so it takes the overrides instead of reading them.
+    """
+    conf = {**DEFAULTS, **overrides}
+    return {
+        "stats-snapshot": {"task": "dashboard.tasks.snapshot_stats",
+                           "schedule": conf["SNAPSHOT_INTERVAL_S"]},
+        "cleanup": {"task": "dashboard.tasks.cleanup", "schedule": conf["CLEANUP_INTERVAL_S"]},
+    }

@@ -20,12 +20,12 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from api.conf import platform_settings
 from dashboard import recorder
-from dashboard.stats import gate1_queued, sync_client, worker_stats
+from gateway.clients import sync_redis
+from gateway.workers import gate1, gate1_queued_sync, worker_snapshots_sync
 
 QUEUES = (("pending", "num_pending"), ("prefilling", "num_prefilling"), ("active", "num_active"))
-# Web-tier refusal codes that are gate 1 (scheduler.md section 4).
+# Web-tier refusal codes that are gate 1 (docs/design.md, backpressure).
 GATE1_CODES = ("queue_full",)
 
 
@@ -36,8 +36,8 @@ class PlatformCollector(Collector):
         self._client = client
 
     def collect(self) -> Iterator[Metric]:
-        client = self._client or sync_client()
-        workers = worker_stats(client)
+        client = self._client or sync_redis()
+        workers = worker_snapshots_sync(client)
         yield from self._queues(client, workers)
         yield from self._kv(workers)
         yield from self._admissions(client, workers)
@@ -47,13 +47,14 @@ class PlatformCollector(Collector):
         alive = GaugeMetricFamily("llm_workers_alive", "Inference workers with a live heartbeat.")
         alive.add_metric([], len(workers))
         yield alive
-        gate1 = GaugeMetricFamily(
+        queued = GaugeMetricFamily(
             "llm_gate1_queued_requests",
             "Requests accepted and not yet admitted by any worker (gate 1).")
-        gate1.add_metric([], gate1_queued(client))
-        yield gate1
+        figures = gate1(gate1_queued_sync(client))
+        queued.add_metric([], figures["queued"])
+        yield queued
         limit = GaugeMetricFamily("llm_gate1_max_queue_size", "Gate 1's bound (MAX_QUEUE_SIZE).")
-        limit.add_metric([], platform_settings()["MAX_QUEUE_SIZE"])
+        limit.add_metric([], figures["max_queue_size"])
         yield limit
         queue = GaugeMetricFamily("llm_scheduler_queue_requests",
                                   "Requests in each scheduler queue of each worker.",

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import redis
 
-from api.conf import redis_keys
+from gateway.admission import refused_counter_key
+from gateway.conf import redis_keys
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,7 @@ def histogram_key(spec: HistogramSpec) -> str:
 
 
 def refused_key() -> str:
-    from api.admission import refused_counter_key
-
+    """The hash of refusals by code, counted by :func:`gateway.admission.admit`."""
     return refused_counter_key()
 
 

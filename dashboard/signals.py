@@ -8,7 +8,7 @@ from django.db.models.signals import post_save
 from django.dispatch import receiver
 
 from dashboard.recorder import record_request
-from dashboard.stats import sync_client
+from gateway.clients import sync_redis
 from tenants.models import Tenant, UsageRecord
 
 log = logging.getLogger(__name__)
@@ -21,7 +21,7 @@ def count_usage(sender, instance: UsageRecord, created: bool, **kwargs) -> None:
         return
     try:
         slug = Tenant.objects.filter(pk=instance.tenant_id).values_list("slug", flat=True).first()
-        record_request(sync_client(), tenant=slug or str(instance.tenant_id),
+        record_request(sync_redis(), tenant=slug or str(instance.tenant_id),
                        status=instance.status, prompt_tokens=instance.prompt_tokens,
                        cached_prompt_tokens=instance.cached_prompt_tokens,
                        completion_tokens=instance.completion_tokens, ttft_s=instance.ttft_s,

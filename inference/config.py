@@ -1,21 +1,20 @@
-"""Engine configuration: one object, read from environment variables, validated at construction.
+"""Engine configuration: one object, given by the engine's caller, validated at construction.
 
-Every field maps to an environment variable of the same name in upper case (``MAX_QUEUE_SIZE``,
-``MAX_BATCH_SIZE``, ``PREFILL_CHUNK_SIZE``, ``PREFILL_MODE``, ``ACTIVE_KV_BUDGET``,
-``KV_BLOCK_SIZE``, ``KV_NUM_BLOCKS``, ``SCHEDULING_POLICY``, ``VTC_INPUT_WEIGHT``,
-``VTC_OUTPUT_WEIGHT``, ...). Names follow ``shared/design/scheduler.md``.
+The engine library reads no environment variable: a caller builds :class:`EngineConfig` itself.
+The inference worker fills it from environment variables of the same names in upper case
+(``MAX_BATCH_SIZE``, ``PREFILL_CHUNK_SIZE``, ``KV_NUM_BLOCKS``, ...; see
+:mod:`inference.settings`). Names follow ``docs/design.md``.
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
 
-from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class PrefillMode(StrEnum):
-    """How a prompt is pushed through the model (scheduler.md section 5)."""
+    """How a prompt is pushed through the model (``docs/design.md``, chunked prefill)."""
 
     MONOLITHIC = "monolithic"
     CHUNKED = "chunked"
@@ -28,16 +27,17 @@ IMPLEMENTED_PREFILL_MODES = (PrefillMode.MONOLITHIC, PrefillMode.CHUNKED)
 
 
 class SchedulingPolicyName(StrEnum):
-    """The admission-order policies of scheduler.md section 3."""
+    """The admission-order policies (``docs/design.md``, scheduling policies)."""
 
     FCFS = "fcfs"
     VTC = "vtc"
 
 
-class EngineConfig(BaseSettings):
+class EngineConfig(BaseModel):
     """Scheduler, KV cache and model settings of one inference engine.
 
-    Units: sizes in tokens unless named ``*_bytes``; times in seconds.
+    Units: sizes in tokens unless named ``*_bytes``; times in seconds. Unknown field names are
+    refused, so a misspelt setting fails loudly.
 
     Raises:
         pydantic.ValidationError: at construction, for an unknown or unimplemented
@@ -45,10 +45,11 @@ class EngineConfig(BaseSettings):
             KV block pool (counting each row's rounding up to whole blocks).
     """
 
-    model_config = SettingsConfigDict(case_sensitive=False, extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # Gate 1: requests accepted and not yet admitted.
-    max_queue_size: int = Field(256, ge=1, description="Bound of the pending queue (gate 1).")
+    # Requests submitted and not yet admitted. Used on its own, the engine's gate 1; in the
+    # platform gate 1 is global (MAX_QUEUE_SIZE) and a worker's engine holds WORKER_PREFETCH.
+    max_pending: int = Field(256, ge=1, description="Bound of the pending queue.")
     # Rows holding KV: decode rows plus rows still being prefilled.
     max_batch_size: int = Field(32, ge=1, description="Rows in the batch, prefilling included.")
     # 0 means monolithic prefill when PREFILL_MODE is empty.
@@ -68,11 +69,10 @@ class EngineConfig(BaseSettings):
         0, ge=0, description="Max sum of prompt_len + max_tokens over admitted rows (tokens)."
     )
     enable_prefix_caching: bool = True
+    # FCFS is the library's default (single tenant, tests); the platform's worker runs VTC.
     scheduling_policy: SchedulingPolicyName = SchedulingPolicyName.FCFS
     vtc_input_weight: float = Field(1.0, gt=0, description="VTC cost of one computed prompt token.")
     vtc_output_weight: float = Field(2.0, gt=0, description="VTC cost of one generated token.")
-    # A request still pending after this long ends with a `queue_timeout` error. 0 disables it.
-    max_queue_wait_s: float = Field(0.0, ge=0)
     # 0 means the backend's own context length.
     max_model_len: int = Field(0, ge=0)
 
@@ -81,6 +81,7 @@ class EngineConfig(BaseSettings):
     model_path: str = Field("", description="Local Hugging Face causal-LM folder; empty: default.")
     device: str = Field("auto", description="auto (CUDA, then MPS, then CPU), cpu, cuda, mps.")
     dtype: str = Field("auto", description="auto (fp32 on CPU), float32, float16, bfloat16.")
+    llm_kernel_dir: str = Field("", description="Built native kernels; empty: .cache/kernels.")
     # BACKEND=reference only: seconds each forward pass takes, to emulate a real model's pace.
     reference_step_delay_s: float = Field(0.0, ge=0)
 

@@ -7,7 +7,7 @@ of one process was measured 15-40 % slower per step).
 
 Example::
 
-    engine = LLMEngine(EngineConfig(BACKEND="reference"))
+    engine = LLMEngine(EngineConfig(backend="reference"))
     engine.start()
     handle = engine.submit(prompt="Hello", sampling=SamplingParams(max_tokens=8))
     for event in handle.events(timeout=10):
@@ -28,6 +28,7 @@ from typing import Any
 from inference.backends.base import ModelBackend
 from inference.config import EngineConfig
 from inference.request import (
+    ErrorCode,
     ErrorInfo,
     Event,
     FinalEvent,
@@ -43,7 +44,7 @@ EventSink = Callable[[list[Event]], None]
 
 
 class EngineRefusal(Exception):
-    """A request refused before it entered the engine; ``error`` says why (and the HTTP status)."""
+    """A request refused before it entered the engine; ``error`` says why (its code)."""
 
     def __init__(self, error: ErrorInfo):
         super().__init__(error.message)
@@ -51,15 +52,15 @@ class EngineRefusal(Exception):
 
 
 class QueueFullError(EngineRefusal):
-    """Gate 1: the pending queue holds ``MAX_QUEUE_SIZE`` requests (HTTP 429, retryable)."""
+    """The pending queue holds ``max_pending`` requests (code ``queue_full``, retryable)."""
 
 
 class InvalidRequestError(EngineRefusal):
-    """The request can never be valid for this model (HTTP 400), e.g. beyond the context."""
+    """The request can never be valid for this model, e.g. beyond the context."""
 
 
 class EngineStoppedError(EngineRefusal):
-    """The engine is shutting down and takes no new work (HTTP 503, retryable)."""
+    """The engine is shutting down and takes no new work (code ``worker_shutdown``, retryable)."""
 
 
 class RequestHandle:
@@ -149,25 +150,30 @@ class LLMEngine:
                messages: Sequence[dict[str, str]] | None = None,
                sampling: SamplingParams | None = None, tenant: str = "default",
                fairness_key: str = "", priority: int = 0, fairness_weight: float = 1.0,
-               request_id: str | None = None) -> RequestHandle:
+               request_id: str | None = None, queue_wait_s: float | None = None
+               ) -> RequestHandle:
         """Queue a request; never waits for a tick.
 
         Exactly one of ``prompt_token_ids``, ``prompt`` (text) or ``messages`` (chat, rendered
         with the model's chat template) is given. ``priority`` is the tier (higher first);
         ``fairness_key`` defaults to the tenant; ``fairness_weight`` scales its VTC share.
+        ``queue_wait_s``: seconds from now within which it must be admitted, else it ends with
+        a ``queue_timeout`` error (None: no deadline; 0 or less: already past it).
 
         Returns:
             A handle whose :meth:`RequestHandle.events` yields the request's events.
 
         Raises:
             InvalidRequestError: empty prompt, or ``prompt_len + max_tokens`` beyond the context.
-            QueueFullError: gate 1, ``MAX_QUEUE_SIZE`` requests are already waiting.
+            QueueFullError: ``max_pending`` requests are already waiting (gate 1 of an engine
+                used on its own).
             EngineStoppedError: the engine is shutting down.
         """
         sampling = sampling or SamplingParams()
         if sum(x is not None for x in (prompt_token_ids, prompt, messages)) != 1:
             raise InvalidRequestError(ErrorInfo(
-                "invalid_request", "give exactly one of prompt_token_ids, prompt, messages", 400))
+                code=ErrorCode.INVALID_REQUEST,
+                message="give exactly one of prompt_token_ids, prompt, messages"))
         if prompt_token_ids is not None:
             ids = [int(t) for t in prompt_token_ids]
         elif prompt is not None:
@@ -176,38 +182,44 @@ class LLMEngine:
             ids = self.tokenizer.apply_chat_template(list(messages or ()))
         if not ids:
             raise InvalidRequestError(ErrorInfo(
-                "invalid_request", "the prompt is empty", 400, details={"param": "prompt"}))
+                code=ErrorCode.INVALID_REQUEST, message="the prompt is empty",
+                details={"param": "prompt"}))
         if not fairness_weight > 0:
             raise InvalidRequestError(ErrorInfo(
-                "invalid_request", f"fairness_weight must be > 0, got {fairness_weight}", 400,
+                code=ErrorCode.INVALID_REQUEST,
+                message=f"fairness_weight must be > 0, got {fairness_weight}",
                 details={"param": "fairness_weight"}))
         if len(ids) + sampling.max_tokens > self.max_model_len:
             raise InvalidRequestError(ErrorInfo(
-                "context_length_exceeded",
-                f"prompt of {len(ids)} tokens + max_tokens {sampling.max_tokens} = "
+                code=ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                message=f"prompt of {len(ids)} tokens + max_tokens {sampling.max_tokens} = "
                 f"{len(ids) + sampling.max_tokens} exceeds the model's context of "
                 f"{self.max_model_len} tokens",
-                400, details={"prompt_tokens": len(ids), "max_tokens": sampling.max_tokens,
+                details={"prompt_tokens": len(ids), "max_tokens": sampling.max_tokens,
                               "max_model_len": self.max_model_len}))
         request = Request(
             request_id=request_id or f"req-{uuid.uuid4().hex}", prompt_token_ids=ids,
             sampling=sampling, tenant=tenant, fairness_key=fairness_key or tenant,
             priority=priority, fairness_weight=fairness_weight)
+        if queue_wait_s is not None:
+            request.queue_deadline = request.arrival_time + queue_wait_s
         handle = RequestHandle(request.request_id, len(ids))
         with self._lock:
             if self._stopping:
                 raise EngineStoppedError(ErrorInfo(
-                    "worker_shutdown", "the engine is shutting down", 503, retryable=True))
-            if self._queued >= self.config.max_queue_size:
+                    code=ErrorCode.WORKER_SHUTDOWN, message="the engine is shutting down",
+                    retryable=True))
+            if self._queued >= self.config.max_pending:
                 raise QueueFullError(ErrorInfo(
-                    "queue_full",
-                    f"the queue holds {self._queued} requests (MAX_QUEUE_SIZE="
-                    f"{self.config.max_queue_size}); retry later",
-                    429, gate=1, retryable=True,
-                    details={"queued": self._queued, "max_queue_size": self.config.max_queue_size}))
+                    code=ErrorCode.QUEUE_FULL,
+                    message=f"the queue holds {self._queued} requests (max_pending="
+                    f"{self.config.max_pending}); retry later",
+                    gate=1, retryable=True,
+                    details={"queued": self._queued, "max_pending": self.config.max_pending}))
             if request.request_id in self._handles:
                 raise InvalidRequestError(ErrorInfo(
-                    "invalid_request", f"request id {request.request_id} is already live", 400))
+                    code=ErrorCode.INVALID_REQUEST,
+                    message=f"request id {request.request_id} is already live"))
             self._queued += 1
             self._handles[request.request_id] = handle
             self._inbox.append(("submit", request))
@@ -285,8 +297,8 @@ class LLMEngine:
             with self._lock:
                 self._handles.pop(request.request_id, None)
         self.scheduler.fail_all(ErrorInfo(
-            "worker_shutdown", "the inference worker shut down while serving this request",
-            503, retryable=True))
+            code=ErrorCode.WORKER_SHUTDOWN,
+            message="the inference worker shut down while serving this request", retryable=True))
         self._after_tick(self.scheduler.take_events())
         return withdrawn
 
@@ -307,7 +319,8 @@ class LLMEngine:
             except Exception as exc:  # keep serving: fail what was live, then go on
                 log.exception("tick failed")
                 self.scheduler.fail_all(ErrorInfo(
-                    "engine_error", f"the engine failed: {exc}", 500, retryable=True))
+                    code=ErrorCode.ENGINE_ERROR, message=f"the engine failed: {exc}",
+                    retryable=True))
                 self._after_tick(self.scheduler.take_events())
 
     def _drain_inbox(self) -> None:

@@ -15,8 +15,8 @@ Every block is in exactly one state:
 
 Admission reserves the blocks a row can grow into (``ceil((prompt_len + max_tokens) / block_size)``
 minus its prefix hits), so decode never runs out of blocks and no workload can deadlock
-(scheduler.md section 4, gate 3). The design follows vLLM's block manager (Kwon et al., SOSP 2023)
-and nano-vllm's hashed prefix blocks.
+(``docs/design.md``, backpressure: gate 3). The design follows vLLM's block manager (Kwon et
+al., SOSP 2023) and nano-vllm's hashed prefix blocks.
 """
 
 from __future__ import annotations

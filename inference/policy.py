@@ -1,4 +1,6 @@
-"""Scheduling policies: the order in which pending requests are admitted (scheduler.md section 3).
+"""Scheduling policies: the order in which pending requests are admitted.
+
+``docs/design.md`` (scheduling policies) states the design.
 
 Both policies implement the same five hooks: ``on_request_arrived``, ``peek_next``, ``pick_next``,
 ``on_tokens_processed`` and ``on_request_finished``; plus ``remove`` for a request that leaves

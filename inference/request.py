@@ -1,8 +1,10 @@
-"""Request state and the events a request emits.
+"""Request state inside the engine, and the decoding settings of a request.
 
-A :class:`Request` knows its prompt, its output so far, its KV block table and how many of its
-tokens are computed or came from the prefix cache. The scheduler only moves requests between
-queues; the request itself carries the state.
+The events a request emits and its errors are the messages of :mod:`inference.protocol`
+(re-exported here): the engine emits exactly what the web tier reads. A :class:`Request` knows
+its prompt, its output so far, its KV block table and how many of its tokens are computed or
+came from the prefix cache. The scheduler only moves requests between queues; the request itself
+carries the state.
 """
 
 from __future__ import annotations
@@ -14,14 +16,18 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from inference.protocol import (
+    ErrorCode,
+    ErrorInfo,
+    Event,
+    FinalEvent,
+    FinishReason,
+    TokenEvent,
+    Usage,
+)
 
-class FinishReason(StrEnum):
-    """Why a request ended; ``error`` carries a structured :class:`ErrorInfo`."""
-
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
-    ERROR = "error"
+__all__ = ["ErrorCode", "ErrorInfo", "Event", "FinalEvent", "FinishReason", "Request",
+           "RequestPhase", "SamplingParams", "TokenEvent", "Usage"]
 
 
 class RequestPhase(StrEnum):
@@ -79,89 +85,6 @@ class SamplingParams:
         return self.temperature == 0
 
 
-@dataclass(frozen=True)
-class ErrorInfo:
-    """A structured refusal or failure.
-
-    ``code`` names the reason (``kv_budget_exceeded``, ``kv_pool_exceeded``, ``queue_full``,
-    ``queue_timeout``, ``context_length_exceeded``, ``invalid_request``, ``engine_error``,
-    ``worker_shutdown``); ``gate`` is the backpressure gate (1 to 3) for refusals; ``status`` is
-    the HTTP status the web tier answers with; ``details`` carries the numbers.
-    """
-
-    code: str
-    message: str
-    status: int = 500
-    gate: int | None = None
-    retryable: bool = False
-    details: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "code": self.code,
-            "message": self.message,
-            "status": self.status,
-            "gate": self.gate,
-            "retryable": self.retryable,
-            "details": dict(self.details),
-        }
-
-
-@dataclass(frozen=True)
-class Usage:
-    """Token counts of one request; ``cached_prompt_tokens`` were prefix-cache hits."""
-
-    prompt_tokens: int
-    cached_prompt_tokens: int
-    completion_tokens: int
-
-    def to_dict(self) -> dict[str, int]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "cached_prompt_tokens": self.cached_prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-        }
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """One generated token: its id and the text it adds (valid UTF-8, maybe empty)."""
-
-    request_id: str
-    seq: int
-    token_id: int
-    text: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"type": "token", "request_id": self.request_id, "seq": self.seq,
-                "token_id": self.token_id, "text": self.text}
-
-
-@dataclass(frozen=True)
-class FinalEvent:
-    """The last event of a request: exactly one, and nothing after it.
-
-    ``text`` is text held back while a stop string might have been forming and released at the
-    end (usually empty). ``error`` is set when ``finish_reason`` is ``error``.
-    """
-
-    request_id: str
-    seq: int
-    finish_reason: FinishReason
-    usage: Usage
-    text: str = ""
-    error: ErrorInfo | None = None
-    timings: dict[str, float] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"type": "final", "request_id": self.request_id, "seq": self.seq,
-                "finish_reason": self.finish_reason.value, "usage": self.usage.to_dict(),
-                "text": self.text, "error": self.error.to_dict() if self.error else None,
-                "timings": dict(self.timings)}
-
-
-Event = TokenEvent | FinalEvent
-
 _arrival_counter = itertools.count()
 
 
@@ -202,6 +125,8 @@ class Request:
     error: ErrorInfo | None = None
     first_token_time: float | None = None
     admitted_time: float | None = None
+    # Monotonic time by which the request must leave ``_pending`` (None: no deadline).
+    queue_deadline: float | None = None
     detokenizer: Any = None
     sampler_state: Any = None
 
@@ -240,4 +165,5 @@ class Request:
         return seq
 
     def usage(self) -> Usage:
-        return Usage(self.prompt_len, self.num_cached_tokens, len(self.output_token_ids))
+        return Usage(prompt_tokens=self.prompt_len, cached_prompt_tokens=self.num_cached_tokens,
+                     completion_tokens=len(self.output_token_ids))

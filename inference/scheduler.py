@@ -1,4 +1,4 @@
-"""The continuous-batching scheduler of ``shared/design/scheduler.md``.
+"""The continuous-batching scheduler of ``docs/design.md``.
 
 Three queues hold every live request exactly once: ``_pending`` (ordered by the policy),
 ``_prefilling`` (admitted, prompt still being fed in chunks) and ``_active`` (rows in the decode
@@ -26,16 +26,17 @@ from typing import Any
 from inference.backends.base import DecodeRow, ModelBackend, PrefillChunk
 from inference.config import EngineConfig, PrefillMode
 from inference.detokenizer import IncrementalDetokenizer
+from inference.gates import never_fits
 from inference.kv_cache import KVCacheManager
+from inference.outputs import append_token, final_event
 from inference.policy import make_policy
 from inference.request import (
+    ErrorCode,
     ErrorInfo,
     Event,
-    FinalEvent,
     FinishReason,
     Request,
     RequestPhase,
-    TokenEvent,
 )
 from inference.sampling import sample
 
@@ -99,7 +100,7 @@ class Scheduler:
         request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.sampling.stop)
         self._pending[request.request_id] = request
         self.policy.on_request_arrived(request)
-        refusal = self._never_fits(request)
+        refusal = never_fits(request, self.kv, self.active_kv_budget)
         if refusal is not None:
             self._hard_reject(request, *refusal)
 
@@ -187,36 +188,6 @@ class Scheduler:
             if self.prefill_mode is PrefillMode.MONOLITHIC:
                 self._run_prefill([request], whole_prompt=True)
 
-    def _never_fits(self, request: Request) -> tuple[int, ErrorInfo] | None:
-        """Gates 2 and 3, hard: the request alone exceeds the whole pool or the budget.
-
-        Returns:
-            ``(gate, error)`` for a request that can never be served, else None. Gate 3 is
-            checked first: the pool is the more fundamental limit (the budget fits inside it).
-        """
-        demand = request.kv_demand
-        numbers = {"prompt_len": request.prompt_len, "max_tokens": request.max_tokens,
-                   "kv_demand": demand}
-        if not self.kv.can_ever_fit(request):
-            blocks = self.kv.blocks_for_tokens(demand)
-            return 3, ErrorInfo(
-                code="kv_pool_exceeded",
-                message=(f"prompt_len + max_tokens = {demand} tokens needs {blocks} KV blocks "
-                         f"of {self.kv.block_size} tokens; the pool has {self.kv.num_blocks}; "
-                         "it can never be served"),
-                status=429, gate=3, retryable=False,
-                details={**numbers, "blocks_needed": blocks,
-                         "kv_blocks_total": self.kv.num_blocks})
-        if demand > self.active_kv_budget:
-            return 2, ErrorInfo(
-                code="kv_budget_exceeded",
-                message=(f"prompt_len + max_tokens = {request.prompt_len} + {request.max_tokens}"
-                         f" = {demand} tokens exceeds the active-KV budget of "
-                         f"{self.active_kv_budget} tokens; it can never be served"),
-                status=429, gate=2, retryable=False,
-                details={**numbers, "active_kv_budget": self.active_kv_budget})
-        return None
-
     def _soft_hold(self, gate: int) -> None:
         self.soft_held[gate] += 1
         self.kv_admit_blocked += 1
@@ -227,15 +198,17 @@ class Scheduler:
         self._finish(request, FinishReason.ERROR, error)
 
     def _expire_pending(self) -> None:
-        limit = self.config.max_queue_wait_s
-        if not limit or not self._pending:
-            return
+        """End the pending requests whose admission deadline has passed (``queue_timeout``)."""
         now = self._clock()
-        for request in [r for r in self._pending.values() if now - r.arrival_time > limit]:
+        expired = [r for r in self._pending.values()
+                   if r.queue_deadline is not None and now > r.queue_deadline]
+        for request in expired:
+            waited = now - request.arrival_time
             self._finish(request, FinishReason.ERROR, ErrorInfo(
-                code="queue_timeout",
-                message=f"request waited more than {limit:g} s in the queue without being admitted",
-                status=503, retryable=True, details={"max_queue_wait_s": limit}))
+                code=ErrorCode.QUEUE_TIMEOUT,
+                message=f"request waited {waited:.1f} s in the queue without being admitted, "
+                        "past its deadline",
+                retryable=True, details={"waited_s": round(waited, 3)}))
 
     # -- phase 2: chunked prefill --------------------------------------------------------------
 
@@ -317,24 +290,12 @@ class Scheduler:
 
     def _append_token(self, request: Request, token: int) -> None:
         """Record a generated token, stream its text, and mark the row finished if it stopped."""
-        params = request.sampling
-        request.output_token_ids.append(token)
         self.tokens_generated += 1
         if request.first_token_time is None:
             request.first_token_time = self._clock()
-        n_out = len(request.output_token_ids)
-        if token in self.eos_token_ids:
-            if not params.ignore_eos and n_out > params.min_tokens:
-                request.finish_reason = FinishReason.STOP
-                return
-            text = ""
-        else:
-            text = request.detokenizer.add_token(token, check_stop=n_out > params.min_tokens)
-        self._emit(TokenEvent(request.request_id, request.next_event_seq(), token, text))
-        if request.detokenizer.stopped:
-            request.finish_reason = FinishReason.STOP
-        elif n_out >= params.max_tokens:
-            request.finish_reason = FinishReason.LENGTH
+        event = append_token(request, token, self.eos_token_ids)
+        if event is not None:
+            self._emit(event)
 
     def _finish(self, request: Request, reason: FinishReason,
                 error: ErrorInfo | None = None) -> None:
@@ -360,15 +321,7 @@ class Scheduler:
         request.finish_reason = reason
         request.error = error
         self.finished[reason.value] += 1
-        held_text = request.detokenizer.flush() if (
-            request.detokenizer and reason is not FinishReason.ERROR) else ""
-        now = self._clock()
-        timings = {"queue_s": (request.admitted_time or now) - request.arrival_time,
-                   "e2e_s": now - request.arrival_time}
-        if request.first_token_time is not None:
-            timings["ttft_s"] = request.first_token_time - request.arrival_time
-        self._emit(FinalEvent(request.request_id, request.next_event_seq(), reason,
-                              request.usage(), held_text, error, timings))
+        self._emit(final_event(request, reason, error, self._clock()))
 
     def _emit(self, event: Event) -> None:
         self._events.append(event)
@@ -385,12 +338,12 @@ class Scheduler:
     # -- observation -------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """A JSON-able stats snapshot (the field names of scheduler.md section 4)."""
+        """A JSON-able stats snapshot (the field names of ``docs/design.md``, backpressure)."""
         snapshot: dict[str, Any] = {
             "policy": self.policy.name,
             "prefill_mode": self.prefill_mode.value,
             "max_batch_size": self.max_batch_size,
-            "max_queue_size": self.config.max_queue_size,
+            "max_pending": self.config.max_pending,
             "num_pending": len(self._pending),
             "num_prefilling": len(self._prefilling),
             "num_active": len(self._active),
@@ -431,5 +384,5 @@ class Scheduler:
 
 
 def _engine_error(phase: str, exc: Exception) -> ErrorInfo:
-    return ErrorInfo(code="engine_error", message=f"model {phase} failed: {exc}", status=500,
+    return ErrorInfo(code=ErrorCode.ENGINE_ERROR, message=f"model {phase} failed: {exc}",
                      retryable=True, details={"phase": phase})

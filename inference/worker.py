@@ -10,8 +10,8 @@ SIGTERM or SIGINT stops it cleanly: it takes no new work, requests not yet admit
 their tier's stream for another worker, requests in flight end with a ``worker_shutdown`` error
 event.
 
-Settings (environment): the engine's (:class:`inference.config.EngineConfig`) and those of
-:class:`WorkerSettings`.
+Settings (environment): :class:`inference.settings.WorkerSettings` (the engine's settings, those
+the web tier reads too, and the worker's own).
 """
 
 from __future__ import annotations
@@ -25,54 +25,31 @@ import time
 from typing import Any
 
 import redis
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from inference.bridge import UsageSink, WorkerBridge
-from inference.config import EngineConfig
-from inference.protocol import USAGE_TASK_NAME, Keys
+from inference.protocol import USAGE_TASK_NAME, UsageReport
+from inference.settings import WorkerSettings
 
 log = logging.getLogger("inference.worker")
 
 
-class WorkerSettings(BaseSettings):
-    """Settings of the worker process itself (times in seconds)."""
-
-    model_config = SettingsConfigDict(case_sensitive=False, extra="ignore")
-
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    redis_prefix: str = "llm"
-    worker_id: str = Field("", description="Consumer name; empty: host-pid.")
-    # Requests held in the engine's pending queue at most; 0: MAX_BATCH_SIZE.
-    worker_prefetch: int = Field(0, ge=0)
-    heartbeat_interval_s: float = Field(1.0, gt=0)
-    worker_heartbeat_ttl_s: float = Field(10.0, gt=0)
-    shutdown_timeout_s: float = Field(10.0, ge=0)
-    poll_block_ms: int = Field(50, ge=1)
-    # Where usage goes; empty: CELERY_BROKER_URL's default, REDIS_URL. "none" disables it.
-    celery_broker_url: str = ""
-    celery_task_default_queue: str = "celery"
-
-
 def celery_usage_sink(broker_url: str, queue: str) -> UsageSink:
-    """Send usage payloads to the Celery task ``api.tasks.record_usage`` by name."""
+    """Send usage reports to the web tier's Celery task (by name: no Django here)."""
     from celery import Celery
 
     app = Celery("llm_worker", broker=broker_url)
 
-    def send(payload: dict[str, Any]) -> None:
-        app.send_task(USAGE_TASK_NAME, args=[payload], queue=queue)
+    def send(report: UsageReport) -> None:
+        app.send_task(USAGE_TASK_NAME, args=[report.model_dump(mode="json")], queue=queue)
 
     return send
 
 
 def main() -> int:
-    logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = WorkerSettings()
-    # The fair policy is the platform's default (the engine's own default is FCFS).
-    config = EngineConfig(**({} if os.environ.get("SCHEDULING_POLICY") else
-                             {"scheduling_policy": "vtc"}))
+    logging.basicConfig(level=settings.log_level,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = settings.engine_config()
     worker_id = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}"
 
     stop = threading.Event()
@@ -87,13 +64,16 @@ def main() -> int:
     from inference.engine import LLMEngine
 
     log.info("loading backend %s (model %s)", config.backend, config.model_path or "default")
+    if config.backend == "transformers" and not config.model_path:
+        from inference.model_store import prepare_default_model
+
+        config = config.model_copy(update={
+            "model_path": str(prepare_default_model(settings.model_cache_dir))})
     engine = LLMEngine(config)
     client = redis.Redis.from_url(settings.redis_url)
-    broker = settings.celery_broker_url or settings.redis_url
-    usage_sink = None if broker == "none" else celery_usage_sink(
-        broker, settings.celery_task_default_queue)
-    bridge = WorkerBridge(engine, client, Keys(settings.redis_prefix), worker_id,
-                          prefetch=settings.worker_prefetch or config.max_batch_size,
+    usage_sink = None if settings.broker_url == "none" else celery_usage_sink(
+        settings.broker_url, settings.celery_task_default_queue)
+    bridge = WorkerBridge(engine, client, settings.keys, worker_id, prefetch=settings.prefetch,
                           usage_sink=usage_sink)
     bridge.ensure_groups()
     pubsub = client.pubsub(ignore_subscribe_messages=True)

@@ -1,14 +1,19 @@
-"""Django settings, every one read from the environment (django-environ).
+"""Django settings, every one read from the environment.
 
 The variables, their defaults and what they do are listed in ``docs/platform.md``. A ``.env``
-file at the repository root is read too when present. Engine settings (``MAX_BATCH_SIZE``,
-``BACKEND``, ``MODEL_PATH``, ...) are read by the inference worker itself
-(:class:`inference.config.EngineConfig`); the web tier only needs the ones listed here.
+file at the repository root is read too when present. The variables that the inference worker
+reads too (Redis, gate 1, the admission deadline, heartbeats, the model's folder) come from
+:class:`inference.protocol.PlatformSettings`, where their defaults are written once; Django's own
+and the web tier's come through django-environ. Engine settings (``MAX_BATCH_SIZE``,
+``BACKEND``, ...) are the worker's alone (:mod:`inference.settings`).
 """
 
 from pathlib import Path
 
 import environ
+
+from dashboard.conf import beat_schedule
+from inference.protocol import PlatformSettings
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = BASE_DIR / "var"
@@ -16,6 +21,8 @@ VAR_DIR = BASE_DIR / "var"
 env = environ.Env()
 if (BASE_DIR / ".env").is_file():
     environ.Env.read_env(BASE_DIR / ".env")
+# The settings the worker reads too.
+SHARED = PlatformSettings(_env_file=BASE_DIR / ".env")
 
 DEBUG = env.bool("DEBUG", default=False)
 # The default key is for a local machine only; set SECRET_KEY anywhere reachable by others.
@@ -93,7 +100,7 @@ STATIC_URL = "static/"
 STATIC_ROOT = env.path("STATIC_ROOT", default=BASE_DIR / "staticfiles")
 STATICFILES_DIRS = [p for p in [BASE_DIR / "static"] if p.is_dir()]
 
-REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")
+REDIS_URL = SHARED.redis_url
 
 CHANNEL_LAYERS = {
     "default": {
@@ -104,21 +111,26 @@ CHANNEL_LAYERS = {
     },
 }
 
-CELERY_BROKER_URL = env.str("CELERY_BROKER_URL", default=REDIS_URL)
+CELERY_BROKER_URL = SHARED.broker_url
 CELERY_RESULT_BACKEND = None
 CELERY_TASK_IGNORE_RESULT = True
-CELERY_TASK_DEFAULT_QUEUE = env.str("CELERY_TASK_DEFAULT_QUEUE", default="celery")
+CELERY_TASK_DEFAULT_QUEUE = SHARED.celery_task_default_queue
+# The usage task lives in the web tier's protocol package, which is not a Django app.
+CELERY_IMPORTS = ("gateway.tasks",)
 CELERY_TASK_ALWAYS_EAGER = env.bool("CELERY_TASK_ALWAYS_EAGER", default=False)
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 
-# The platform's own settings, in one namespace (read through api.conf.platform_settings()).
+# The platform's own settings, in one namespace (read through gateway.conf.platform_settings()).
 LLM_PLATFORM = {
-    # Redis key prefix shared with the inference worker (inference.protocol).
-    "REDIS_PREFIX": env.str("REDIS_PREFIX", default="llm"),
+    # Shared with the workers (inference.protocol.PlatformSettings documents each).
+    "REDIS_PREFIX": SHARED.redis_prefix,
+    "MAX_QUEUE_SIZE": SHARED.max_queue_size,
+    "MAX_QUEUE_WAIT_S": SHARED.max_queue_wait_s,
+    "WORKER_HEARTBEAT_TTL_S": SHARED.worker_heartbeat_ttl_s,
+    "MODEL_PATH": SHARED.model_path,
+    "LLM_CACHE_DIR": SHARED.llm_cache_dir,
     # Connections per web process: each request in flight holds one while it waits for events.
     "REDIS_MAX_CONNECTIONS": env.int("REDIS_MAX_CONNECTIONS", default=4096),
-    # Gate 1: requests accepted and not yet admitted by any worker.
-    "MAX_QUEUE_SIZE": env.int("MAX_QUEUE_SIZE", default=256),
     # The one served model; requests naming another get 404 model_not_found.
     "SERVED_MODEL_NAME": env.str("SERVED_MODEL_NAME", default="SmolLM2-135M-Instruct"),
     # max_tokens when a request gives none: what is left of the context, capped by this.
@@ -128,14 +140,10 @@ LLM_PLATFORM = {
     "STREAM_DECISION_TIMEOUT_S": env.float("STREAM_DECISION_TIMEOUT_S", default=30.0),
     # A request with no event from its worker for this long ends with a 504 (seconds).
     "REQUEST_IDLE_TIMEOUT_S": env.float("REQUEST_IDLE_TIMEOUT_S", default=300.0),
-    # A request still waiting for a worker after this long ends with queue_timeout (seconds).
-    "MAX_QUEUE_WAIT_S": env.float("MAX_QUEUE_WAIT_S", default=120.0),
-    # A worker whose heartbeat is older than this is dead (seconds).
-    "WORKER_HEARTBEAT_TTL_S": env.float("WORKER_HEARTBEAT_TTL_S", default=10.0),
     # Who the fair (VTC) scheduler balances: "tenant", "api_key" or "user" (the request's user
     # field, within its tenant).
     "FAIRNESS_KEY": env.str("FAIRNESS_KEY", default="tenant"),
-    # Folder holding tokenizer.json, used to count prompt tokens for limits and budgets;
+    # Folder holding the model's tokenizer, used to count prompt tokens for limits and budgets;
     # empty: MODEL_PATH, else the prepared default model. Without one, counts are estimated.
     "TOKENIZER_PATH": env.str("TOKENIZER_PATH", default=""),
 }
@@ -144,25 +152,27 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
-    "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
+    "root": {"handlers": ["console"], "level": SHARED.log_level},
 }
 
+
+def _given(**values):
+    """The settings that the environment sets; the app's own defaults fill in the rest."""
+    return {name: value for name, value in values.items() if value is not None}
+
+
 # The web chat (chat.conf) and the scheduler dashboard (dashboard.conf); defaults live there.
-CHAT = {
-    "MAX_TOKENS": env.int("CHAT_MAX_TOKENS", default=512),
-    "TEMPERATURE": env.float("CHAT_TEMPERATURE", default=0.7),
-    "SYSTEM_PROMPT": env.str("CHAT_SYSTEM_PROMPT", default=""),
-}
-DASHBOARD = {
-    "SNAPSHOT_INTERVAL_S": env.float("STATS_SNAPSHOT_INTERVAL_S", default=5.0),
-    "SNAPSHOT_RETENTION_S": env.float("STATS_SNAPSHOT_RETENTION_S", default=86400.0),
+CHAT = _given(
+    MAX_TOKENS=env.int("CHAT_MAX_TOKENS", default=None),
+    TEMPERATURE=env.float("CHAT_TEMPERATURE", default=None),
+    SYSTEM_PROMPT=env.str("CHAT_SYSTEM_PROMPT", default=None),
+)
+DASHBOARD = _given(
+    SNAPSHOT_INTERVAL_S=env.float("STATS_SNAPSHOT_INTERVAL_S", default=None),
+    SNAPSHOT_RETENTION_S=env.float("STATS_SNAPSHOT_RETENTION_S", default=None),
+    CLEANUP_INTERVAL_S=env.float("CLEANUP_INTERVAL_S", default=None),
     # Bearer token a Prometheus scrape may use for GET /metrics (besides operator API keys).
-    "METRICS_TOKEN": env.str("METRICS_TOKEN", default=""),
-}
+    METRICS_TOKEN=env.str("METRICS_TOKEN", default=None),
+)
 # Celery beat (started by the run command): snapshots for the dashboard, housekeeping.
-CELERY_BEAT_SCHEDULE = {
-    "stats-snapshot": {"task": "dashboard.tasks.snapshot_stats",
-                       "schedule": DASHBOARD["SNAPSHOT_INTERVAL_S"]},
-    "cleanup": {"task": "dashboard.tasks.cleanup",
-                "schedule": env.float("CLEANUP_INTERVAL_S", default=600.0)},
-}
+CELERY_BEAT_SCHEDULE = beat_schedule(DASHBOARD)

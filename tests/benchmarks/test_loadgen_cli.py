@@ -9,7 +9,15 @@ import pytest
 
 from benchmarks import loadgen, overload
 from benchmarks.common import finite
-from benchmarks.loadgen import RequestResult, failure_counts, failure_reason, run_load, summarize
+from benchmarks.metrics import (
+    RequestResult,
+    failure_counts,
+    failure_reason,
+    records,
+    report,
+    summarize,
+)
+from benchmarks.targets import run_load
 
 
 def failed(status: str, http_status: int, error: str, sent: float = 0.0) -> RequestResult:
@@ -50,11 +58,11 @@ def test_summary_of_only_failures_is_strict_json_with_reasons():
 
 def test_report_warns_and_flags_when_every_request_failed(capsys):
     s = summarize([failed("error", 0, "ConnectError: refused")])
-    assert loadgen.report(s) == "ConnectError"
+    assert report(s) == "ConnectError"
     assert "WARNING: 1 of 1 requests did not complete" in capsys.readouterr().err
     ok = RequestResult("a", "", "ok", 200, 0.0, [0.1], 0.2, 5, 1)
-    assert loadgen.report(summarize([ok, failed("error", 0, "x")])) is None
-    assert loadgen.report(summarize([ok])) is None
+    assert report(summarize([ok, failed("error", 0, "x")])) is None
+    assert report(summarize([ok])) is None
 
 
 def test_run_load_of_an_empty_workload_returns_nothing():
@@ -109,7 +117,7 @@ def test_records_hold_every_request_and_recompute_the_summary():
                          arrival_s=0.9, max_tokens=3)
     refused = failed("rejected", 429, json.dumps({"error": {"code": "queue_full",
                                                             "message": "try later"}}), 2.0)
-    recs = loadgen.records([done, refused])
+    recs = records([done, refused])
     assert json.loads(json.dumps(recs)) == recs
     first, second = recs
     assert first["tenant"] == "a" and first["tag"] == "short" and first["status"] == "ok"
@@ -191,7 +199,7 @@ def test_bad_bench_engine_flags_are_argparse_errors(argv, message, capsys):
 
 
 def test_name_lists_merge_duplicates_in_order():
-    from benchmarks.common import name_list
+    from benchmarks.cli import name_list
 
     assert name_list(("a", "b", "c"))("b,a,b, c") == ["b", "a", "c"]
 

@@ -8,16 +8,8 @@ import random
 import pytest
 
 from benchmarks.fairness import max_min_difference
-from benchmarks.loadgen import (
-    PromptMaker,
-    RequestResult,
-    describe_ms,
-    merge,
-    poisson_arrivals,
-    shared_prefix_requests,
-    summarize,
-    summarize_by,
-)
+from benchmarks.metrics import RequestResult, describe_ms, summarize, summarize_by
+from benchmarks.workload import PromptMaker, merge, poisson_arrivals, shared_prefix_requests
 from inference.backends.reference import ByteTokenizer
 
 

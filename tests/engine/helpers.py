@@ -13,7 +13,7 @@ from inference.request import Event, FinalEvent, TokenEvent
 def make_engine(backend: ReferenceBackend | None = None, **settings) -> LLMEngine:
     """An engine on the deterministic reference backend with small, test-sized defaults."""
     defaults = dict(backend="reference", kv_num_blocks=256, kv_block_size=4, max_batch_size=8,
-                    prefill_chunk_size=8, max_queue_size=1000)
+                    prefill_chunk_size=8, max_pending=1000)
     defaults.update(settings)
     return LLMEngine(EngineConfig(**defaults), backend or ReferenceBackend())
 

@@ -1,4 +1,4 @@
-"""Engine configuration: environment variables and validation at construction."""
+"""Engine configuration: validation at construction, and the worker's environment variables."""
 
 from __future__ import annotations
 
@@ -8,28 +8,59 @@ from pydantic import ValidationError
 from inference.backends.reference import ReferenceBackend
 from inference.config import EngineConfig, PrefillMode
 from inference.engine import LLMEngine
+from inference.settings import WorkerSettings
 
 
-def test_settings_are_read_from_environment_variables(monkeypatch):
-    monkeypatch.setenv("MAX_QUEUE_SIZE", "7")
+def test_the_worker_reads_the_engine_settings_from_environment_variables(monkeypatch):
     monkeypatch.setenv("MAX_BATCH_SIZE", "3")
     monkeypatch.setenv("PREFILL_CHUNK_SIZE", "32")
     monkeypatch.setenv("KV_BLOCK_SIZE", "8")
     monkeypatch.setenv("KV_NUM_BLOCKS", "100")
-    monkeypatch.setenv("SCHEDULING_POLICY", "vtc")
+    monkeypatch.setenv("SCHEDULING_POLICY", "fcfs")
     monkeypatch.setenv("VTC_OUTPUT_WEIGHT", "3")
-    config = EngineConfig()
-    assert (config.max_queue_size, config.max_batch_size, config.prefill_chunk_size) == (7, 3, 32)
+    config = WorkerSettings().engine_config()
+    assert (config.max_batch_size, config.prefill_chunk_size) == (3, 32)
     assert (config.kv_block_size, config.kv_num_blocks) == (8, 100)
-    assert config.scheduling_policy == "vtc" and config.vtc_output_weight == 3
+    assert config.scheduling_policy == "fcfs" and config.vtc_output_weight == 3
+
+
+def test_the_engine_library_reads_no_environment_variable(monkeypatch):
+    monkeypatch.setenv("MAX_BATCH_SIZE", "3")
+    monkeypatch.setenv("SCHEDULING_POLICY", "vtc")
+    config = EngineConfig()
+    assert config.max_batch_size == 32 and config.scheduling_policy == "fcfs"
+
+
+def test_the_worker_runs_the_fair_policy_unless_told_otherwise(monkeypatch):
+    monkeypatch.delenv("SCHEDULING_POLICY", raising=False)
+    assert WorkerSettings().engine_config().scheduling_policy == "vtc"
+
+
+def test_max_queue_size_is_gate_one_only_and_the_worker_bound_is_worker_prefetch(monkeypatch):
+    monkeypatch.setenv("MAX_QUEUE_SIZE", "4")
+    monkeypatch.setenv("MAX_BATCH_SIZE", "6")
+    monkeypatch.delenv("WORKER_PREFETCH", raising=False)
+    settings = WorkerSettings()
+    assert settings.max_queue_size == 4
+    assert settings.engine_config().max_pending == 6, "the prefetch defaults to MAX_BATCH_SIZE"
+    monkeypatch.setenv("WORKER_PREFETCH", "2")
+    assert WorkerSettings().engine_config().max_pending == 2
+
+
+def test_a_misspelt_engine_setting_is_refused():
+    with pytest.raises(ValidationError, match="max_batch"):
+        EngineConfig(max_batch=4)
 
 
 @pytest.mark.parametrize(("chunk", "mode", "expected"), [
     (256, "", PrefillMode.CHUNKED), (0, "", PrefillMode.MONOLITHIC),
     (256, "monolithic", PrefillMode.MONOLITHIC), (16, "chunked", PrefillMode.CHUNKED)])
 def test_an_empty_prefill_mode_is_derived_from_the_chunk_size(monkeypatch, chunk, mode, expected):
+    assert EngineConfig(prefill_chunk_size=chunk, prefill_mode=mode).effective_prefill_mode \
+        is expected
     monkeypatch.setenv("PREFILL_MODE", mode)
-    assert EngineConfig(prefill_chunk_size=chunk).effective_prefill_mode is expected
+    monkeypatch.setenv("PREFILL_CHUNK_SIZE", str(chunk))
+    assert WorkerSettings().engine_config().effective_prefill_mode is expected
 
 
 @pytest.mark.parametrize("mode", ["mixed_batch", "disaggregated"])
@@ -39,9 +70,11 @@ def test_a_reserved_prefill_mode_fails_at_construction(mode):
 
 
 def test_an_unknown_prefill_mode_fails_at_construction(monkeypatch):
+    with pytest.raises(ValidationError, match="prefill_mode"):
+        EngineConfig(prefill_mode="speculative")
     monkeypatch.setenv("PREFILL_MODE", "speculative")
     with pytest.raises(ValidationError, match="prefill_mode"):
-        EngineConfig()
+        WorkerSettings()
 
 
 def test_a_budget_that_does_not_fit_in_the_pool_fails_with_the_numbers():
@@ -62,7 +95,7 @@ def test_a_pool_sized_in_bytes_is_checked_when_the_engine_is_built():
     assert LLMEngine(config, ReferenceBackend()).stats()["kv_blocks_total"] == 10
 
 
-@pytest.mark.parametrize("field", ["max_batch_size", "kv_block_size", "max_queue_size"])
+@pytest.mark.parametrize("field", ["max_batch_size", "kv_block_size", "max_pending"])
 def test_sizes_must_be_positive(field):
     with pytest.raises(ValidationError, match=field):
         EngineConfig(**{field: 0})

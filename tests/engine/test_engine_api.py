@@ -124,7 +124,7 @@ def test_a_prompt_beyond_the_context_is_refused_with_both_numbers():
     with pytest.raises(InvalidRequestError) as refused:
         engine.submit(prompt_token_ids=[1] * 90, sampling=SamplingParams(max_tokens=20))
     error = refused.value.error
-    assert error.status == 400 and error.code == "context_length_exceeded"
+    assert error.code == "context_length_exceeded" and not error.retryable
     assert "90" in error.message and "100" in error.message
     with pytest.raises(InvalidRequestError):
         engine.submit(prompt="", sampling=SamplingParams(max_tokens=2))
@@ -167,10 +167,13 @@ def test_a_backend_failure_ends_the_affected_rows_and_the_engine_keeps_serving()
 
 
 def test_a_request_waiting_past_the_queue_deadline_ends_with_a_clear_error():
-    engine = make_engine(max_batch_size=1, max_queue_wait_s=0.05)
+    engine = make_engine(max_batch_size=1)
     log = EventLog()
-    engine.submit(prompt_token_ids=[1], request_id="slow", sampling=SamplingParams(max_tokens=400))
-    engine.submit(prompt_token_ids=[2], request_id="late", sampling=SamplingParams(max_tokens=2))
+    engine.submit(prompt_token_ids=[1], request_id="slow", sampling=SamplingParams(max_tokens=400),
+                  queue_wait_s=0.05)
+    engine.submit(prompt_token_ids=[2], request_id="late", sampling=SamplingParams(max_tokens=2),
+                  queue_wait_s=0.05)
+    engine.submit(prompt_token_ids=[3], request_id="patient", sampling=SamplingParams(max_tokens=2))
     log.add(engine.step())
     import time
 
@@ -178,8 +181,11 @@ def test_a_request_waiting_past_the_queue_deadline_ends_with_a_clear_error():
     log.add(engine.step())
     final = log.final("late")
     assert final.error.code == "queue_timeout" and final.error.retryable
+    assert log.final("patient") is None, "a request without a deadline keeps waiting"
+    assert log.final("slow") is None, "an admitted request is past its admission deadline"
     engine.abort("slow")
     run_until_idle(engine, log)
+    assert log.final("patient").finish_reason is FinishReason.LENGTH
 
 
 def test_stats_report_the_documented_fields():

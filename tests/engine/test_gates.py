@@ -79,7 +79,7 @@ def test_a_request_that_can_never_fit_is_hard_rejected_at_once(prompt_len, max_t
     assert final is not None, "the hard reject must not wait for a batch slot"
     assert final.finish_reason is FinishReason.ERROR
     assert final.error.code == code and final.error.gate == gate
-    assert final.error.status == 429 and final.error.retryable is False
+    assert final.error.retryable is False
     assert final.error.details["kv_demand"] == prompt_len + max_tokens
     assert str(prompt_len + max_tokens) in final.error.message
     assert final.usage.completion_tokens == 0
@@ -90,14 +90,14 @@ def test_a_request_that_can_never_fit_is_hard_rejected_at_once(prompt_len, max_t
     assert len(log.tokens("behind")) == 5
 
 
-def test_gate_one_refuses_past_max_queue_size_at_once_with_a_typed_error():
-    engine = make_engine(max_queue_size=3)
+def test_gate_one_refuses_past_max_pending_at_once_with_a_typed_error():
+    engine = make_engine(max_pending=3)
     for i in range(3):
         submit(engine, f"r{i}", 4, 4)
     with pytest.raises(QueueFullError) as refused:
         submit(engine, "r3", 4, 4)
-    assert refused.value.error.status == 429
-    assert refused.value.error.code == "queue_full"
+    assert refused.value.error.code == "queue_full" and refused.value.error.gate == 1
+    assert refused.value.error.retryable
     assert refused.value.error.retryable is True
     assert engine.num_queued() == 3
     engine.step()  # admission frees queue places
@@ -105,7 +105,7 @@ def test_gate_one_refuses_past_max_queue_size_at_once_with_a_typed_error():
 
 
 def test_gate_one_holds_under_concurrent_submits():
-    engine = make_engine(max_queue_size=10)
+    engine = make_engine(max_pending=10)
     accepted, refused = [], []
     barrier = threading.Barrier(50)
 

@@ -89,7 +89,7 @@ def test_fcfs_lets_the_difference_grow_on_the_same_workload():
 
 def ticks_to_first_token(policy: str, backlog: int) -> int:
     engine = make_engine(scheduling_policy=policy, max_batch_size=2, prefill_chunk_size=16,
-                         max_queue_size=1000)
+                         max_pending=1000)
     for i in range(backlog):
         engine.submit(prompt_token_ids=[i % 200 + 1] * 16, tenant="busy", request_id=f"b{i}",
                       sampling=SamplingParams(max_tokens=16))
@@ -113,7 +113,7 @@ def test_vtc_first_token_of_a_newcomer_does_not_grow_with_the_backlog_ahead():
 
 def test_vtc_lifts_a_returning_tenant_to_the_minimum_counter_without_a_catch_up_burst():
     engine = make_engine(scheduling_policy="vtc", max_batch_size=2, prefill_chunk_size=16,
-                         max_queue_size=1000)
+                         max_pending=1000)
     log = EventLog()
     for i in range(40):
         engine.submit(prompt_token_ids=[i % 200 + 1] * 8, tenant="steady", request_id=f"s{i}",

@@ -29,7 +29,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def setup(self, chunk: int, blocks: int, batch: int, queue: int, caching: bool) -> None:
         self.engine = make_engine(
             kv_num_blocks=blocks, kv_block_size=4, max_batch_size=batch,
-            prefill_chunk_size=chunk, max_queue_size=queue, scheduling_policy=self.policy,
+            prefill_chunk_size=chunk, max_pending=queue, scheduling_policy=self.policy,
             enable_prefix_caching=caching)
         self.log = EventLog()
         self.submitted: dict[str, tuple[int, int]] = {}
@@ -53,7 +53,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.engine.submit(prompt_token_ids=prompt, request_id=rid, tenant=tenant,
                                priority=priority, sampling=SamplingParams(max_tokens=max_tokens))
         except QueueFullError:
-            assert self.engine.num_queued() >= self.engine.config.max_queue_size
+            assert self.engine.num_queued() >= self.engine.config.max_pending
             return
         self.submitted[rid] = (len(prompt), max_tokens)
 
@@ -95,7 +95,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @invariant()
     def gate_one_bound(self) -> None:
         if hasattr(self, "engine"):
-            assert self.engine.num_queued() <= self.engine.config.max_queue_size
+            assert self.engine.num_queued() <= self.engine.config.max_pending
 
     def teardown(self) -> None:
         if not hasattr(self, "engine"):

@@ -86,7 +86,7 @@ class Run:
 def make_engine(backend: ModelBackend, **settings) -> tuple[LLMEngine, RecordingBackend]:
     """An engine over ``backend`` (its KV pool is re-allocated) with test-sized defaults."""
     config = dict(kv_num_blocks=512, kv_block_size=16, max_batch_size=16,
-                  prefill_chunk_size=256, max_queue_size=1000)
+                  prefill_chunk_size=256, max_pending=1000)
     config.update(settings)
     recorder = RecordingBackend(backend)
     return LLMEngine(EngineConfig(**config), recorder), recorder

@@ -100,7 +100,7 @@ def test_tokenizer_encodes_without_and_decodes_skipping_special_tokens(backend):
     tok = backend.tokenizer
     ids = tok.encode("Hello world")
     assert tok.decode(ids) == "Hello world"
-    im_start = tok.hf_tokenizer.convert_tokens_to_ids("<|im_start|>")
+    im_start = tok.token_to_id("<|im_start|>")
     assert im_start not in ids
     assert tok.decode([im_start, *ids, *tok.eos_token_ids]) == "Hello world"
 
@@ -108,7 +108,7 @@ def test_tokenizer_encodes_without_and_decodes_skipping_special_tokens(backend):
 def test_chat_template_is_the_models_own_with_a_generation_prompt(backend):
     tok = backend.tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": "Hi there"}])
-    text = tok.hf_tokenizer.decode(ids)
+    text = tok.decode(ids, skip_special_tokens=False)
     assert "<|im_start|>user\nHi there<|im_end|>" in text
     assert text.endswith("<|im_start|>assistant\n")
 
@@ -117,7 +117,7 @@ def test_eos_ids_include_the_generation_configs(backend):
     eos = backend.tokenizer.eos_token_ids
     assert isinstance(eos, frozenset)
     assert backend.hf_model.generation_config.eos_token_id in eos
-    assert backend.tokenizer.hf_tokenizer.convert_tokens_to_ids("<|im_end|>") in eos
+    assert backend.tokenizer.token_to_id("<|im_end|>") in eos
 
 
 # -- start-up errors (no model weights needed) -----------------------------------------------

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from inference.backends.hf import MAX_ATTENTION_GROUPS, _attention_groups
+from inference.backends.hf.batch import MAX_ATTENTION_GROUPS, _attention_groups
 from inference.request import SamplingParams
 from tests.model.helpers import assert_same_greedy, make_engine, run_alone, run_requests
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
 

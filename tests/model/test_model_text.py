@@ -8,7 +8,7 @@ from inference.detokenizer import IncrementalDetokenizer
 from inference.request import FinishReason, SamplingParams
 from tests.model.helpers import make_engine, run_alone, run_requests
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 NON_ASCII = "Привет, 世界! Ça va? Café, naïve, 😀 déjà vu. 東京タワー 🎉🚀 Ελληνικά"
 REPEAT = f"Repeat exactly: {NON_ASCII}"

@@ -94,6 +94,7 @@ def ragged_decode_logits(backend, corpus_ids):
 
 
 @pytest.mark.model
+@pytest.mark.slow
 def test_backend_decodes_alike_with_the_kernel_and_with_gathers(backend, corpus_ids, lib):
     try:
         backend.native_attention = True
@@ -107,19 +108,21 @@ def test_backend_decodes_alike_with_the_kernel_and_with_gathers(backend, corpus_
 
 
 @pytest.mark.model
+@pytest.mark.slow
 def test_without_a_compiler_the_backend_falls_back_to_gathers(backend, corpus_ids, tmp_path,
                                                                monkeypatch):
     expected = ragged_decode_logits(backend, corpus_ids)
     monkeypatch.setenv("CC", "false")  # a "compiler" that fails
-    monkeypatch.setenv("LLM_KERNEL_DIR", str(tmp_path))
     monkeypatch.setattr(native, "_loaded", {})
-    saved = backend._native
+    saved, saved_dir = backend._native, backend._kernel_dir
     try:
         backend._native, backend.native_attention = None, True
+        backend._kernel_dir = str(tmp_path)
         logits = ragged_decode_logits(backend, corpus_ids)
         assert backend.native_attention is False  # switched itself off
     finally:
         backend._native, backend.native_attention = saved, saved is not False
+        backend._kernel_dir = saved_dir
     assert list(tmp_path.iterdir()) == []
     torch.testing.assert_close(logits, expected, atol=1e-3, rtol=0)
 
@@ -142,9 +145,9 @@ def test_a_damaged_cached_kernel_is_rebuilt(tmp_path):
     if not HAS_COMPILER:
         pytest.skip("no C compiler on this machine")
     # Each load in a process of its own: a process that loaded a library keeps using its mapping.
-    load = [sys.executable, "-c", "from inference.backends import native; "
-            "raise SystemExit(0 if native.load() is not None else 3)"]
-    env = {**os.environ, "LLM_KERNEL_DIR": str(tmp_path)}
+    load = [sys.executable, "-c", "import sys; from inference.backends import native; "
+            "raise SystemExit(0 if native.load(sys.argv[1]) is not None else 3)", str(tmp_path)]
+    env = dict(os.environ)
     subprocess.run(load, env=env, cwd=REPO, check=True, timeout=120)
     (built,) = tmp_path.glob("*.so")
     assert built.stat().st_mode & 0o755 == 0o755  # other users of a shared cache can load it
@@ -172,7 +175,6 @@ def test_a_compiler_that_writes_garbage_leaves_no_cache_entry(tmp_path, monkeypa
     fake.chmod(0o755)
     cache = tmp_path / "cache"
     monkeypatch.setenv("CC", str(fake))
-    monkeypatch.setenv("LLM_KERNEL_DIR", str(cache))
     monkeypatch.setattr(native, "_loaded", {})
-    assert native.load() is None
+    assert native.load(cache) is None
     assert list(cache.iterdir()) == []

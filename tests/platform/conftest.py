@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import redis
 
-from inference.protocol import Keys
+from inference.protocol import Keys, UsageReport
 
 
 @pytest.fixture(autouse=True)
@@ -91,7 +91,7 @@ class InProcessWorker:
         config = EngineConfig(backend="reference", **engine_settings)
         self.engine = LLMEngine(config)
         self.client = redis.Redis.from_url(redis_url)
-        self.usage: list[dict[str, Any]] = []
+        self.usage: list[UsageReport] = []
         self.bridge = WorkerBridge(self.engine, self.client, Keys(prefix), "inproc",
                                    prefetch=prefetch or config.max_batch_size,
                                    usage_sink=self.usage.append)

@@ -8,8 +8,9 @@ import uuid
 
 import pytest
 
-from api import admission
-from api.errors import APIError
+from gateway import admission
+from gateway.admission import Principal
+from gateway.errors import APIError
 from inference.protocol import RequestMessage
 
 pytestmark = pytest.mark.django_db
@@ -25,7 +26,7 @@ def admit_many(key, n: int, cost: int = 10) -> list[APIError | None]:
 
     async def one() -> APIError | None:
         try:
-            await admission.admit(key, message(key.tenant.slug), cost)
+            await admission.admit(Principal.for_api_key(key), message(key.tenant.slug), cost)
         except APIError as exc:
             return exc
         return None
@@ -83,8 +84,7 @@ def test_tokens_per_minute_reserve_worst_case_and_settle(make_tenant, live_worke
 
 def test_settle_replaces_the_reservation(make_tenant, live_worker, rclient, redis_prefix):
     tenant, key, _ = make_tenant(tokens_per_minute=100, token_budget=1000)
-    msg = message(tenant.slug)
-    asyncio.run(admission.admit(key, msg, 90))
+    msg = asyncio.run(admission.admit(Principal.for_api_key(key), message(tenant.slug), 90))
     assert admit_many(key, 1, cost=20) != [None]
     admission.settle(msg.meta, 30)
     assert admit_many(key, 1, cost=20) == [None]
@@ -108,9 +108,8 @@ def test_request_larger_than_the_token_limit_can_never_pass(make_tenant, live_wo
 
 def test_max_concurrent_requests(make_tenant, live_worker):
     tenant, key, _ = make_tenant(max_concurrent_requests=2)
-    msgs = [message(tenant.slug) for _ in range(2)]
-    for m in msgs:
-        asyncio.run(admission.admit(key, m, 5))
+    msgs = [asyncio.run(admission.admit(Principal.for_api_key(key), message(tenant.slug), 5))
+            for _ in range(2)]
     [refused] = admit_many(key, 1)
     assert refused.code == "concurrency_limit_exceeded"
     asyncio.run(admission.release(msgs[0].meta))

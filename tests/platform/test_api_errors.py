@@ -10,8 +10,9 @@ import uuid
 import pytest
 import redis.exceptions
 
-from api import admission, views
 from api.schemas import MAX_TOKENS_LIMIT, ChatCompletionRequest, CompletionRequest, validate
+from gateway import admission, lifecycle
+from gateway.admission import Principal
 from inference.protocol import RequestMessage
 from tests.platform.test_api import CHAT, MODEL, chat, error_of, post, post_stream, read_sse
 
@@ -173,8 +174,8 @@ def test_redis_trouble_gets_503_with_retry_after(client, tenant_key, monkeypatch
     async def unavailable(*args, **kwargs):
         raise exc
 
-    monkeypatch.setattr(admission, "live_workers", unavailable)
-    with caplog.at_level(logging.ERROR, logger="api.views"):
+    monkeypatch.setattr(admission, "alive_workers", unavailable)
+    with caplog.at_level(logging.ERROR, logger="gateway.errors"):
         response = post(client, tenant_key[2], chat())
     assert response.status_code == 503 and response["Content-Type"] == "application/json"
     assert response["Retry-After"] == "1"
@@ -188,8 +189,8 @@ def test_unexpected_exception_gets_json_500_and_is_logged(client, tenant_key, mo
     def broken(*args, **kwargs):
         raise RuntimeError("secret internal detail")
 
-    monkeypatch.setattr(views, "count_chat_tokens", broken)
-    with caplog.at_level(logging.ERROR, logger="api.views"):
+    monkeypatch.setattr(lifecycle, "count_chat_tokens", broken)
+    with caplog.at_level(logging.ERROR, logger="gateway.errors"):
         response = post(client, tenant_key[2], chat())
     assert response.status_code == 500 and response["Content-Type"] == "application/json"
     error = error_of(response)
@@ -200,15 +201,15 @@ def test_unexpected_exception_gets_json_500_and_is_logged(client, tenant_key, mo
 
 def test_redis_trouble_mid_stream_ends_with_an_error_event(tenant_key, inproc_worker,
                                                            monkeypatch):
-    real_events = admission.events
+    real_events = lifecycle.events
 
     async def events_then_lost(*args, **kwargs):
         async for event in real_events(*args, **kwargs):
             yield event
-            if event["type"] == "token":
+            if event.type == "token":
                 raise redis.exceptions.ConnectionError("Connection reset by peer")
 
-    monkeypatch.setattr(admission, "events", events_then_lost)
+    monkeypatch.setattr(lifecycle, "events", events_then_lost)
     response, content = post_stream(tenant_key[2], chat(max_tokens=8, stream=True))
     assert response.status_code == 200
     frames = read_sse(content)
@@ -222,7 +223,7 @@ def test_concurrency_limit_429_has_retry_after(client, make_tenant, live_worker)
     tenant, key, raw = make_tenant(max_concurrent_requests=1)
     in_flight = RequestMessage(request_id=uuid.uuid4().hex, tenant=tenant.slug,
                                fairness_key=tenant.slug, prompt="hi")
-    asyncio.run(admission.admit(key, in_flight, 5))
+    asyncio.run(admission.admit(Principal.for_api_key(key), in_flight, 5))
     response = post(client, raw, chat())
     assert response.status_code == 429
     assert error_of(response)["code"] == "concurrency_limit_exceeded"

@@ -13,9 +13,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.model]
 
 @pytest.fixture(scope="module")
 def stack(request, django_db_setup, django_db_blocker, tmp_path_factory):
-    from inference.model_store import DEFAULT_MODEL_DIRNAME, cache_dir
+    from inference.protocol import PlatformSettings
 
-    if not (cache_dir() / DEFAULT_MODEL_DIRNAME / "config.json").is_file():
+    if not (PlatformSettings().model_folder / "config.json").is_file():
         pytest.skip("the default model is not prepared: python -m inference.model_store prepare")
     return start_stack(request, django_db_blocker, tmp_path_factory, workers=1,
                        BACKEND="transformers", MAX_BATCH_SIZE=4)

@@ -18,7 +18,8 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from api import admission
+from gateway import admission
+from gateway.admission import Principal
 from inference.bridge import WorkerBridge
 from inference.config import EngineConfig
 from inference.engine import LLMEngine
@@ -26,6 +27,7 @@ from inference.protocol import CONSUMER_GROUP, Keys, RequestMessage
 from inference.request import TokenEvent
 from tenants.models import PriorityTier
 from tests.platform.conftest import InProcessWorker
+from tests.platform.e2e_fixtures import wait_for
 
 pytestmark = pytest.mark.django_db
 
@@ -49,8 +51,7 @@ def submit(key, max_tokens: int = 4) -> RequestMessage:
         request_id=uuid.uuid4().hex, tenant=tenant.slug, fairness_key=tenant.slug,
         priority=tenant.tier.priority, prompt="hi",
         sampling={"max_tokens": max_tokens, "ignore_eos": True})
-    asyncio.run(admission.admit(key, message, 2 + max_tokens))
-    return message
+    return asyncio.run(admission.admit(Principal.for_api_key(key), message, 2 + max_tokens))
 
 
 class Bridge:
@@ -86,6 +87,12 @@ def make_bridge(redis_prefix, settings) -> Iterator:
     yield make
     for b in made:
         b.engine.shutdown(1)
+
+
+def blocked_reads(rclient) -> int:
+    """Redis clients blocked in XREADGROUP right now (a worker waiting on the tiers' streams)."""
+    return sum(1 for c in rclient.client_list()
+               if c.get("cmd") == "xreadgroup" and "b" in c.get("flags", ""))
 
 
 def stream_ids(rclient, keys: Keys, priority: int) -> list[str]:
@@ -140,7 +147,7 @@ def test_poll_discovers_a_new_tier_without_a_restart(tier_key, live_worker, make
 
 
 def test_an_idle_poll_wakes_for_the_first_request_of_any_tier(tier_key, live_worker,
-                                                              make_bridge):
+                                                              make_bridge, rclient):
     low, high = tier_key(0), tier_key(10)
     submit(high)
     submit(low)
@@ -154,12 +161,12 @@ def test_an_idle_poll_wakes_for_the_first_request_of_any_tier(tier_key, live_wor
 
     thread = threading.Thread(target=poll)
     thread.start()
-    time.sleep(0.3)  # blocked on both tiers' streams by now
+    assert wait_for(lambda: blocked_reads(rclient) > 0, 5, every_s=0.01), "the poll never blocked"
     late = submit(low)
     thread.join(10)
     [(taken, waited)] = result
     assert taken == 1 and b.submitted[-1] == late.request_id
-    assert 0.25 < waited < 3
+    assert waited < 3, "it woke for the request, long before its 5 s block ran out"
 
 
 def test_shutdown_hands_each_unadmitted_request_back_to_its_own_tier(
@@ -185,7 +192,7 @@ def test_a_request_the_engine_cannot_take_goes_back_to_its_own_tier(
         tier_key, live_worker, make_bridge, rclient, keys, refusal):
     high, batch = tier_key(10), tier_key(-10)
     first, second = submit(high), submit(batch)
-    b = make_bridge(prefetch=4, max_queue_size=1)
+    b = make_bridge(prefetch=4, max_pending=1)
     if refusal == "stopped":
         b.engine.shutdown(0)
     assert b.bridge.poll() == 2
@@ -228,7 +235,7 @@ def test_high_tier_gets_its_first_token_before_a_low_tier_backlog_in_redis(
     finally:
         worker.stop()
 
-    assert {u["finish_reason"] for u in worker.usage} == {"length"} and len(worker.usage) == 7
+    assert {u.finish_reason for u in worker.usage} == {"length"} and len(worker.usage) == 7
     # At most the request being served and the one prefetched come first.
     assert first_tokens.index(urgent.request_id) <= 2
     assert first_tokens[-3:] == [m.request_id for m in backlog[-3:]]

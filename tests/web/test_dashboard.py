@@ -19,8 +19,9 @@ pytestmark = pytest.mark.django_db
 STATS = {
     "num_pending": 2, "num_prefilling": 1, "num_active": 3, "active_kv_reserved": 900,
     "active_kv_budget": 4000, "kv_admit_blocked": 7, "tokens_generated": 500,
-    "prompt_tokens_computed": 1200, "kv_pressure": 0.25, "kv_blocks_held": 10,
-    "kv_blocks_free": 30, "kv_blocks_evictable": 0, "uptime_s": 100.0, "max_model_len": 8192,
+    "prompt_tokens_computed": 1200, "kv_pressure": 0.25, "kv_blocks_total": 40,
+    "kv_blocks_held": 10, "kv_blocks_free": 30, "kv_blocks_evictable": 0, "uptime_s": 100.0,
+    "max_model_len": 8192,
     "admissions_soft_held": {"2": 5, "3": 2}, "admissions_hard_rejected": {"2": 1},
     "requests_finished": {"stop": 4, "abort": 1},
     "per_key": {"acme": {"vtc_counter": 120.0, "in_flight": 2, "pending": 1,
@@ -54,12 +55,13 @@ def test_the_dashboard_is_for_staff_only(client, admin_client, django_user_model
 
 def test_the_data_sums_the_live_workers_and_returns_the_history(admin_client, published):
     published("w1")
-    published("w2", num_active=1, kv_pressure=0.75)
+    published("w2", num_active=1, kv_pressure=0.75, kv_blocks_held=30, kv_blocks_free=10)
     StatsSnapshot.objects.create(taken_at=timezone.now() - timedelta(minutes=5), num_active=4)
     StatsSnapshot.objects.create(taken_at=timezone.now() - timedelta(hours=2), num_active=9)
     data = admin_client.get("/admin/scheduler/data").json()
     live = data["live"]
     assert live["workers"] == 2
+    # Blocks held over blocks in all pools: (10 + 30) / (40 + 40).
     assert live["totals"]["num_active"] == 4 and live["totals"]["kv_pressure"] == 0.5
     assert live["totals"]["kv_admit_blocked"] == 14
     assert live["per_key"]["acme"]["in_flight"] == 4

@@ -6,7 +6,8 @@ straight from the paged KV pool, without first gathering each row's K/V into a p
 The C source is compiled with the system C compiler (``$CC``, else ``cc`` or ``gcc``) for this
 CPU (:data:`CFLAGS`: ``-O3 -march=native -ffast-math -fopenmp``; linked without ``-ffast-math``,
 whose start-up code would flush subnormals to zero for the whole process) into a shared library
-cached under ``<repo>/.cache/kernels`` (``LLM_KERNEL_DIR`` overrides). The cache entry is keyed
+cached under ``<repo>/.cache/kernels`` (the caller may name another folder: the worker's
+``LLM_KERNEL_DIR``, ``EngineConfig.llm_kernel_dir``). The cache entry is keyed
 by the source, the flags, the compiler and the CPU (model and feature flags), and holds a SHA-256
 of the built file that is checked before every load, so a truncated or altered file is rebuilt
 instead of mapped. The build takes a fraction of a second; the transformers backend runs it when
@@ -53,14 +54,21 @@ _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
 
-def kernel_dir() -> Path:
-    """Where compiled kernels are cached: ``LLM_KERNEL_DIR`` or ``<repo>/.cache/kernels``."""
-    configured = os.environ.get("LLM_KERNEL_DIR", "").strip()
-    return Path(configured).expanduser() if configured else REPO_ROOT / ".cache" / "kernels"
+DEFAULT_KERNEL_DIR = REPO_ROOT / ".cache" / "kernels"
+
+
+def kernel_dir(configured: str | Path = "") -> Path:
+    """Where compiled kernels are cached: ``configured`` or ``<repo>/.cache/kernels``."""
+    configured = str(configured).strip()
+    return Path(configured).expanduser() if configured else DEFAULT_KERNEL_DIR
 
 
 def _compiler() -> list[str] | None:
-    """The compiler command: ``$CC`` (split like a shell would: ``ccache gcc``), else cc, gcc."""
+    """The compiler command: ``$CC`` (split like a shell would: ``ccache gcc``), else cc, gcc.
+
+    ``CC`` is the C toolchain's own convention (make and setuptools read it the same way), so
+    it is read here, where the compiler runs, rather than passed down as an engine setting.
+    """
     configured = os.environ.get("CC", "").strip()
     if configured:
         try:
@@ -109,21 +117,25 @@ def _run(command: list[str], timeout: float) -> subprocess.CompletedProcess[byte
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
-def load() -> ctypes.CDLL | None:
+def load(cache_dir: str | Path = "") -> ctypes.CDLL | None:
     """The compiled kernel library, building it on first use; ``None`` where it cannot be built.
+
+    Args:
+        cache_dir: where built kernels are kept (empty: ``<repo>/.cache/kernels``).
 
     Never raises: any failure is logged as a warning and remembered (no retry in this process).
     """
+    folder = kernel_dir(cache_dir)
     with _lock:
-        if "lib" in _loaded:
-            return _loaded["lib"]
+        if str(folder) in _loaded:
+            return _loaded[str(folder)]
         lib = None
         try:
-            lib = _build_and_load()
+            lib = _build_and_load(folder)
         except Exception as exc:  # noqa: BLE001 - any failure means: use the gather path
             logger.warning("native paged attention unavailable, using the gather path: %s: %s",
                            type(exc).__name__, exc)
-        _loaded["lib"] = lib
+        _loaded[str(folder)] = lib
         return lib
 
 
@@ -131,7 +143,7 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _build_and_load() -> ctypes.CDLL | None:
+def _build_and_load(folder: Path) -> ctypes.CDLL | None:
     if platform.system() != "Linux":
         return None
     cc = _compiler()
@@ -146,7 +158,7 @@ def _build_and_load() -> ctypes.CDLL | None:
         version.stdout,
         _cpu_id().encode(), platform.machine().encode(),
     ])).hexdigest()[:16]
-    target = kernel_dir() / f"paged_attention-{key}.so"
+    target = folder / f"paged_attention-{key}.so"
     stamp = target.with_name(target.name + ".sha256")
     try:
         intact = (target.is_file() and stamp.is_file()

@@ -1,4 +1,4 @@
-"""The platform's own settings (``settings.LLM_PLATFORM``), read at call time, never at import."""
+"""The platform's settings (``settings.LLM_PLATFORM``), read at call time, never at import."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from inference.protocol import Keys
 
 
 def platform_settings() -> dict[str, Any]:
-    """The ``LLM_PLATFORM`` settings dict."""
+    """The ``LLM_PLATFORM`` settings dict (built in ``llm_platform.settings``)."""
     return settings.LLM_PLATFORM
 
 

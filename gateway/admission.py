@@ -1,0 +1,243 @@
+"""Admission and dispatch: every limit of a request and gate 1, all-or-nothing, then the queue.
+
+One Lua script (``gateway/lua/admit.lua``) checks every limit that applies to a request and, only
+when all pass, records the request in each of them and dispatches it to the workers (its priority
+tier's requests stream), atomically. A refused request so consumes nothing, and 20 concurrent
+requests against a limit of 5 admit exactly 5. Libraries such as ``limits`` check one window at a
+time; the all-or-nothing check across several windows plus the global queue counter is why this
+is one script.
+
+- rate limits (requests and tokens per minute, per key and per tenant): a moving window (a sorted
+  set of the admitted requests, scored by time), so no 60-second span ever admits more than the
+  limit; tokens are reserved as ``prompt + max_tokens`` and settled to the real usage afterwards
+  (``gateway/lua/settle.lua``).
+- max concurrent requests: a sorted set of leases (scored by expiry), released when the response
+  ends; a lease outlives a crashed web process by at most ``REQUEST_IDLE_TIMEOUT_S``.
+- token budget per period: a counter per tenant and period, reserved and settled like tokens.
+- gate 1: ``{prefix}:queue`` (see :mod:`inference.protocol`).
+
+:func:`admit`, :func:`release` and :func:`settle` are the whole interface: how requests reach the
+workers (today one Redis stream per tier) can change behind them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from gateway.clients import aredis, sync_redis
+from gateway.conf import platform_settings, redis_keys
+from gateway.errors import APIError
+from gateway.workers import alive_workers
+from inference.protocol import CONSUMER_GROUP, RequestMessage
+from tenants.models import ApiKey, Tenant
+
+RATE_WINDOW_MS = 60_000
+_LUA = Path(__file__).parent / "lua"
+ADMIT_LUA = (_LUA / "admit.lua").read_text()
+SETTLE_LUA = (_LUA / "settle.lua").read_text()
+# KEYS[1..3] of the admission script: the gate-1 counter, the tier stream, the tier registry.
+FIXED_KEYS = 3
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who sends a request, as admission sees it: a tenant, and the sender's own limits.
+
+    ``scope`` names the sender's own rate windows (an API key's, or a chat user's, who has none:
+    limits of 0 leave those windows unused). ``api_key_id`` is recorded with the usage.
+    """
+
+    tenant: Tenant
+    scope: str
+    requests_per_minute: int = 0
+    tokens_per_minute: int = 0
+    api_key_id: int | None = None
+
+    @classmethod
+    def for_api_key(cls, key: ApiKey) -> Principal:
+        return cls(tenant=key.tenant, scope=str(key.pk),
+                   requests_per_minute=key.requests_per_minute,
+                   tokens_per_minute=key.tokens_per_minute, api_key_id=key.pk)
+
+    @classmethod
+    def for_chat_user(cls, tenant: Tenant, user_id: Any) -> Principal:
+        return cls(tenant=tenant, scope=f"chat-user-{user_id}")
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What a request reserved; travels in the request message's ``meta`` for settlement."""
+
+    member: str
+    token_windows: list[dict[str, Any]]
+    budgets: list[dict[str, Any]]
+    concurrency_keys: list[str]
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"member": self.member, "token_windows": self.token_windows,
+                "budgets": self.budgets, "concurrency_keys": self.concurrency_keys}
+
+
+def build_limits(
+    principal: Principal, request_id: str, token_cost: int, now: float | None = None
+) -> tuple[dict[str, Any], list[str], Admission]:
+    """The admission spec and keys for one request of ``principal`` reserving ``token_cost``.
+
+    Returns:
+        (spec for ``admit.lua``, limit keys in spec order, the :class:`Admission`).
+    """
+    p = redis_keys().prefix
+    tenant = principal.tenant
+    now = time.time() if now is None else now
+    limit_keys: list[str] = []
+
+    def slot(name: str) -> int:
+        limit_keys.append(name)
+        return len(limit_keys) + FIXED_KEYS
+
+    windows, budgets, concurrency = [], [], []
+    token_windows: list[dict[str, Any]] = []
+    for scope, obj, ident in (("key", principal, principal.scope), ("tenant", tenant, tenant.pk)):
+        if obj.requests_per_minute:
+            name = f"{p}:rl:{scope}:{ident}:rpm"
+            windows.append({"key": slot(name), "limit": obj.requests_per_minute, "cost": 1,
+                            "what": f"requests per minute ({scope})"})
+        if obj.tokens_per_minute:
+            name = f"{p}:rl:{scope}:{ident}:tpm"
+            windows.append({"key": slot(name), "limit": obj.tokens_per_minute,
+                            "cost": token_cost, "what": f"tokens per minute ({scope})"})
+            token_windows.append({"key": name, "cost": token_cost})
+    if tenant.token_budget:
+        period = tenant.budget_period_seconds
+        name = f"{p}:budget:{tenant.pk}:{int(now // period)}"
+        budgets.append({"key": slot(name), "limit": tenant.token_budget, "cost": token_cost,
+                        "ttl_s": period, "what": f"token budget per {tenant.budget_period}"})
+    concurrency_keys = []
+    if tenant.max_concurrent_requests:
+        name = f"{p}:conc:tenant:{tenant.pk}"
+        concurrency.append({"key": slot(name), "limit": tenant.max_concurrent_requests,
+                            "what": "concurrent requests (tenant)"})
+        concurrency_keys.append(name)
+    conf = platform_settings()
+    spec = {
+        "member": request_id,
+        "window_ms": RATE_WINDOW_MS,
+        "lease_ms": int(conf["REQUEST_IDLE_TIMEOUT_S"] * 1000) + RATE_WINDOW_MS,
+        "max_queue": conf["MAX_QUEUE_SIZE"],
+        "group": CONSUMER_GROUP,
+        "windows": windows,
+        "budgets": budgets,
+        "concurrency": concurrency,
+    }
+    admission = Admission(
+        member=request_id,
+        token_windows=token_windows,
+        budgets=[{"key": limit_keys[b["key"] - FIXED_KEYS - 1], "cost": token_cost}
+                 for b in budgets],
+        concurrency_keys=concurrency_keys,
+    )
+    return spec, limit_keys, admission
+
+
+def refusal(verdict: dict[str, Any]) -> APIError:
+    """The 429 for a refused admission verdict of ``admit.lua``."""
+    code = verdict["code"]
+    what, limit, used, cost = verdict["what"], verdict["limit"], verdict["used"], verdict["cost"]
+    if code == "queue_full":
+        message = (f"The server's queue is full ({used} of {limit} requests waiting); "
+                   "retry shortly.")
+    elif code == "token_budget_exhausted":
+        message = (f"Token budget exhausted: {used} of {limit} {what} used, this request "
+                   f"reserves {cost} (prompt + max_tokens).")
+    elif not verdict["retryable"]:
+        message = (f"This request needs {cost} of a limit of {limit} {what}; it can never be "
+                   "admitted. Lower max_tokens or the prompt.")
+    else:
+        message = f"Rate limit reached: {limit} {what} (in use: {used}); retry later."
+    retryable = bool(verdict["retryable"])
+    return APIError(
+        429, message, code=code,
+        retry_after_s=verdict["retry_after_ms"] / 1000 if retryable else None,
+        should_retry=None if retryable else False,
+        details={"limit": limit, "used": used, "requested": cost, "scope": what},
+    )
+
+
+def refused_counter_key() -> str:
+    """Redis hash ``{code}`` -> requests refused before reaching a worker (read by /metrics)."""
+    return f"{redis_keys().prefix}:metrics:refused"
+
+
+async def admit(principal: Principal, message: RequestMessage, token_cost: int) -> RequestMessage:
+    """Check every limit of ``principal`` and gate 1; on success dispatch ``message``.
+
+    Every refusal is counted by its code in :func:`refused_counter_key`.
+
+    Args:
+        principal: the sender.
+        message: the request; it goes on the requests stream of its ``priority``.
+        token_cost: tokens to reserve in token windows and budgets (prompt + max_tokens).
+
+    Returns:
+        The message as dispatched: ``meta["admission"]`` holds what it reserved.
+
+    Raises:
+        APIError: 503 ``no_worker_available`` when no worker is alive; 429 naming the limit
+            that refused.
+    """
+    try:
+        return await _admit(principal, message, token_cost)
+    except APIError as exc:
+        await aredis().hincrby(refused_counter_key(), exc.code or "unknown", 1)
+        raise
+
+
+async def _admit(principal: Principal, message: RequestMessage,
+                 token_cost: int) -> RequestMessage:
+    if not await alive_workers():
+        raise APIError(503, "No inference worker is running; retry later.",
+                       code="no_worker_available", retry_after_s=5)
+    spec, limit_keys, admission = build_limits(principal, message.request_id, token_cost)
+    message = message.model_copy(
+        update={"meta": {**message.meta, "admission": admission.to_meta()}})
+    keys = redis_keys()
+    priority = int(message.priority)
+    raw = await aredis().eval(
+        ADMIT_LUA, FIXED_KEYS + len(limit_keys), keys.queue, keys.requests(priority),
+        keys.request_tiers, *limit_keys, json.dumps(spec), message.to_json(), str(priority),
+    )
+    verdict = json.loads(raw)
+    if not verdict["ok"]:
+        raise refusal(verdict)
+    return message
+
+
+async def release(meta: dict[str, Any]) -> None:
+    """Give back the concurrency leases of a finished request (idempotent)."""
+    admission = meta.get("admission") or {}
+    keys = admission.get("concurrency_keys") or []
+    if keys:
+        pipe = aredis().pipeline(transaction=False)
+        for name in keys:
+            pipe.zrem(name, admission["member"])
+        await pipe.execute()
+
+
+def settle(meta: dict[str, Any], actual_tokens: int, client: redis.Redis | None = None) -> None:
+    """Replace the tokens reserved at admission by ``actual_tokens`` (prompt + completion)."""
+    admission = meta.get("admission") or {}
+    windows = admission.get("token_windows") or []
+    budgets = admission.get("budgets") or []
+    if not windows and not budgets:
+        return
+    spec = {"member": admission["member"], "actual": int(actual_tokens),
+            "windows": [{"cost": w["cost"]} for w in windows],
+            "budgets": [{"cost": b["cost"]} for b in budgets]}
+    names = [w["key"] for w in windows] + [b["key"] for b in budgets]
+    (client or sync_redis()).eval(SETTLE_LUA, len(names), *names, json.dumps(spec))

@@ -1,0 +1,140 @@
+"""Client-facing errors, and the HTTP status of each worker error code.
+
+Errors are answered in the OpenAI body shape: ``{"error": {"message", "type", "param", "code"}}``.
+The engine and the workers give errors a code (:class:`inference.protocol.ErrorCode`) and no
+status: which HTTP status a code means is decided here, for every part of the web tier (the REST
+API's responses, the chat's messages, the usage records).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import redis.exceptions
+from django.http import JsonResponse
+
+from inference.protocol import ErrorCode, ErrorInfo, FinishReason
+
+log = logging.getLogger(__name__)
+
+# HTTP status of each worker error code. Refusals by the KV gates are 429 (with
+# ``x-should-retry: false``: they can never fit); a deadline or a stopping worker is 503.
+STATUS_BY_CODE: dict[ErrorCode, int] = {
+    ErrorCode.QUEUE_FULL: 429,
+    ErrorCode.KV_BUDGET_EXCEEDED: 429,
+    ErrorCode.KV_POOL_EXCEEDED: 429,
+    ErrorCode.QUEUE_TIMEOUT: 503,
+    ErrorCode.CONTEXT_LENGTH_EXCEEDED: 400,
+    ErrorCode.INVALID_REQUEST: 400,
+    ErrorCode.ENGINE_ERROR: 500,
+    ErrorCode.WORKER_SHUTDOWN: 503,
+}
+# Recorded for a request whose client went away (nginx's convention).
+CLIENT_CLOSED_STATUS = 499
+
+TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    499: "client_closed_request",
+    500: "server_error",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
+
+
+class APIError(Exception):
+    """An error answered to the client.
+
+    ``retry_after_s`` adds ``Retry-After`` (and ``retry-after-ms``); ``should_retry=False`` adds
+    ``x-should-retry: false``, which the ``openai`` client honours (a retry can never succeed).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        type: str | None = None,
+        retry_after_s: float | None = None,
+        should_retry: bool | None = None,
+        details: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.type = type or TYPE_BY_STATUS.get(status, "server_error")
+        self.retry_after_s = retry_after_s
+        self.should_retry = should_retry
+        self.details = details
+
+    def body(self) -> dict[str, Any]:
+        error: dict[str, Any] = {"message": self.message, "type": self.type,
+                                 "param": self.param, "code": self.code}
+        if self.details:
+            error["details"] = self.details
+        return {"error": error}
+
+    def headers(self) -> dict[str, str]:
+        headers: dict[str, str] = {}
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
+            headers["retry-after-ms"] = str(max(1, int(self.retry_after_s * 1000)))
+        if self.should_retry is False:
+            headers["x-should-retry"] = "false"
+        return headers
+
+    def response(self) -> JsonResponse:
+        return JsonResponse(self.body(), status=self.status, headers=self.headers())
+
+    @classmethod
+    def from_worker(cls, error: ErrorInfo) -> APIError:
+        """The client-facing error for a worker's :class:`~inference.protocol.ErrorInfo`."""
+        status = STATUS_BY_CODE[error.code]
+        details = dict(error.details)
+        if error.gate is not None:
+            details["gate"] = error.gate
+        return cls(
+            status,
+            error.message or "the request failed",
+            code=error.code.value,
+            param=details.pop("param", None),
+            retry_after_s=1.0 if (error.retryable and status in (429, 503)) else None,
+            should_retry=None if error.retryable else False,
+            details=details or None,
+        )
+
+
+def final_status(finish_reason: FinishReason, error: ErrorInfo | None) -> int:
+    """The HTTP status a finished request is recorded with (usage records, metrics)."""
+    if finish_reason is FinishReason.ERROR and error is not None:
+        return STATUS_BY_CODE[error.code]
+    if finish_reason is FinishReason.ABORT:
+        return CLIENT_CLOSED_STATUS
+    return 200
+
+
+def unexpected_error(exc: Exception) -> APIError:
+    """The client-facing error for an exception that is not an :class:`APIError` (logged here).
+
+    Redis trouble (connection lost, connection pool exhausted under a burst) is transient: 503
+    with ``Retry-After``. Anything else is a 500 that names nothing internal.
+    """
+    if isinstance(exc, redis.exceptions.RedisError):
+        log.exception("Redis is unavailable: %s", exc)
+        return APIError(503, "The server is temporarily unable to handle the request; retry "
+                        "shortly.", code="service_unavailable", retry_after_s=1)
+    log.exception("Unexpected error while serving a request")
+    return APIError(500, "The server had an error while processing your request.",
+                    code="internal_error")

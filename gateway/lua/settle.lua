@@ -1,0 +1,23 @@
+-- Settle a request's token reservations to its real usage: each rate window's entry and each
+-- budget counter is lowered from the reserved cost to the actual tokens.
+-- KEYS: the token windows, then the budgets; ARGV[1] the spec JSON (member, actual, costs).
+local spec = cjson.decode(ARGV[1])
+local n = 0
+for _, w in ipairs(spec.windows) do
+  n = n + 1
+  local old = spec.member .. ':' .. w.cost
+  local score = redis.call('ZSCORE', KEYS[n], old)
+  if score then
+    redis.call('ZREM', KEYS[n], old)
+    if spec.actual > 0 then
+      redis.call('ZADD', KEYS[n], score, spec.member .. ':' .. spec.actual)
+    end
+  end
+end
+for _, b in ipairs(spec.budgets) do
+  n = n + 1
+  if redis.call('EXISTS', KEYS[n]) == 1 then
+    redis.call('DECRBY', KEYS[n], b.cost - spec.actual)
+  end
+end
+return n

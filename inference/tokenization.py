@@ -1,0 +1,189 @@
+"""Text <-> token ids for one model, torch-free: its tokenizer and its chat template.
+
+Both processes use this module. The worker turns a request into prompt token ids with it; the web
+tier counts a request's prompt tokens with it for rate limits and budgets. Since both render the
+same chat template (default system prompt included) and run the same tokenizer, the web tier's
+count is the worker's count. It needs the ``tokenizers`` and ``jinja2`` packages only: no torch,
+no transformers.
+
+A model folder holds ``tokenizer.json`` (the tokenizer), ``tokenizer_config.json`` (special
+tokens, and the chat template in older folders), optionally ``chat_template.jinja``, and
+``config.json`` / ``generation_config.json`` (more EOS ids). The chat template is rendered the
+way Hugging Face ``transformers`` renders it (a sandboxed Jinja environment with ``trim_blocks``
+and ``lstrip_blocks``, the ``raise_exception`` and ``strftime_now`` globals, a ``tojson`` filter
+that does not escape HTML, the special tokens as variables) and the text is then tokenized
+without adding special tokens; ``tests/model`` checks the result against ``transformers``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                       "cls_token", "mask_token")
+
+
+class TokenizerLoadError(ValueError):
+    """A model folder without a usable tokenizer (the message names the folder and the file)."""
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise TokenizerLoadError(f"{path}: not readable JSON: {exc}") from exc
+    return data if isinstance(data, dict) else {}
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as written in ``tokenizer_config.json``: a string or ``{"content": ...}``."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value if isinstance(v, int)]
+
+
+def _chat_template_source(folder: Path, config: dict[str, Any]) -> str | None:
+    """The default chat template: ``chat_template.jinja``, else the tokenizer config's."""
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: the one called "default"
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_template(source: str) -> Any:  # -> jinja2.Template
+    from jinja2.exceptions import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: Any = None, sort_keys: bool = False) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                          separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(source)
+
+
+class Tokenizer:
+    """One model's tokenizer and chat template (see the module docstring).
+
+    Args:
+        tokenizer: a ``tokenizers.Tokenizer``.
+        chat_template: the Jinja source of the chat template, or None.
+        special_tokens: special token texts by name (``bos_token``, ``eos_token``, ...), given to
+            the template as variables.
+        eos_token_ids: ids that end an answer.
+
+    Attributes:
+        eos_token_ids: ids that end an answer: the tokenizer's EOS plus the model config's and
+            generation config's ``eos_token_id`` values.
+    """
+
+    def __init__(self, tokenizer: Any, *, chat_template: str | None = None,
+                 special_tokens: dict[str, str] | None = None,
+                 eos_token_ids: Sequence[int] = ()) -> None:
+        self._tok = tokenizer
+        self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens or {})
+        self.eos_token_ids: frozenset[int] = frozenset(int(i) for i in eos_token_ids)
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> Tokenizer:
+        """Load the tokenizer of the model folder ``folder`` (offline; no weights are read).
+
+        Raises:
+            TokenizerLoadError: the folder has no ``tokenizer.json``, or a file is unreadable.
+        """
+        from tokenizers import Tokenizer as RustTokenizer
+
+        folder = Path(folder).expanduser()
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise TokenizerLoadError(f"model folder {str(folder)!r} has no tokenizer.json")
+        try:
+            tok = RustTokenizer.from_file(str(path))
+        except Exception as exc:  # noqa: BLE001 - the Rust library raises its own types
+            raise TokenizerLoadError(f"{path}: cannot load the tokenizer: {exc}") from exc
+        config = _read_json(folder / "tokenizer_config.json")
+        special = {name: text for name in SPECIAL_TOKEN_NAMES
+                   if (text := _token_text(config.get(name))) is not None}
+        eos: list[int] = []
+        if "eos_token" in special and tok.token_to_id(special["eos_token"]) is not None:
+            eos.append(tok.token_to_id(special["eos_token"]))
+        for name in ("config.json", "generation_config.json"):
+            eos += _id_list(_read_json(folder / name).get("eos_token_id"))
+        return cls(tok, chat_template=_chat_template_source(folder, config),
+                   special_tokens=special, eos_token_ids=eos)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, no special tokens added."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``token_ids``, special tokens skipped (by default), no clean-up of spaces.
+
+        A character whose bytes are split across tokens shows as U+FFFD until it is complete.
+        """
+        return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of one token of the vocabulary (e.g. a special token), or None."""
+        return self._tok.token_to_id(token)
+
+    def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
+        """The prompt text of chat ``messages`` (``role``/``content``), generation prompt added.
+
+        Raises:
+            ValueError: the model has no chat template, or the template refuses the messages
+                (``jinja2.TemplateError`` is a subclass of nothing here, so it is wrapped).
+        """
+        if not self.chat_template:
+            raise ValueError("this model's tokenizer has no chat template")
+        from jinja2.exceptions import TemplateError
+
+        try:
+            return _compile_template(self.chat_template).render(
+                messages=[dict(m) for m in messages], add_generation_prompt=True,
+                **self.special_tokens)
+        except TemplateError as exc:
+            raise ValueError(f"the chat template refused the messages: {exc}") from exc
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Prompt ids of chat ``messages`` by the model's own template, generation prompt added.
+
+        Raises:
+            ValueError: as :meth:`render_chat`.
+        """
+        return self.encode(self.render_chat(messages))
