@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up this machine (idempotent) and run the platform: daphne (web), the inference worker and a
-# Celery worker. Prints the URL and the demo tenant's API key. Ctrl-C stops everything.
+# Set up this machine (idempotent) and run the platform under supervisord (scripts/supervisord.conf):
+# daphne (web), the inference worker, a Celery worker and Celery beat, each restarted when it exits.
+# Prints the URL and the demo tenant's API key. Ctrl-C stops everything.
 #
 #   scripts/run_platform.sh            # settings from the environment (see docs/platform.md)
 set -euo pipefail
@@ -18,25 +19,19 @@ skip_model=0
 if [ "${BACKEND:-transformers}" = "reference" ] || [ -n "${MODEL_PATH:-}" ]; then skip_model=1; fi
 PYTHON="$PY" SKIP_MODEL=$skip_model scripts/setup.sh
 
-pids=()
-cleanup() {
-  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-}
-trap cleanup EXIT INT TERM
-
 redis_answers() {
   .venv/bin/python -c "import redis, sys; redis.Redis.from_url(sys.argv[1]).ping()" "$REDIS_URL" \
     2>/dev/null
 }
+# supervisord runs the processes (scripts/supervisord.conf); a private redis-server joins them
+# (scripts/supervisord-redis.conf) when no Redis answers.
+supervisord_include=""
+redis_port=""
 if ! redis_answers; then
   if command -v redis-server >/dev/null; then
-    port=$(.venv/bin/python -c "from urllib.parse import urlparse; import sys; print(urlparse(sys.argv[1]).port or 6379)" "$REDIS_URL")
-    echo "No Redis answers at $REDIS_URL; starting a private redis-server on port $port."
-    redis-server --port "$port" --bind 127.0.0.1 --save "" --appendonly no \
-      --dir "$PWD/var" >var/redis.log 2>&1 &
-    pids+=($!)
-    for _ in $(seq 50); do redis_answers && break; sleep 0.1; done
+    redis_port=$(.venv/bin/python -c "from urllib.parse import urlparse; import sys; print(urlparse(sys.argv[1]).port or 6379)" "$REDIS_URL")
+    echo "No Redis answers at $REDIS_URL; starting a private redis-server on port $redis_port."
+    supervisord_include=supervisord-redis.conf
   else
     echo "No Redis answers at $REDIS_URL and redis-server is not installed." >&2
     echo "Install it (Debian/Ubuntu: sudo apt-get install redis-server; macOS: brew install redis)" >&2
@@ -52,25 +47,76 @@ if .venv/bin/python -c "import socket, sys; socket.create_connection((sys.argv[1
   exit 1
 fi
 
+# The processes run under supervisord in the foreground (scripts/supervisord.conf): each one
+# restarted when it exits, each stopped with its process group and its own grace period. One
+# supervisord per folder (its socket is var/supervisord.sock).
+CONF=scripts/supervisord.conf
+ctl() { .venv/bin/supervisorctl -c "$CONF" "$@"; }
+if ctl pid >/dev/null 2>&1; then
+  echo "The platform already runs from this folder (supervisord pid $(ctl pid))." >&2
+  echo "Stop it first: Ctrl-C where it runs, or .venv/bin/supervisorctl -c $CONF shutdown" >&2
+  exit 1
+fi
+
 .venv/bin/python manage.py migrate --noinput
 .venv/bin/python manage.py collectstatic --noinput >/dev/null
 demo=$(.venv/bin/python manage.py ensure_demo_tenant --user 2>/dev/null)
 DEMO_KEY=$(echo "$demo" | sed -n 1p)
 DEMO_LOGIN=$(echo "$demo" | sed -n 2p)
 
-.venv/bin/python -m inference.worker >var/worker.log 2>&1 &
-pids+=($!)
-.venv/bin/celery -A llm_platform worker -P solo -l info >var/celery.log 2>&1 &
-pids+=($!)
-# Celery beat: stats snapshots for the admin dashboard, cleanup of old snapshots and Redis streams.
-.venv/bin/celery -A llm_platform beat -l info -s var/celerybeat-schedule >var/celery-beat.log 2>&1 &
-pids+=($!)
-.venv/bin/daphne -b "$HOST" -p "$PORT" llm_platform.asgi:application >var/daphne.log 2>&1 &
-pids+=($!)
+# The worker needs more than its SHUTDOWN_TIMEOUT_S (default 10 s) to hand its requests back.
+worker_stopwaitsecs=$(awk -v t="${SHUTDOWN_TIMEOUT_S:-10}" \
+  'BEGIN { s = int(t); if (s < t) s++; print s + 10 }')
+for name in daphne worker celery celery-beat redis supervisord; do : >"var/$name.log"; done
+
+sup_pid=""
+stop_all() {
+  trap '' INT TERM HUP   # a second Ctrl-C does not cut the shutdown short
+  if [ -n "$sup_pid" ] && kill -0 "$sup_pid" 2>/dev/null; then
+    echo "Stopping (daphne, Celery, the worker${redis_port:+, Redis})..."
+    kill -TERM "$sup_pid" 2>/dev/null || true
+    wait "$sup_pid" 2>/dev/null || true
+  fi
+}
+trap stop_all EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+trap 'exit 129' HUP
+
+PLATFORM_HOST=$HOST PLATFORM_PORT=$PORT PLATFORM_REDIS_PORT=$redis_port \
+  PLATFORM_SUPERVISORD_INCLUDE=$supervisord_include \
+  PLATFORM_WORKER_STOPWAITSECS=$worker_stopwaitsecs \
+  .venv/bin/supervisord -c "$CONF" &
+sup_pid=$!
+
+# Until the platform is ready: fail fast when supervisord stops, or when a program keeps exiting
+# (FATAL: it exited within a second at each of its tries; or three exits in supervisord's log).
+check_running() {
+  if ! kill -0 "$sup_pid" 2>/dev/null; then
+    echo "supervisord stopped; see var/supervisord.log:" >&2
+    tail -n 20 var/supervisord.log >&2
+    exit 1
+  fi
+  local failing
+  failing=$( { ctl status 2>/dev/null | awk '$2 == "FATAL" { print $1 }'
+               awk '$4 == "exited:" && /not expected/ { n[$5]++ }
+                    END { for (p in n) if (n[p] >= 3) print p }' var/supervisord.log
+             } | head -1)
+  if [ -n "$failing" ]; then
+    echo "$failing keeps exiting; the end of var/$failing.log:" >&2
+    tail -n 20 "var/$failing.log" >&2
+    exit 1
+  fi
+}
+if [ -n "$redis_port" ]; then
+  for _ in $(seq 50); do redis_answers && break; sleep 0.1; done
+  redis_answers || { check_running; echo "The private redis-server does not answer; see var/redis.log" >&2; exit 1; }
+fi
 
 echo "Waiting for the worker to load the model..."
-for _ in $(seq 600); do
+for i in $(seq 600); do
   if curl -fs "http://$HOST:$PORT/readyz" >/dev/null 2>&1; then break; fi
+  if [ $((i % 4)) = 0 ]; then check_running; fi
   sleep 0.5
 done
 curl -fs "http://$HOST:$PORT/readyz" >/dev/null || { echo "not ready; see var/*.log" >&2; exit 1; }
@@ -84,9 +130,11 @@ The platform is running at http://$HOST:$PORT/
   Admin:           http://$HOST:$PORT/admin/
   Chat:            http://$HOST:$PORT/chat/   Dashboard: http://$HOST:$PORT/admin/scheduler/
   Logs:            var/daphne.log var/worker.log var/celery.log var/celery-beat.log
+  Processes:       .venv/bin/supervisorctl -c $CONF status   (restart worker, tail -f daphne, ...)
 Try: curl http://$HOST:$PORT/v1/chat/completions -H "Authorization: Bearer $DEMO_KEY" \\
        -H 'Content-Type: application/json' \\
        -d '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}'
 Ctrl-C stops it.
 MSG
-wait -n "${pids[@]}"
+# supervisord restarts a process that exits; this returns when supervisord itself stops.
+wait "$sup_pid"
