@@ -1,32 +1,21 @@
 """Request bodies of the OpenAI-compatible endpoints, validated with pydantic.
 
-Unknown fields are ignored. Known fields that would change the answer and that this server does
-not offer (``tools``, ``response_format`` other than text, ``logprobs``, ...) are refused with a
-400 naming the field.
-
-Types are strict, as in the OpenAI API: integers must be JSON integers (not strings, booleans or
-decimal numbers), booleans JSON booleans, numbers JSON numbers, and every text valid Unicode (a
-lone surrogate escape such as ``"\\ud800"`` is refused). Errors name the field as the client wrote
-it (``messages[0].content``) and, for numbers, the accepted range.
+The rules every body object follows (strict JSON types, valid Unicode text, unknown fields
+ignored, ``null`` as the default) are :mod:`api.fields`'; how an error is told to the client,
+:mod:`api.field_errors`'. Known fields that would change the answer and that this server does not
+offer (``tools``, ``response_format`` other than text, ``logprobs``, ...) are refused with a 400
+naming the field.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from typing import Annotated, Any, Literal
 
-from annotated_types import Ge, Gt, Le, Lt
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-)
-from pydantic_core import ErrorDetails, PydanticCustomError
+from pydantic import AfterValidator, Field, ValidationError, ValidationInfo, field_validator
 
+from api import field_errors
+from api.fields import BodyObject, Text, unicode_text, wrong_type
 from gateway.errors import APIError
 
 MAX_STOP_SEQUENCES = 4
@@ -35,50 +24,28 @@ MAX_TOKENS_LIMIT = 2**31 - 1
 # A sampling seed seeds a ``torch.Generator``, which takes this range.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
-NOT_UNICODE = "invalid_unicode"
-NOT_UNICODE_MESSAGE = (
-    "not valid Unicode text (it contains a lone surrogate code point such as \\ud800)")
-WRONG_TYPE = "wrong_type"
 
-
-def _unicode_text(value: str) -> str:
-    """``value`` when it is valid Unicode text (encodable as UTF-8: no lone surrogate)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise PydanticCustomError(NOT_UNICODE, NOT_UNICODE_MESSAGE) from exc
-    return value
-
-
-def _wrong_type(expected: str) -> PydanticCustomError:
-    return PydanticCustomError(WRONG_TYPE, "{expected}", {"expected": expected})
-
-
-Text = Annotated[str, AfterValidator(_unicode_text)]
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
+class StreamOptions(BodyObject):
     include_usage: bool = False
 
 
-class ChatMessage(BaseModel):
-    """One chat message; content is a string or a list of text parts."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
+class ChatMessage(BodyObject):
+    """One chat message; content is a string or a list of text parts (null: an assistant's
+    empty turn, as the OpenAI API allows for an assistant message)."""
 
     role: Literal["system", "developer", "user", "assistant"]
     content: Text
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_parts_only(cls, value: Any) -> Any:
+    def _text_parts_only(cls, value: Any, info: ValidationInfo) -> Any:
         """A string, or the text of a list of ``{"type": "text", "text": ...}`` parts."""
         if isinstance(value, str):
             return value
+        if value is None and info.data.get("role") == "assistant":
+            return ""
         if not isinstance(value, list):
-            raise _wrong_type("a string or an array of text content parts")
+            raise wrong_type("a string or an array of text content parts")
         texts = []
         for part in value:
             if not (isinstance(part, dict) and part.get("type") == "text"
@@ -92,19 +59,20 @@ class ChatMessage(BaseModel):
         return {"role": role, "content": self.content}
 
 
-class GenerationRequest(BaseModel):
-    """Fields shared by chat and text completions (extensions: top_k, min_tokens, ignore_eos)."""
+class GenerationRequest(BodyObject):
+    """Fields shared by chat and text completions (extensions: top_k, min_tokens, ignore_eos).
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    Every optional field may be sent as ``null``, meaning its default (:class:`BodyObject`).
+    """
 
-    model: Annotated[str, Field(min_length=1), AfterValidator(_unicode_text)]
+    model: Annotated[str, Field(min_length=1), AfterValidator(unicode_text)]
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: list[Text] = []
     n: int = Field(1, ge=1)
-    user: Annotated[str, Field(max_length=256), AfterValidator(_unicode_text)] | None = None
+    user: Annotated[str, Field(max_length=256), AfterValidator(unicode_text)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     top_k: int = Field(0, ge=-1, le=MAX_TOKENS_LIMIT)
@@ -118,9 +86,9 @@ class GenerationRequest(BaseModel):
         if value is None:
             return []
         if isinstance(value, str):
-            return [_unicode_text(value)]
+            return [unicode_text(value)]
         if not isinstance(value, list):
-            raise _wrong_type("a string, an array of strings or null")
+            raise wrong_type("a string, an array of strings or null")
         if len(value) > MAX_STOP_SEQUENCES:
             raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are supported")
         return value
@@ -200,7 +168,7 @@ class CompletionRequest(GenerationRequest):
                 raise ValueError("exactly one prompt string is supported per request")
             return value[0]
         if not isinstance(value, str):
-            raise _wrong_type("a string or an array of one string")
+            raise wrong_type("a string or an array of one string")
         return value
 
     @field_validator("prompt")
@@ -245,14 +213,23 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON value")
 
 
+def _too_deep() -> APIError:
+    return APIError(400, "The request body is nested too deeply to be a request.",
+                    code="invalid_json")
+
+
 def parse_json_body(raw: bytes) -> dict[str, Any]:
     """The JSON object in a request body.
 
     Raises:
-        APIError: 400 ``invalid_json`` for a body that is not a JSON object.
+        APIError: 400 ``invalid_json`` for a body that is not a JSON object (not JSON, not
+            UTF-8, ``NaN`` or ``Infinity``, nested deeper than the parser goes, an integer of
+            more than 4300 digits).
     """
     try:
         body = json.loads(raw or b"", parse_constant=_refuse_constant)
+    except RecursionError as exc:
+        raise _too_deep() from exc
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"The request body is not valid JSON: {exc}",
                        code="invalid_json") from exc
@@ -272,101 +249,6 @@ def _refuse_unsupported(body: dict[str, Any], unsupported: dict[str, tuple]) -> 
                        param="response_format", code="unsupported_parameter")
 
 
-# What a type error expected, by pydantic's error type.
-EXPECTED_BY_ERROR = {
-    "int_type": "an integer",
-    "int_parsing": "an integer",
-    "int_from_float": "an integer",
-    "float_type": "a number",
-    "float_parsing": "a number",
-    "bool_type": "a boolean",
-    "bool_parsing": "a boolean",
-    "string_type": "a string",
-    "list_type": "an array",
-    "dict_type": "an object",
-    "model_type": "an object",
-    "model_attributes_type": "an object",
-}
-RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
-_FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-def _param(loc: tuple[int | str, ...]) -> str | None:
-    """A field's location as the client wrote it: ``messages[0].content``.
-
-    Segments that are not field names (pydantic's tags of union members and validators, such as
-    ``str`` or ``function-after[...]``) are left out.
-    """
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif _FIELD_NAME.fullmatch(part) and part not in ("str", "int", "float", "bool"):
-            out += f".{part}" if out else part
-    return out or None
-
-
-def _json_type(value: Any) -> str:
-    """What a JSON value is, in words (never the value itself, which may be huge)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a decimal number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, dict):
-        return "an object"
-    return type(value).__name__
-
-
-def _number_range(model: type[BaseModel], loc: tuple[int | str, ...]) -> str | None:
-    """What a top-level numeric field accepts, in words (``an integer from 1 to 2147483647``)."""
-    if len(loc) != 1 or not isinstance(loc[0], str) or loc[0] not in model.model_fields:
-        return None
-    field = model.model_fields[loc[0]]
-    annotation = str(field.annotation)
-    if "int" in annotation:
-        number = "an integer"
-    elif "float" in annotation:
-        number = "a number"
-    else:
-        return None
-    bounds: dict[str, Any] = {}
-    for item in field.metadata:
-        for cls, key in ((Ge, "ge"), (Gt, "gt"), (Le, "le"), (Lt, "lt")):
-            if isinstance(item, cls):
-                bounds[key] = getattr(item, key)
-    if "ge" in bounds and "le" in bounds:
-        return f"{number} from {bounds['ge']} to {bounds['le']}"
-    words = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
-    parts = [f"{words[key]} {value}" for key, value in bounds.items()]
-    return " ".join([number, " and ".join(parts)]) if parts else number
-
-
-def _message(model: type[BaseModel], error: ErrorDetails, param: str | None) -> str:
-    kind, value = error["type"], error.get("input")
-    if kind == "missing":
-        return f"'{param}' is required."
-    if kind in (NOT_UNICODE, "string_unicode"):  # the latter: pydantic's, with str constraints
-        return f"Invalid value for '{param}': {NOT_UNICODE_MESSAGE}."
-    if kind == WRONG_TYPE or kind in EXPECTED_BY_ERROR:
-        expected = error["msg"] if kind == WRONG_TYPE else EXPECTED_BY_ERROR[kind]
-        if kind in EXPECTED_BY_ERROR and expected in ("an integer", "a number"):
-            expected = _number_range(model, error["loc"]) or expected
-        return f"Invalid type for '{param}': expected {expected}, but got {_json_type(value)}."
-    if kind in RANGE_ERRORS and (expected := _number_range(model, error["loc"])):
-        shown = repr(value) if len(repr(value)) <= 24 else "a number out of that range"
-        return f"Invalid value for '{param}': expected {expected}, but got {shown}."
-    message = error["msg"].removeprefix("Value error, ")
-    return f"Invalid value for '{param}': {message}."
-
-
 def validate(model: type[GenerationRequest], body: dict[str, Any]) -> GenerationRequest:
     """Validate ``body`` against ``model``.
 
@@ -378,8 +260,10 @@ def validate(model: type[GenerationRequest], body: dict[str, Any]) -> Generation
     _refuse_unsupported(body, unsupported)
     try:
         return model.model_validate(body)
+    except RecursionError as exc:
+        raise _too_deep() from exc
     except ValidationError as exc:
         first = exc.errors()[0]
-        param = _param(first["loc"])
-        raise APIError(400, _message(model, first, param), param=param,
+        param = field_errors.param(first["loc"])
+        raise APIError(400, field_errors.message(model, first, param), param=param,
                        code="invalid_value") from exc

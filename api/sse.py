@@ -10,5 +10,14 @@ KEEPALIVE = ": waiting\n\n"
 
 
 def sse_data(obj: Any) -> str:
-    """One SSE event whose ``data`` is ``obj`` as compact JSON (never spans lines)."""
-    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+    """One SSE event whose ``data`` is ``obj`` as compact JSON (never spans lines).
+
+    Text is sent as UTF-8, unless it holds what UTF-8 cannot carry (a lone surrogate): then as
+    JSON's ``\\u`` escapes, so that encoding the stream can never fail once it has begun.
+    """
+    data = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    try:
+        data.encode("utf-8")
+    except UnicodeEncodeError:
+        data = json.dumps(obj, separators=(",", ":"))
+    return f"data: {data}\n\n"

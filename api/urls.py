@@ -11,5 +11,6 @@ urlpatterns = [
     path("healthz", views.healthz),
     path("readyz", views.readyz),
     # Last: any other path under v1/ answers a JSON 404, not Django's HTML page.
-    re_path(r"^v1(?:/(?P<path>.*))?$", views.not_found),
+    # [\s\S], not ".": a path holding a newline too (an encoded %0A).
+    re_path(r"^v1(?:/(?P<path>[\s\S]*))?$", views.not_found),
 ]

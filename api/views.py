@@ -19,6 +19,7 @@ from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.db import connection
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.views import defaults
 from django.views.decorators.csrf import csrf_exempt
 
 from api import responses
@@ -30,10 +31,11 @@ from api.schemas import (
     validate,
 )
 from api.sse import DONE, KEEPALIVE, sse_data
-from gateway import lifecycle, workers
+from gateway import lifecycle, ratelimits, workers
 from gateway.admission import Principal
 from gateway.clients import aredis
 from gateway.conf import platform_settings
+from gateway.credentials import bearer_token
 from gateway.errors import APIError, unexpected_error
 from gateway.events import Waiting
 from gateway.lifecycle import Generation
@@ -46,6 +48,8 @@ log = logging.getLogger(__name__)
 View = Callable[..., Awaitable[HttpResponse]]
 
 ANY_METHOD = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+# Paths whose errors are JSON bodies (the API, the stats and health endpoints).
+API_PATH_PREFIXES = ("/v1", "/scheduler/", "/healthz", "/readyz", "/metrics")
 
 
 def api_view(*methods: str) -> Callable[[View], View]:
@@ -88,32 +92,31 @@ def read_body(request: HttpRequest) -> bytes:
                        code="request_too_large", should_retry=False) from exc
 
 
-def _bearer(request: HttpRequest) -> str:
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else ""
-
-
 async def authenticate(request: HttpRequest) -> ApiKey:
     """The API key of a request's ``Authorization: Bearer`` header.
 
     Raises:
-        APIError: 401 for a missing, unknown or revoked key.
+        APIError: 401 for a missing, malformed, unknown or revoked key.
     """
-    raw = _bearer(request)
-    if not raw:
+    credentials = bearer_token(request.headers)
+    if not credentials.present:
         raise APIError(401, "Missing API key: send 'Authorization: Bearer <key>'.",
                        code="missing_api_key")
-    key = await aauthenticate_key(raw)
+    key = await aauthenticate_key(credentials.token) if credentials.token else None
     if key is None:
         raise APIError(401, "Incorrect or revoked API key.", code="invalid_api_key")
     return key
 
 
+# Longest model name repeated back in a 404 (a longer one is cut).
+MAX_ECHOED_NAME = 64
+
+
 def _check_model(name: str) -> str:
     served = platform_settings()["SERVED_MODEL_NAME"]
     if name != served:
-        raise APIError(404, f"The model '{name}' does not exist; this server serves '{served}'.",
+        shown = name if len(name) <= MAX_ECHOED_NAME else name[:MAX_ECHOED_NAME] + "..."
+        raise APIError(404, f"The model '{shown}' does not exist; this server serves '{served}'.",
                        param="model", code="model_not_found")
     return served
 
@@ -158,9 +161,18 @@ async def _generate(
         default_max_tokens=platform_settings()["DEFAULT_MAX_TOKENS"], user=req.user,
         meta={"model": model, "public_id": shape.id})
     worker_error = functools.partial(_worker_error, req)
-    if req.stream:
-        return await _stream(generation, shape, worker_error)
-    return await _complete(generation, shape, worker_error)
+    limits = ratelimits.response_headers(generation.meta)
+    try:
+        if req.stream:
+            response = await _stream(generation, shape, worker_error)
+        else:
+            response = await _complete(generation, shape, worker_error)
+    except APIError as exc:  # admitted, so it counted against the limits too
+        exc.extra_headers.update(limits)
+        raise
+    for name, value in limits.items():
+        response[name] = value
+    return response
 
 
 def _worker_error(req: GenerationRequest, error: ErrorInfo) -> APIError:
@@ -257,6 +269,18 @@ async def _sse_events(
             log.exception("Could not end request %s", generation.request_id)
 
 
+def bad_request(request: HttpRequest, exception: Exception) -> HttpResponse:
+    """Django's 400 handler (``handler400``): JSON under the API's paths, else Django's page.
+
+    Django answers this way when it refuses a request before any view runs, e.g. a ``Host``
+    header not in ``ALLOWED_HOSTS``.
+    """
+    if request.path.startswith(API_PATH_PREFIXES):
+        return APIError(400, "Bad request: the request was refused before reaching the API "
+                        "(check the Host header).", code="bad_request").response()
+    return defaults.bad_request(request, exception)
+
+
 @api_view(*ANY_METHOD)
 async def not_found(request: HttpRequest, path: str = "") -> HttpResponse:
     """Any other path under ``/v1/``: a JSON 404."""
@@ -286,7 +310,8 @@ async def _is_staff(request: HttpRequest) -> bool:
 
 @api_view("GET")
 async def scheduler_stats(request: HttpRequest) -> HttpResponse:
-    """``GET /scheduler/stats``: gate 1, each live worker's stats snapshot and their aggregate.
+    """``GET /scheduler/stats``: gate 1, the shared queue (per fairness key: its shared counter and
+    requests in flight), each live worker's stats snapshot and their aggregate.
 
     For staff users (session) and operator keys only: 401 without credentials, 403 otherwise.
     """
@@ -298,6 +323,7 @@ async def scheduler_stats(request: HttpRequest) -> HttpResponse:
     snapshots = await workers.worker_snapshots()
     return JsonResponse({
         "gate1": workers.gate1(await workers.gate1_queued()),
+        "queue": await workers.queue_state(),
         "workers": snapshots,
         "total": workers.aggregate(list(snapshots.values())),
     })

@@ -7,18 +7,29 @@ Scenarios (the tenants together ask for about twice what the engine serves, so t
   the same request rate, and ``C`` short requests at 0.4 times A's rate, switching on and off
   (on for the first and last thirds of the run, off in the middle).
 
-Each scenario runs under FCFS and under VTC on the engine in-process (the reference backend with a
-step delay: the question is the scheduler's, not the model's). Every ``--sample-every`` seconds
-the engine's stats give each tenant's accumulated weighted service (``per_key`` ->
-``weighted_service``: input weight x computed prompt tokens + output weight x generated tokens)
-and whether it is backlogged (has requests queued or running). The max-min difference is taken
-over the tenants backlogged since the backlogged set last changed (the interval over which VTC's
-bound holds, Sheng et al., OSDI 2024, Theorem 4.3): ``2 x max(w_in x longest prompt, w_out x
-active-KV budget)``.
+Each scenario runs under FCFS and under VTC, on two targets (``--targets``):
+
+* ``engine``: the engine in-process (the reference backend with a step delay: the question is the
+  scheduler's, not the model's);
+* ``rest``: the whole platform, through the REST API, Redis's shared queue and ``--workers``
+  inference workers (the reference backend, or the real model with ``--backend transformers``
+  and ``--threads-per-worker`` torch threads each, as 2 cores cannot host two 2-thread workers).
+
+Every ``--sample-every`` seconds the stats give each tenant's accumulated weighted service
+(``per_key`` -> ``weighted_service``: input weight x computed prompt tokens + output weight x
+generated tokens, divided by the tenant's weight; summed over the workers through
+``/scheduler/stats``) and whether it is backlogged (has requests queued or running anywhere: the
+engine's ``in_flight``, or the shared queue's). The max-min difference is taken over the tenants
+backlogged since the backlogged set last changed (the interval over which VTC's bound holds,
+Sheng et al., OSDI 2024, Theorem 4.3): ``2 x max(w_in x longest prompt, w_out x M)``, with ``M``
+the tokens the batch can hold: one engine's active-KV budget, or ``n`` workers' together.
 
 Usage::
 
     python -m benchmarks.fairness                  # ~3 min: 2 scenarios x 2 policies x 40 s
+    python -m benchmarks.fairness --targets engine,rest   # and through the platform, 2 workers
+    python -m benchmarks.fairness --targets rest --backend transformers --workers 2 \
+        --threads-per-worker 1 --step-delay 0      # the real model
     python -m benchmarks.fairness --duration 120   # longer runs
     python -m benchmarks.fairness --duration 4 --out-dir /tmp/fairness   # a quick check
 """
@@ -42,13 +53,16 @@ from benchmarks.common import (
     exit_status,
     legend_outside,
     make_engine,
+    model_tokenizer,
+    print_table,
     reference_tokenizer,
     save_figure,
     warn_if_all_failed,
     write_json,
 )
 from benchmarks.metrics import records, summarize_by
-from benchmarks.targets import EngineTarget, run_load
+from benchmarks.servers import Platform, TenantSpec
+from benchmarks.targets import EngineTarget, RestTarget, run_load
 from benchmarks.workload import PromptMaker, RequestSpec, merge, poisson_arrivals, random_requests
 
 W_IN, W_OUT = 1.0, 2.0
@@ -109,34 +123,45 @@ def engine_settings(policy: str, args: argparse.Namespace) -> dict[str, Any]:
             "vtc_input_weight": W_IN, "vtc_output_weight": W_OUT}
 
 
-async def run_one(scenario: str, policy: str, args: argparse.Namespace) -> dict[str, Any]:
-    maker = PromptMaker(reference_tokenizer(), seed=args.seed)
+async def run_one(scenario: str, policy: str, target: str,
+                  args: argparse.Namespace) -> dict[str, Any]:
+    tokenizer = reference_tokenizer() if args.backend == "reference" else model_tokenizer()
+    maker = PromptMaker(tokenizer, seed=args.seed)
     specs, longest_prompt = build_workload(scenario, args.duration, args.rate, args.seed, maker)
-    engine = make_engine(real_model=False, step_delay_s=args.step_delay,
-                         **engine_settings(policy, args))
-    budget = engine.scheduler.active_kv_budget
     samples: list[dict[str, Any]] = []
+    name = f"{scenario}/{policy}" if target == "engine" else f"{target}/{scenario}/{policy}"
+    if target == "engine":
+        engine = make_engine(real_model=args.backend != "reference",
+                             step_delay_s=args.step_delay, **engine_settings(policy, args))
+        budget = engine.scheduler.active_kv_budget
 
-    def sample(now: float) -> None:
-        per_key = engine.stats()["per_key"]
-        samples.append({"t": now, "keys": {
-            k: {"weighted_service": v["weighted_service"],
-                "backlogged": v["in_flight"] > 0, "pending": v["pending"]}
-            for k, v in per_key.items()}})
+        def sample(now: float) -> None:
+            per_key = engine.stats()["per_key"]
+            samples.append({"t": now, "keys": {
+                k: {"weighted_service": v["weighted_service"],
+                    "backlogged": v["in_flight"] > 0, "pending": v["pending"]}
+                for k, v in per_key.items()}})
 
-    async with EngineTarget(engine) as target:
-        results, _ = await run_load(target, specs, desc=f"{scenario}/{policy}",
-                                    sample=sample, sample_every_s=args.sample_every,
-                                    stop_at_s=args.duration)
+        async with EngineTarget(engine) as load_target:
+            results, _ = await run_load(load_target, specs, desc=name, sample=sample,
+                                        sample_every_s=args.sample_every,
+                                        stop_at_s=args.duration)
+        workers = 1
+    else:
+        results, budget = await _run_rest(specs, policy, args, name, samples)
+        workers = args.workers
     diffs = max_min_difference(samples)
-    bound = 2 * max(W_IN * longest_prompt, W_OUT * budget)
+    memory = budget * workers
+    bound = 2 * max(W_IN * longest_prompt, W_OUT * memory)
     tenants = sorted({s.tenant for s in specs})
-    final = samples[-1]["keys"]
+    final = samples[-1]["keys"] if samples else {}
     return {
+        "target": target, "workers": workers, "backend": args.backend,
         "scenario": scenario, "policy": policy, "bound": bound, "active_kv_budget": budget,
-        "longest_prompt": longest_prompt,
-        "max_difference": max(diffs), "final_difference": diffs[-1],
-        "within_bound": max(diffs) <= bound,
+        "batch_memory": memory, "longest_prompt": longest_prompt,
+        "max_difference": max(diffs, default=0.0),
+        "final_difference": diffs[-1] if diffs else 0.0,
+        "within_bound": max(diffs, default=0.0) <= bound,
         "service": {k: final.get(k, {}).get("weighted_service", 0.0) for k in tenants},
         "sent": {k: sum(s.tenant == k for s in specs) for k in tenants},
         "per_tenant": summarize_by(results, lambda r: r.tenant),
@@ -146,8 +171,51 @@ async def run_one(scenario: str, policy: str, args: argparse.Namespace) -> dict[
                   "ttft_s": r.ttft_s if r.ttft_s is not None else r.ended_s - r.sent_s,
                   "waiting": r.ttft_s is None} for r in results],
         "results": records(results),
-        "all_failed": warn_if_all_failed(results, f"{scenario}/{policy}"),
+        "all_failed": warn_if_all_failed(results, name),
     }
+
+
+async def _run_rest(specs: list[RequestSpec], policy: str, args: argparse.Namespace, name: str,
+                    samples: list[dict[str, Any]]) -> tuple[list, int]:
+    """Run ``specs`` through the platform; sample service from ``/scheduler/stats``.
+
+    Returns:
+        (the results, one worker's active-KV budget in tokens).
+    """
+    import httpx
+
+    settings = engine_settings(policy, args)
+    env: dict[str, Any] = {name.upper(): value for name, value in settings.items()
+                           if name != "max_pending"}
+    env.update(BACKEND=args.backend, REFERENCE_STEP_DELAY_S=args.step_delay,
+               MAX_QUEUE_SIZE=100_000, MAX_QUEUE_WAIT_S=0)
+    if args.threads_per_worker:
+        env.update(OMP_NUM_THREADS=args.threads_per_worker,
+                   MKL_NUM_THREADS=args.threads_per_worker)
+    tenants = sorted({s.tenant for s in specs})
+    with Platform([TenantSpec(t) for t in tenants], workers=args.workers, **env) as platform:
+        headers = {"Authorization": f"Bearer {platform.keys['operator']}"}
+        async with httpx.AsyncClient(base_url=platform.url, headers=headers,
+                                     timeout=10) as client:
+            budgets = {s.get("active_kv_budget") for s in
+                       (await client.get("/scheduler/stats")).json()["workers"].values()}
+
+            async def sample(now: float) -> None:
+                stats = (await client.get("/scheduler/stats")).json()
+                served = stats["total"].get("per_key") or {}
+                queued = stats["queue"]["per_key"]
+                # A tenant's fairness key is its slug: the name in lower case.
+                samples.append({"t": now, "keys": {
+                    k: {"weighted_service": (served.get(k.lower()) or {}).get(
+                            "weighted_service") or 0.0,
+                        "backlogged": (queued.get(k.lower()) or {}).get("in_flight", 0) > 0}
+                    for k in tenants}})
+
+            async with RestTarget(platform.url, platform.keys) as load_target:
+                results, _ = await run_load(load_target, specs, desc=name, sample=sample,
+                                            sample_every_s=args.sample_every,
+                                            stop_at_s=args.duration)
+    return results, max(budgets)
 
 
 def plot(runs: list[dict[str, Any]], scenario: str, out_dir: str | None = None) -> None:
@@ -168,7 +236,9 @@ def plot(runs: list[dict[str, Any]], scenario: str, out_dir: str | None = None) 
         for k in tenants:
             ax.plot(t, [s["keys"].get(k, {}).get("weighted_service", 0) / 1000
                         for s in run["samples"]], label=f"tenant {k}", color=colors.get(k))
-        ax.set_title(f"{run['policy'].upper()}: accumulated weighted service")
+        where = ("in-process" if run.get("target", "engine") == "engine"
+                 else f"platform, {run['workers']} workers")
+        ax.set_title(f"{run['policy'].upper()} ({where}): weighted service", fontsize=10)
         ax.set_ylabel("service (thousand weighted tokens)")
         if col == last:
             legend_outside(ax)
@@ -179,7 +249,9 @@ def plot(runs: list[dict[str, Any]], scenario: str, out_dir: str | None = None) 
         ax.axhline(bound_k, color="red", ls="--",
                    label=f"VTC bound {run['bound']:,.0f} = 2 x max(\n"
                          f"  {W_IN:g} x {run['longest_prompt']} (longest prompt),\n"
-                         f"  {W_OUT:g} x {run['active_kv_budget']} (active-KV budget))")
+                         f"  {W_OUT:g} x {run.get('batch_memory', run['active_kv_budget'])}"
+                         " (active-KV budget"
+                         f"{' of all workers' if run.get('workers', 1) > 1 else ''}))")
         # The bound named on the right-hand spine, where it covers no data.
         right = ax.secondary_yaxis("right")
         right.set_yticks([bound_k], [f"bound\n{run['bound']:,.0f}"], color="red", fontsize=8)
@@ -212,6 +284,7 @@ def plot(runs: list[dict[str, Any]], scenario: str, out_dir: str | None = None) 
 
 SCENARIOS = ("two", "three")
 POLICIES = ("fcfs", "vtc")
+TARGETS = ("engine", "rest")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -234,6 +307,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--policies", type=name_list(POLICIES), default=",".join(POLICIES),
                         metavar="LIST", help=f"comma-separated, out of {', '.join(POLICIES)}")
     parser.add_argument("--seed", type=int, default=1, help="workload seed")
+    parser.add_argument("--targets", type=name_list(TARGETS), default="engine", metavar="LIST",
+                        help=f"comma-separated, out of {', '.join(TARGETS)}")
+    parser.add_argument("--workers", type=positive_int, default=2,
+                        help="inference workers of the rest target")
+    parser.add_argument("--backend", choices=("reference", "transformers"), default="reference",
+                        help="the model: the reference backend, or the real default model")
+    parser.add_argument("--threads-per-worker", type=positive_int, default=None,
+                        help="torch threads of each worker (OMP_NUM_THREADS; rest target)")
     add_out_dir_flag(parser)
     args = parser.parse_args(argv)
     if args.sample_every > args.duration:
@@ -263,13 +344,16 @@ def main(argv: list[str] | None = None) -> int:
     before = machine()
     runs = []
     for scenario in args.scenarios:
-        for policy in args.policies:
-            runs.append(asyncio.run(run_one(scenario, policy, args)))
+        for target in args.targets:
+            for policy in args.policies:
+                runs.append(asyncio.run(run_one(scenario, policy, target, args)))
         plot(runs, scenario, args.out_dir)
-    for run in runs:
-        print(f"{run['scenario']:>5} {run['policy']:>4}: service "
-              + ", ".join(f"{k}={v:.0f}" for k, v in run["service"].items())
-              + f"; max difference {run['max_difference']:.0f}, bound {run['bound']:.0f}")
+    print_table([{"target": f"{r['target']} x{r['workers']}", "scenario": r["scenario"],
+                  "policy": r["policy"],
+                  "service": ", ".join(f"{k}={v:.0f}" for k, v in r["service"].items()),
+                  "max difference": r["max_difference"], "bound": r["bound"],
+                  "within": "yes" if r["within_bound"] else "no"} for r in runs],
+                ["target", "scenario", "policy", "service", "max difference", "bound", "within"])
     path = write_json("fairness", {"args": vars(args), "machine_before": before, "runs": runs},
                       args.out_dir)
     print(f"wrote {path}")

@@ -23,6 +23,9 @@ DEFAULTS: dict[str, Any] = {
     "SYSTEM_PROMPT": "",
     # After Stop, how long to wait for the worker's final event before ending anyway (seconds).
     "STOP_GRACE_S": 5.0,
+    # How often an open chat socket re-checks, between frames, that its session, user and tenant
+    # still allow it to chat (seconds; 0: only when a frame comes); every frame is checked.
+    "REAUTHORIZE_INTERVAL_S": 10.0,
 }
 
 

@@ -1,33 +1,62 @@
 """The chat websocket: one signed-in user's turns, streamed token by token.
 
-Frames from the page (JSON):
+Frames from the page (text frames, each one JSON object):
     ``{"type": "send", "conversation_id": <id or null>, "content": "..."}``: a new user turn
-    (a null id starts a conversation); ``{"type": "stop"}``: stop the answer being written.
+    (a null or missing id starts a conversation); ``{"type": "stop"}``: stop the answer this
+    socket is writing (other fields are ignored: a socket only ever stops its own answer).
 Frames to the page:
     ``conversation`` (id, title, created), ``user_message``, ``start`` (the answer's message id),
     ``token`` (text), ``done`` (status ``complete``, ``stopped`` or ``error``, with a readable
-    ``error``), ``error`` (a turn that could not start, with a readable ``message``).
+    ``error``), ``error`` (a frame that could not be acted on, with a readable ``message``; the
+    socket keeps working, unless the frame says ``"closing": true``: then the socket closes with
+    one of the application close codes below).
 
 The answer streams from its own task, so Stop and a closed page are handled while tokens flow:
 Stop aborts the request in the worker at once (its answer is kept and marked stopped), closing
 the socket does the same. Anonymous sockets are refused; a socket reaches only its own user's
 conversations under the user's tenant, and only the requests it made.
+
+Authorization holds at every use, not only at connect: before each frame is acted on, and every
+``REAUTHORIZE_INTERVAL_S`` while the socket is open (:mod:`chat.conf`), :func:`authorize` checks
+that the session that opened the socket still exists (signing out deletes it) and still signs in
+the same active user, and that this user still belongs to the same active tenant. When that no
+longer holds, an answer being written is stopped (and kept), the page gets a closing ``error``
+frame and the socket closes with 4401 (signed out, account disabled) or 4403 (tenant lost).
+
+Any other frame (binary, not JSON, JSON that is not an object, an unknown type, fields of the
+wrong type, a frame longer than :data:`MAX_FRAME_CHARS`) gets an ``error`` frame, and so does a
+turn that fails inside the server; the socket stays open.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+from dataclasses import dataclass
+from importlib import import_module
 from typing import Any
 
 from asgiref.sync import sync_to_async
+from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.conf import settings
+from django.contrib.auth import (
+    BACKEND_SESSION_KEY,
+    HASH_SESSION_KEY,
+    SESSION_KEY,
+    get_user_model,
+    load_backend,
+)
+from django.contrib.auth.models import AbstractBaseUser
+from django.utils.crypto import constant_time_compare
 
 from chat import generation, selectors, services
 from chat.conf import chat_settings
 from chat.context import ContextOverflowError
 from chat.models import Conversation
 from gateway.errors import APIError
+from tenants.models import Tenant
 
 log = logging.getLogger(__name__)
 
@@ -35,41 +64,199 @@ log = logging.getLogger(__name__)
 CLOSE_UNAUTHENTICATED = 4401
 CLOSE_NO_TENANT = 4403
 MAX_MESSAGE_CHARS = 32_000
+# Longer frames are refused unread. A message of MAX_MESSAGE_CHARS fits even with every
+# character JSON-escaped (12 characters for one outside the BMP: "\ud83d\ude00").
+MAX_FRAME_CHARS = 12 * MAX_MESSAGE_CHARS + 1024
+# Conversation ids are 64-bit database keys.
+MAX_ID = 2**63 - 1
+
+
+class FrameError(ValueError):
+    """A frame the socket cannot act on; the message is shown in the page as it is."""
+
+
+@dataclass(frozen=True)
+class Denial:
+    """Why a socket may no longer act for its user: shown in the page, then the close code."""
+
+    code: int
+    reason: str  # the close frame's reason (short)
+    message: str  # the error frame's readable message
+
+
+SIGNED_OUT = Denial(CLOSE_UNAUTHENTICATED, "signed out",
+                    "You are signed out (or your account was disabled). Sign in again to chat.")
+NO_TENANT = Denial(CLOSE_NO_TENANT, "no tenant",
+                   "Your account no longer belongs to an active tenant, so it cannot chat.")
+OTHER_TENANT = Denial(CLOSE_NO_TENANT, "tenant changed",
+                      "Your account now belongs to another tenant. Reload the page to chat "
+                      "there.")
+
+
+def _session_signs_in(data: dict[str, Any], user: AbstractBaseUser) -> bool:
+    """Whether the session's auth hash is ``user``'s (the current key's or a fallback's).
+
+    Read-only, unlike :func:`django.contrib.auth.get_user`: a socket never rotates or flushes
+    the browser's session (it cannot set the cookie).
+    """
+    if not hasattr(user, "get_session_auth_hash"):
+        return True
+    stored = data.get(HASH_SESSION_KEY)
+    if not isinstance(stored, str) or not stored:
+        return False
+    fallbacks = getattr(user, "get_session_auth_fallback_hash", lambda: [])()
+    return any(constant_time_compare(stored, expected)
+               for expected in [user.get_session_auth_hash(), *fallbacks])
+
+
+def authorize(session_key: str | None, user_pk: Any,
+              tenant_pk: int | None = None) -> tuple[AbstractBaseUser, Tenant] | Denial:
+    """Who a socket acts for now, read fresh from the session store and the database.
+
+    Args:
+        session_key: the session that authenticated the socket (None: none did).
+        user_pk: the user it authenticated.
+        tenant_pk: the tenant the socket was opened under; None at connect.
+
+    Returns:
+        (the user, the user's active tenant), or why not: :data:`SIGNED_OUT` when the session is
+        gone (signed out, expired), signs in someone else, no longer verifies (password changed)
+        or the user is inactive; :data:`NO_TENANT` when the user belongs to no active tenant;
+        :data:`OTHER_TENANT` when it belongs to another one than ``tenant_pk``.
+    """
+    if not session_key:
+        return SIGNED_OUT
+    store = import_module(settings.SESSION_ENGINE).SessionStore(session_key)
+    data = {key: store.get(key) for key in (SESSION_KEY, BACKEND_SESSION_KEY, HASH_SESSION_KEY)}
+    backend_path = data[BACKEND_SESSION_KEY]
+    if data[SESSION_KEY] is None or backend_path not in settings.AUTHENTICATION_BACKENDS:
+        return SIGNED_OUT
+    try:
+        session_user_pk = get_user_model()._meta.pk.to_python(data[SESSION_KEY])
+    except Exception:  # noqa: BLE001 - a malformed session signs no one in
+        return SIGNED_OUT
+    if session_user_pk != user_pk:
+        return SIGNED_OUT
+    user = load_backend(backend_path).get_user(session_user_pk)
+    if (user is None or not getattr(user, "is_active", True)
+            or not _session_signs_in(data, user)):
+        return SIGNED_OUT
+    tenant = selectors.user_tenant(user)
+    if tenant is None:
+        return NO_TENANT
+    if tenant_pk is not None and tenant.pk != tenant_pk:
+        return OTHER_TENANT
+    return user, tenant
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_frame(text_data: str | None, bytes_data: bytes | None) -> dict[str, Any]:
+    """The JSON object a frame holds.
+
+    Raises:
+        FrameError: a binary or empty frame, one longer than :data:`MAX_FRAME_CHARS`, text that
+            is not JSON (``NaN`` and ``Infinity`` included) or nested too deeply to read, JSON
+            that is not an object.
+    """
+    if text_data is None:
+        raise FrameError("Frames must be JSON text, not binary data.")
+    if len(text_data) > MAX_FRAME_CHARS:
+        raise FrameError(f"The frame is too long (at most {MAX_FRAME_CHARS} characters).")
+    try:
+        content = json.loads(text_data, parse_constant=_no_constant)
+    except RecursionError:
+        raise FrameError("The frame's JSON is nested too deeply.") from None
+    except ValueError:
+        raise FrameError("The frame is not valid JSON.") from None
+    if not isinstance(content, dict):
+        raise FrameError('The frame must be a JSON object with a "type".')
+    return content
+
+
+def turn_fields(frame: dict[str, Any]) -> tuple[int | None, str]:
+    """A ``send`` frame's conversation id (None: a new conversation) and message text.
+
+    Raises:
+        FrameError: no text, text that is not valid Unicode or too long, an id that is not a
+            positive integer.
+    """
+    text = frame.get("content")
+    if not isinstance(text, str) or not text.strip():
+        raise FrameError("Type a message first.")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: JSON allows it, text does not
+        raise FrameError("The message contains characters that are not valid text.") from None
+    if len(text) > MAX_MESSAGE_CHARS:
+        raise FrameError(f"The message is too long (at most {MAX_MESSAGE_CHARS} characters).")
+    pk = frame.get("conversation_id")
+    if pk is not None and (isinstance(pk, bool) or not isinstance(pk, int)
+                           or not 0 < pk <= MAX_ID):
+        raise FrameError('"conversation_id" must be the number of one of your conversations, '
+                         "or null to start one.")
+    return pk, text
 
 
 class ChatConsumer(AsyncJsonWebsocketConsumer):
     """``ws/chat/``: see the module docstring for the frames."""
 
     async def connect(self) -> None:
-        self.user = self.scope.get("user")
         self.answer: generation.Answer | None = None
         self.task: asyncio.Task | None = None
+        self.watchdog: asyncio.Task | None = None
         self.closed = False
+        self.ending = False
+        self.user = self.scope.get("user")
+        session = self.scope.get("session")
+        self.session_key: str | None = session.session_key if session is not None else None
         if self.user is None or not self.user.is_authenticated:
             await self.close(code=CLOSE_UNAUTHENTICATED)
             return
-        self.tenant = await sync_to_async(selectors.user_tenant)(self.user)
-        if self.tenant is None:
-            await self.close(code=CLOSE_NO_TENANT)
+        granted = await database_sync_to_async(authorize)(self.session_key, self.user.pk)
+        if isinstance(granted, Denial):
+            await self.close(code=granted.code)
             return
+        self.user, self.tenant = granted
         await self.accept()
+        if chat_settings()["REAUTHORIZE_INTERVAL_S"] > 0:
+            self.watchdog = asyncio.create_task(self._watch())
 
     async def disconnect(self, code: int) -> None:
         self.closed = True
+        watchdog = getattr(self, "watchdog", None)
+        if watchdog is not None:
+            watchdog.cancel()
         task = getattr(self, "task", None)
         if task is not None and not task.done():
             # The page is gone: relay's cleanup aborts the request and stores the text so far.
             self.answer.give_up.set()
             await asyncio.wait({task}, timeout=chat_settings()["STOP_GRACE_S"])
 
-    async def receive_json(self, content: Any, **kwargs: Any) -> None:
-        kind = content.get("type") if isinstance(content, dict) else None
-        if kind == "send":
-            await self._send_turn(content)
-        elif kind == "stop":
-            await self._stop()
-        else:
-            await self._error("Unknown request.")
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None,
+                      **kwargs: Any) -> None:
+        """One frame from the page: authorized, parsed, acted on. Never ends in an exception:
+        a frame that cannot be acted on gets an ``error`` frame and the socket keeps working."""
+        if self.closed or self.ending:
+            return
+        try:
+            if not await self._still_authorized():
+                return
+            frame = parse_frame(text_data, bytes_data)
+            kind = frame.get("type")
+            if kind == "send":
+                await self._send_turn(*turn_fields(frame))
+            elif kind == "stop":
+                await self._stop()
+            else:
+                raise FrameError('Unknown request: "type" must be "send" or "stop".')
+        except FrameError as exc:
+            await self._error(str(exc))
+        except Exception:
+            log.exception("a chat frame of user %s failed", getattr(self.user, "pk", None))
+            await self._error("Something went wrong on the server. Try again in a moment.")
 
     async def _safe_send(self, frame: dict[str, Any]) -> None:
         if not self.closed:
@@ -78,27 +265,46 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
     async def _error(self, message: str, **extra: Any) -> None:
         await self._safe_send({"type": "error", "message": message, **extra})
 
-    async def _send_turn(self, content: dict[str, Any]) -> None:
+    async def _still_authorized(self) -> bool:
+        """Check :func:`authorize` again; when it fails, end the socket (:meth:`_end`)."""
+        granted = await database_sync_to_async(authorize)(self.session_key, self.user.pk,
+                                                          self.tenant.pk)
+        if isinstance(granted, Denial):
+            await self._end(granted)
+            return False
+        self.user, self.tenant = granted
+        return True
+
+    async def _watch(self) -> None:
+        """Re-check the authorization while the socket is open, even when no frame comes."""
+        while not (self.closed or self.ending):
+            await asyncio.sleep(chat_settings()["REAUTHORIZE_INTERVAL_S"])
+            try:
+                await self._still_authorized()
+            except Exception:  # noqa: BLE001 - the next frame or check decides
+                log.warning("could not re-check a chat socket's authorization", exc_info=True)
+
+    async def _end(self, denial: Denial) -> None:
+        """Stop the answer being written (it is kept), tell the page why, close the socket."""
+        if self.ending or self.closed:
+            return
+        self.ending = True
+        task = self.task
+        if task is not None and not task.done():
+            self.answer.give_up.set()
+            await asyncio.wait({task}, timeout=chat_settings()["STOP_GRACE_S"])
+        await self._error(denial.message, closing=True)
+        self.closed = True
+        await self.close(code=denial.code, reason=denial.reason)
+
+    async def _send_turn(self, conversation_id: int | None, text: str) -> None:
         if self.task is not None and not self.task.done():
             await self._error("An answer is still being written: wait for it or press Stop.")
             return
-        text = content.get("content")
-        if not isinstance(text, str) or not text.strip():
-            await self._error("Type a message first.")
-            return
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:  # a lone surrogate: JSON allows it, text does not
-            await self._error("The message contains characters that are not valid text.")
-            return
-        if len(text) > MAX_MESSAGE_CHARS:
-            await self._error(f"The message is too long (at most {MAX_MESSAGE_CHARS} "
-                              "characters).")
-            return
         conversation: Conversation | None = None
-        if content.get("conversation_id"):
+        if conversation_id is not None:
             conversation = await sync_to_async(selectors.conversation_of)(
-                self.user, self.tenant, content["conversation_id"])
+                self.user, self.tenant, conversation_id)
             if conversation is None:
                 await self._error("That conversation does not exist.")
                 return
@@ -114,12 +320,18 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         except (ContextOverflowError, APIError) as exc:
             reason = (generation.readable_error(exc) if isinstance(exc, APIError)
                       else str(exc))
-            failed = await sync_to_async(services.fail_answer)(conversation, reason)
-            await self._error(reason, message_id=failed.pk)
+        except Exception:
+            log.exception("could not start a chat answer for user %s", self.user.pk)
+            reason = "The server could not start the answer. Try again in a moment."
+        else:
+            self.answer = answer
+            await self._safe_send({"type": "start", "message_id": answer.message_id})
+            self.task = asyncio.create_task(generation.relay(answer, self._safe_send))
+            if self.ending or self.closed:  # denied meanwhile (the watchdog): stop at once
+                answer.give_up.set()
             return
-        self.answer = answer
-        await self._safe_send({"type": "start", "message_id": answer.message_id})
-        self.task = asyncio.create_task(generation.relay(answer, self._safe_send))
+        failed = await sync_to_async(services.fail_answer)(conversation, reason)
+        await self._error(reason, message_id=failed.pk)
 
     async def _stop(self) -> None:
         answer, task = self.answer, self.task

@@ -18,14 +18,13 @@ from django.contrib.auth.models import AbstractBaseUser
 
 from chat import services
 from chat.conf import chat_settings
-from chat.context import ChatMessage, ContextOverflowError, fit_to_context
+from chat.context import ChatMessage, ContextOverflowError, fit_here
 from chat.models import Conversation, Message
-from gateway import lifecycle, workers
+from gateway import lifecycle, tokens, workers
 from gateway.admission import Principal
 from gateway.conf import platform_settings
 from gateway.errors import APIError
 from gateway.lifecycle import Generation
-from gateway.tokens import count_chat_tokens
 from inference.protocol import FinalEvent, FinishReason, Sampling, TokenEvent
 from tenants.models import Tenant
 
@@ -66,17 +65,19 @@ class Answer:
 async def prepare_prompt(history: list[ChatMessage]) -> tuple[list[ChatMessage], int, int]:
     """The messages to send (oldest turns dropped to fit), their tokens and the answer's cap.
 
+    The fitting, which counts tokens several times, runs in a token-counting process
+    (:func:`gateway.tokens.run`), never on the event loop.
+
     Raises:
         ContextOverflowError: when the newest message alone does not fit.
+        APIError: 503 when the token-counting processes keep failing.
     """
     conf = chat_settings()
     context = workers.context_tokens(await workers.worker_snapshots(), conf["CONTEXT_TOKENS"])
     answer_room = max(conf["MIN_ANSWER_TOKENS"], min(conf["MAX_TOKENS"], context // 2))
     limit = context - answer_room - conf["CONTEXT_MARGIN_TOKENS"]
     system = {"role": "system", "content": conf["SYSTEM_PROMPT"]} if conf["SYSTEM_PROMPT"] else None
-    messages = fit_to_context(history, prompt_limit_tokens=limit,
-                              count_tokens=count_chat_tokens, system=system)
-    prompt_tokens = count_chat_tokens(messages)
+    messages, prompt_tokens = await tokens.run(fit_here, history, limit, system)
     return messages, prompt_tokens, min(conf["MAX_TOKENS"], context - prompt_tokens)
 
 

@@ -16,6 +16,8 @@ login_required = _login_required(login_url="chat:login")
 
 
 def _tenant_or_page(request: HttpRequest) -> Tenant | HttpResponse:
+    """The signed-in user's active tenant, checked at every request, or the 403 page that says
+    the account has none."""
     tenant = selectors.user_tenant(request.user)
     if tenant is None:
         return render(request, "chat/no_tenant.html", status=403)
@@ -23,6 +25,7 @@ def _tenant_or_page(request: HttpRequest) -> Tenant | HttpResponse:
 
 
 def _conversation(request: HttpRequest, tenant: Tenant, pk: int) -> Conversation:
+    """The user's conversation ``pk`` under ``tenant``; 404 for anyone else's."""
     conversation = selectors.conversation_of(request.user, tenant, pk)
     if conversation is None:
         raise Http404("No such conversation.")
@@ -31,7 +34,9 @@ def _conversation(request: HttpRequest, tenant: Tenant, pk: int) -> Conversation
 
 @login_required
 def chat_page(request: HttpRequest, pk: int | None = None) -> HttpResponse:
-    """The chat: the user's conversations and, with ``pk``, that conversation's messages."""
+    """GET: the chat page, the user's conversations and, with ``pk``, that conversation's
+    messages (for the page's script, as JSON in the page). 404 for another user's
+    conversation, 403 without an active tenant."""
     tenant = _tenant_or_page(request)
     if isinstance(tenant, HttpResponse):
         return tenant
@@ -52,6 +57,8 @@ def chat_page(request: HttpRequest, pk: int | None = None) -> HttpResponse:
 @login_required
 @require_POST
 def rename(request: HttpRequest, pk: int) -> HttpResponse:
+    """POST ``title``: rename the user's conversation ``pk`` (a blank title changes nothing);
+    redirects to it. 404 for another user's, 403 without an active tenant."""
     tenant = _tenant_or_page(request)
     if isinstance(tenant, HttpResponse):
         return tenant
@@ -65,6 +72,8 @@ def rename(request: HttpRequest, pk: int) -> HttpResponse:
 @login_required
 @require_POST
 def delete(request: HttpRequest, pk: int) -> HttpResponse:
+    """POST: delete the user's conversation ``pk``; redirects to the chat. 404 for another
+    user's, 403 without an active tenant."""
     tenant = _tenant_or_page(request)
     if isinstance(tenant, HttpResponse):
         return tenant

@@ -17,10 +17,6 @@ DEFAULTS: dict[str, Any] = {
     "CHART_WINDOW_S": 3600.0,
     # How often the page asks for fresh numbers (milliseconds).
     "POLL_INTERVAL_MS": 2000,
-    # Acknowledged entries of the requests streams are kept this long, then trimmed (seconds).
-    "REQUESTS_STREAM_RETENTION_S": 600.0,
-    # A worker silent this long is dropped from the heartbeat set (seconds).
-    "DEAD_WORKER_AFTER_S": 3600.0,
 }
 
 

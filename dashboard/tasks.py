@@ -55,8 +55,7 @@ def snapshot_stats() -> int:
 def cleanup() -> dict[str, int]:
     """Delete snapshots older than ``SNAPSHOT_RETENTION_S`` and trim Redis.
 
-    Redis: :func:`gateway.housekeeping.trim_redis` with ``REQUESTS_STREAM_RETENTION_S`` and
-    ``DEAD_WORKER_AFTER_S``.
+    Redis: :func:`gateway.housekeeping.trim_redis`.
 
     Returns:
         How many of each were removed.
@@ -65,7 +64,6 @@ def cleanup() -> dict[str, int]:
     cutoff = timezone.now() - timedelta(seconds=conf["SNAPSHOT_RETENTION_S"])
     deleted, _ = StatsSnapshot.objects.filter(taken_at__lt=cutoff).delete()
     result = {"snapshots": deleted}
-    result.update(trim_redis(sync_redis(), retention_s=conf["REQUESTS_STREAM_RETENTION_S"],
-                             dead_worker_after_s=conf["DEAD_WORKER_AFTER_S"]))
+    result.update(trim_redis(sync_redis()))
     log.info("cleanup: %s", result)
     return result

@@ -1,13 +1,22 @@
-"""The admin dashboard (staff only, inside the Django admin) and ``GET /metrics``."""
+"""The admin dashboard (staff only, inside the Django admin) and ``GET /metrics``.
+
+The data and ``/metrics`` answer every error as a JSON body in the API's shape (a bad query
+parameter: 400 naming it; Redis unavailable: 503), never an HTML error page.
+"""
 
 from __future__ import annotations
 
+import functools
 import hmac
+import math
 import time
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.contrib import admin
+from django.core.exceptions import SuspiciousOperation
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
 from django.utils import timezone
@@ -17,7 +26,47 @@ from dashboard import metrics
 from dashboard.conf import dashboard_settings
 from dashboard.models import StatsSnapshot
 from dashboard.stats import live_summary
+from gateway.credentials import bearer_token
+from gateway.errors import APIError, unexpected_error
 from tenants.selectors import aauthenticate_key
+
+# The latest time a ``since`` may name (the end of year 9999, the last a datetime holds).
+LATEST_SINCE = datetime(9999, 12, 31, tzinfo=UTC).timestamp()
+
+
+def _error_response(exc: Exception) -> HttpResponse:
+    if isinstance(exc, APIError):
+        return exc.response()
+    if isinstance(exc, SuspiciousOperation):  # e.g. more query parameters than Django takes
+        return APIError(400, f"Bad request: {exc}", code="bad_request").response()
+    return unexpected_error(exc).response()
+
+
+def json_errors(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
+    """Answer any error of a (sync) view as a JSON body, never an HTML page."""
+
+    @functools.wraps(view)
+    def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        try:
+            return view(request, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - answered as JSON (and logged if unexpected)
+            return _error_response(exc)
+
+    return wrapper
+
+
+def async_json_errors(
+        view: Callable[..., Awaitable[HttpResponse]]) -> Callable[..., Awaitable[HttpResponse]]:
+    """:func:`json_errors` for an async view."""
+
+    @functools.wraps(view)
+    async def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        try:
+            return await view(request, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - answered as JSON (and logged if unexpected)
+            return _error_response(exc)
+
+    return wrapper
 
 
 def dashboard_page(request: HttpRequest) -> HttpResponse:
@@ -32,19 +81,35 @@ def dashboard_page(request: HttpRequest) -> HttpResponse:
     return render(request, "dashboard/dashboard.html", context)
 
 
+def _since(request: HttpRequest) -> float:
+    """The ``since`` query parameter: a finite number of unix seconds (absent or empty: 0).
+
+    Raises:
+        APIError: 400 naming ``since`` for anything else (``abc``, ``nan``, ``inf``).
+    """
+    raw = request.GET.get("since", "")
+    try:
+        since = float(raw) if raw.strip() else 0.0
+    except ValueError:
+        since = math.nan
+    if not math.isfinite(since):
+        raise APIError(400, "Invalid value for 'since': expected a finite number of unix "
+                       "seconds.", param="since", code="invalid_value")
+    return since
+
+
+@json_errors
 def dashboard_data(request: HttpRequest) -> JsonResponse:
     """The live numbers and the chart history, as JSON.
 
     ``?since=<unix seconds>`` returns only the snapshots taken after it (the page asks for the
-    whole window once, then for what is new).
+    whole window once, then for what is new); a time before the chart's window means the whole
+    window, one past year 9999 the end of that year.
     """
     conf = dashboard_settings()
     window_start = timezone.now() - timedelta(seconds=conf["CHART_WINDOW_S"])
-    try:
-        since = float(request.GET.get("since", "0"))
-    except ValueError:
-        since = 0.0
-    start = max(window_start, datetime.fromtimestamp(since, tz=UTC))
+    since = min(max(_since(request), window_start.timestamp()), LATEST_SINCE)
+    start = datetime.fromtimestamp(since, tz=UTC)
     snapshots = StatsSnapshot.objects.filter(taken_at__gt=start).order_by("taken_at")
     return JsonResponse({
         "now": time.time(),
@@ -57,9 +122,8 @@ async def _may_read_metrics(request: HttpRequest) -> bool:
     user = await request.auser()
     if user.is_authenticated and user.is_staff:
         return True
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    token = token.strip()
-    if scheme.lower() != "bearer" or not token:
+    token = bearer_token(request.headers).token
+    if not token:
         return False
     expected = dashboard_settings().get("METRICS_TOKEN") or ""
     if expected and hmac.compare_digest(token.encode(), expected.encode()):
@@ -68,16 +132,16 @@ async def _may_read_metrics(request: HttpRequest) -> bool:
     return bool(key and key.is_operator)
 
 
+@async_json_errors
 async def metrics_view(request: HttpRequest) -> HttpResponse:
     """``GET /metrics`` (Prometheus text format).
 
     For staff users, operator API keys and the ``METRICS_TOKEN`` bearer token (for a Prometheus
-    scrape config); it names tenants, so it is not public. 401 otherwise.
+    scrape config); it names tenants, so it is not public. 401 otherwise (a JSON error body).
     """
     if not await _may_read_metrics(request):
-        response = HttpResponse("metrics need a staff session, an operator API key or the "
-                                "metrics token\n", status=401, content_type="text/plain")
-        response["WWW-Authenticate"] = 'Bearer realm="metrics"'
-        return response
+        raise APIError(401, "Metrics need a staff session, an operator API key or the metrics "
+                       "token.", code="unauthorized",
+                       extra_headers={"WWW-Authenticate": 'Bearer realm="metrics"'})
     body = await sync_to_async(metrics.render)()
     return HttpResponse(body, content_type=CONTENT_TYPE_LATEST)

@@ -1,11 +1,11 @@
 """Admission and dispatch: every limit of a request and gate 1, all-or-nothing, then the queue.
 
 One Lua script (``gateway/lua/admit.lua``) checks every limit that applies to a request and, only
-when all pass, records the request in each of them and dispatches it to the workers (its priority
-tier's requests stream), atomically. A refused request so consumes nothing, and 20 concurrent
-requests against a limit of 5 admit exactly 5. Libraries such as ``limits`` check one window at a
-time; the all-or-nothing check across several windows plus the global queue counter is why this
-is one script.
+when all pass, records the request in each of them and puts it in the shared queue that feeds the
+workers in the deployment's fair order (:mod:`inference.protocol`), atomically. A refused request
+so consumes nothing, and 20 concurrent requests against a limit of 5 admit exactly 5. Libraries
+such as ``limits`` check one window at a time; the all-or-nothing check across several windows plus
+the global queue counter is why this is one script.
 
 - rate limits (requests and tokens per minute, per key and per tenant): a moving window (a sorted
   set of the admitted requests, scored by time), so no 60-second span ever admits more than the
@@ -14,10 +14,11 @@ is one script.
 - max concurrent requests: a sorted set of leases (scored by expiry), released when the response
   ends; a lease outlives a crashed web process by at most ``REQUEST_IDLE_TIMEOUT_S``.
 - token budget per period: a counter per tenant and period, reserved and settled like tokens.
-- gate 1: ``{prefix}:queue`` (see :mod:`inference.protocol`).
+- gate 1: requests waiting in the queue plus those workers hold not yet admitted (see
+  :mod:`inference.protocol`).
 
 :func:`admit`, :func:`release` and :func:`settle` are the whole interface: how requests reach the
-workers (today one Redis stream per tier) can change behind them.
+workers (the shared queue's Lua library) can change behind them.
 """
 
 from __future__ import annotations
@@ -30,19 +31,20 @@ from typing import Any
 
 import redis
 
+from gateway import ratelimits
 from gateway.clients import aredis, sync_redis
 from gateway.conf import platform_settings, redis_keys
 from gateway.errors import APIError
 from gateway.workers import alive_workers
-from inference.protocol import CONSUMER_GROUP, RequestMessage
+from inference.protocol import RequestMessage, queue_library_with
 from tenants.models import ApiKey, Tenant
 
 RATE_WINDOW_MS = 60_000
 _LUA = Path(__file__).parent / "lua"
-ADMIT_LUA = (_LUA / "admit.lua").read_text()
+ADMIT_LUA = queue_library_with((_LUA / "admit.lua").read_text())
 SETTLE_LUA = (_LUA / "settle.lua").read_text()
-# KEYS[1..3] of the admission script: the gate-1 counter, the tier stream, the tier registry.
-FIXED_KEYS = 3
+# Keys of the admission script before the limit keys (the queue's are named in the script).
+FIXED_KEYS = 0
 
 
 @dataclass(frozen=True)
@@ -107,11 +109,12 @@ def build_limits(
         if obj.requests_per_minute:
             name = f"{p}:rl:{scope}:{ident}:rpm"
             windows.append({"key": slot(name), "limit": obj.requests_per_minute, "cost": 1,
-                            "what": f"requests per minute ({scope})"})
+                            "what": f"requests per minute ({scope})", "kind": "requests"})
         if obj.tokens_per_minute:
             name = f"{p}:rl:{scope}:{ident}:tpm"
             windows.append({"key": slot(name), "limit": obj.tokens_per_minute,
-                            "cost": token_cost, "what": f"tokens per minute ({scope})"})
+                            "cost": token_cost, "what": f"tokens per minute ({scope})",
+                            "kind": "tokens"})
             token_windows.append({"key": name, "cost": token_cost})
     if tenant.token_budget:
         period = tenant.budget_period_seconds
@@ -130,7 +133,7 @@ def build_limits(
         "window_ms": RATE_WINDOW_MS,
         "lease_ms": int(conf["REQUEST_IDLE_TIMEOUT_S"] * 1000) + RATE_WINDOW_MS,
         "max_queue": conf["MAX_QUEUE_SIZE"],
-        "group": CONSUMER_GROUP,
+        "prefix": p,
         "windows": windows,
         "budgets": budgets,
         "concurrency": concurrency,
@@ -181,15 +184,16 @@ async def admit(principal: Principal, message: RequestMessage, token_cost: int) 
 
     Args:
         principal: the sender.
-        message: the request; it goes on the requests stream of its ``priority``.
+        message: the request; it joins the shared queue under its ``priority`` and fairness key.
         token_cost: tokens to reserve in token windows and budgets (prompt + max_tokens).
 
     Returns:
-        The message as dispatched: ``meta["admission"]`` holds what it reserved.
+        The message as dispatched: ``meta["admission"]`` holds what it reserved, and (in this
+        copy only) ``meta["rate_limits"]`` the use of its rate windows (:mod:`gateway.ratelimits`).
 
     Raises:
         APIError: 503 ``no_worker_available`` when no worker is alive; 429 naming the limit
-            that refused.
+            that refused, with the ``x-ratelimit-*`` headers of the windows as they are.
     """
     try:
         return await _admit(principal, message, token_cost)
@@ -206,16 +210,19 @@ async def _admit(principal: Principal, message: RequestMessage,
     spec, limit_keys, admission = build_limits(principal, message.request_id, token_cost)
     message = message.model_copy(
         update={"meta": {**message.meta, "admission": admission.to_meta()}})
-    keys = redis_keys()
-    priority = int(message.priority)
-    raw = await aredis().eval(
-        ADMIT_LUA, FIXED_KEYS + len(limit_keys), keys.queue, keys.requests(priority),
-        keys.request_tiers, *limit_keys, json.dumps(spec), message.to_json(), str(priority),
-    )
+    spec.update(fairness_key=message.fairness_key, priority=int(message.priority),
+                deadline=message.deadline() or 0)
+    raw = await aredis().eval(ADMIT_LUA, len(limit_keys), *limit_keys, json.dumps(spec),
+                              message.to_json())
     verdict = json.loads(raw)
+    uses = ratelimits.window_uses(spec["windows"], verdict.get("windows"))
     if not verdict["ok"]:
-        raise refusal(verdict)
-    return message
+        exc = refusal(verdict)
+        exc.extra_headers.update(ratelimits.headers(uses))
+        raise exc
+    # Kept in the web tier's copy only (the worker's was sent above): the response's headers.
+    return message.model_copy(
+        update={"meta": {**message.meta, ratelimits.META_KEY: ratelimits.to_meta(uses)}})
 
 
 async def release(meta: dict[str, Any]) -> None:

@@ -55,6 +55,7 @@ class APIError(Exception):
 
     ``retry_after_s`` adds ``Retry-After`` (and ``retry-after-ms``); ``should_retry=False`` adds
     ``x-should-retry: false``, which the ``openai`` client honours (a retry can never succeed).
+    ``extra_headers`` are sent too (the ``x-ratelimit-*`` figures of an admission).
     """
 
     def __init__(
@@ -68,6 +69,7 @@ class APIError(Exception):
         retry_after_s: float | None = None,
         should_retry: bool | None = None,
         details: dict[str, Any] | None = None,
+        extra_headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -78,6 +80,7 @@ class APIError(Exception):
         self.retry_after_s = retry_after_s
         self.should_retry = should_retry
         self.details = details
+        self.extra_headers = dict(extra_headers or {})
 
     def body(self) -> dict[str, Any]:
         error: dict[str, Any] = {"message": self.message, "type": self.type,
@@ -87,7 +90,7 @@ class APIError(Exception):
         return {"error": error}
 
     def headers(self) -> dict[str, str]:
-        headers: dict[str, str] = {}
+        headers: dict[str, str] = dict(self.extra_headers)
         if self.retry_after_s is not None:
             headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
             headers["retry-after-ms"] = str(max(1, int(self.retry_after_s * 1000)))

@@ -1,4 +1,4 @@
-"""A request's events, read from its Redis stream; aborts sent to the workers.
+"""A request's events, read from its Redis stream; aborts.
 
 A worker appends each request's events to ``{prefix}:events:{request_id}``:
 :class:`~inference.protocol.TokenEvent` ... then exactly one
@@ -8,17 +8,35 @@ A worker appends each request's events to ``{prefix}:events:{request_id}``:
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
+
+from asgiref.sync import sync_to_async
 
 from gateway.clients import aredis
 from gateway.conf import redis_keys
 from gateway.errors import APIError
-from inference.protocol import ABORT_MARK_TTL_S, ControlMessage, Event, decode_event
+from gateway.tasks import record_usage
+from inference.protocol import (
+    ABORT_MARK_TTL_S,
+    EVENTS_TTL_S,
+    ControlMessage,
+    Event,
+    FinalEvent,
+    FinishReason,
+    RequestMessage,
+    UsageReport,
+    decode_event,
+    encode_event,
+    queue_script,
+)
 
 # Blocks stay well below the client's socket timeout (5 s by default in redis-py 8).
 XREAD_BLOCK_S = 2.0
+WITHDRAW_LUA = queue_script("withdraw")
 
 
 @dataclass(frozen=True)
@@ -27,12 +45,37 @@ class Waiting:
 
 
 async def abort(request_id: str) -> None:
-    """Ask every worker to abort ``request_id``; a worker that reads it later drops it."""
+    """Stop ``request_id`` wherever it is.
+
+    Still waiting in the shared queue, it is withdrawn from it: its final event (``abort``) is
+    written here and its usage recorded (nothing generated), as no worker will see it. Taken by a
+    worker, every worker is asked to abort it (a worker that reads it later drops it).
+    """
     keys = redis_keys()
-    pipe = aredis().pipeline(transaction=False)
+    client = aredis()
+    withdrawn = await client.eval(WITHDRAW_LUA, 0, keys.prefix, "ids", request_id)
+    if withdrawn:
+        await _end_withdrawn(json.loads(withdrawn[0]))
+        return
+    pipe = client.pipeline(transaction=False)
     pipe.set(keys.aborted(request_id), 1, ex=ABORT_MARK_TTL_S)
     pipe.publish(keys.control, ControlMessage(type="abort", request_id=request_id).to_json())
     await pipe.execute()
+
+
+async def _end_withdrawn(record: dict[str, Any]) -> None:
+    """The final event and the usage of a request withdrawn before any worker took it."""
+    event = FinalEvent(request_id=record["id"], finish_reason=FinishReason.ABORT)
+    stream = redis_keys().events(record["id"])
+    pipe = aredis().pipeline(transaction=False)
+    pipe.xadd(stream, encode_event(event))
+    pipe.expire(stream, EVENTS_TTL_S)
+    await pipe.execute()
+    message = RequestMessage.from_json(record["body"])
+    report = UsageReport(request_id=message.request_id, meta=message.meta, usage=event.usage,
+                         finish_reason=event.finish_reason, enqueued_at=message.enqueued_at,
+                         finished_at=time.time())
+    await sync_to_async(record_usage)(report.model_dump(mode="json"))
 
 
 def _raise_if_cancelled() -> None:

@@ -1,9 +1,13 @@
 """One generation request's life in the web tier, written once for the REST API and the chat.
 
-1. :func:`start` counts the prompt's tokens (as the worker will), builds the
-   :class:`~inference.protocol.RequestMessage` (tenant, priority tier, fairness key, sampling,
-   the admission deadline ``MAX_QUEUE_WAIT_S``) and admits it: every limit and gate 1, then
-   dispatch to the workers (:mod:`gateway.admission`). A refusal raises before anything is queued.
+1. :func:`start` builds the :class:`~inference.protocol.RequestMessage` (tenant, priority tier,
+   fairness key, sampling, the admission deadline ``MAX_QUEUE_WAIT_S``), counts the prompt's
+   tokens as the worker will (in a counting process, never on the event loop:
+   :mod:`gateway.tokens`) and admits it: every limit and gate 1, then dispatch to the workers
+   (:mod:`gateway.admission`). A refusal raises before anything is queued. A prompt that no live
+   worker's context can hold is not queued either: its generation ends at once with the worker's
+   own ``context_length_exceeded`` error (see :func:`context_refusal`), and a prompt far over
+   the context is refused from its size in bytes, without being tokenized.
 2. :meth:`Generation.events` reads the worker's events (tokens, then one final event).
 3. :meth:`Generation.close`, always called (also when the client went away), aborts the request in
    its worker if it has not finished and releases its concurrency lease.
@@ -15,16 +19,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from gateway import admission
+from gateway import admission, workers
 from gateway.admission import Principal
-from gateway.conf import platform_settings
+from gateway.clients import aredis
+from gateway.conf import platform_settings, redis_keys
 from gateway.events import Waiting, abort, events
-from gateway.tokens import count_chat_tokens, count_text_tokens
-from inference.protocol import ChatTurn, Event, FinalEvent, RequestMessage, Sampling
+from gateway.tokens import PromptCount, count_chat_tokens, count_text_tokens
+from inference.protocol import (
+    ChatTurn,
+    ErrorCode,
+    ErrorInfo,
+    Event,
+    FinalEvent,
+    FinishReason,
+    RequestMessage,
+    Sampling,
+)
 from tenants.models import Tenant
 
 log = logging.getLogger(__name__)
@@ -46,11 +61,18 @@ def fairness_key(tenant: Tenant, *, api_key_id: int | None = None, user: str | N
 
 
 class Generation:
-    """A request admitted and dispatched: its events, and its end (see the module docstring)."""
+    """A request admitted and dispatched: its events, and its end (see the module docstring).
 
-    def __init__(self, message: RequestMessage):
+    Args:
+        message: the request as dispatched.
+        refusal: the final (error) event of a request refused before it was queued; its
+            :meth:`events` is that event alone.
+    """
+
+    def __init__(self, message: RequestMessage, refusal: FinalEvent | None = None):
         self.message = message
         self.final: FinalEvent | None = None
+        self._refusal = refusal
         self._closed = False
 
     @property
@@ -72,6 +94,10 @@ class Generation:
         Raises:
             APIError: 504 ``worker_timeout`` after ``REQUEST_IDLE_TIMEOUT_S`` without an event.
         """
+        if self._refusal is not None:
+            self.final = self._refusal
+            yield self._refusal
+            return
         idle = platform_settings()["REQUEST_IDLE_TIMEOUT_S"]
         async for event in events(self.request_id, idle, first_timeout_s):
             if isinstance(event, FinalEvent):
@@ -90,6 +116,8 @@ class Generation:
         if self._closed:
             return
         self._closed = True
+        if self._refusal is not None:  # never queued: nothing to abort or release
+            return
         await asyncio.shield(self._end())
 
     async def _end(self) -> None:
@@ -108,21 +136,26 @@ async def start(principal: Principal, *, sampling: Sampling, default_max_tokens:
 
     Exactly one of ``messages`` (chat) and ``prompt`` (completion) is given. A ``sampling``
     without ``max_tokens`` lets the worker give what is left of the context, capped by
-    ``default_max_tokens``; the reservation counts that cap.
+    ``default_max_tokens`` (lowered to the sender's token limits: :func:`answer_cap`); the
+    reservation counts that cap.
 
     Args:
         principal: the sender (an API key, or a chat user in a tenant).
         user: the end user the request names, for a per-user fairness key.
         meta: handed back with the usage (``tenant_id`` and ``api_key_id`` are added).
-        prompt_tokens: the prompt's tokens if already counted (else counted here).
+        prompt_tokens: the prompt's tokens if already counted (else counted here, in a counting
+            process, and a prompt no live worker can hold is refused: see
+            :func:`context_refusal`).
         request_id: the request's id (else a new one).
 
+    Returns:
+        The generation; for a prompt refused for its length, one that was never queued and
+        whose only event is the worker's ``context_length_exceeded`` final event.
+
     Raises:
-        APIError: 503 when no worker is alive; 429 naming the limit that refused.
+        APIError: 503 when no worker is alive (or the counting processes keep failing); 429
+            naming the limit that refused.
     """
-    if prompt_tokens is None:
-        prompt_tokens = (count_chat_tokens(messages) if messages is not None
-                         else count_text_tokens(prompt or ""))
     tenant = principal.tenant
     conf = platform_settings()
     message = RequestMessage(
@@ -138,5 +171,99 @@ async def start(principal: Principal, *, sampling: Sampling, default_max_tokens:
         queue_deadline_s=conf["MAX_QUEUE_WAIT_S"],
         meta={"tenant_id": tenant.pk, "api_key_id": principal.api_key_id, **(meta or {})},
     )
-    token_cost = prompt_tokens + (sampling.max_tokens or default_max_tokens)
+    if prompt_tokens is None:
+        context = await served_context()
+        # A prompt over context - 1 tokens never fits: past that its bytes settle it.
+        most = None if context is None else context - 1
+        count = await (count_chat_tokens(messages, most=most) if messages is not None
+                       else count_text_tokens(prompt or "", most=most))
+        error = context_refusal(count, sampling.max_tokens, context,
+                                "messages" if messages is not None else "prompt")
+        if error is not None:
+            await aredis().hincrby(admission.refused_counter_key(), error.code.value, 1)
+            return Generation(message, FinalEvent(request_id=message.request_id,
+                                                  finish_reason=FinishReason.ERROR, error=error))
+        prompt_tokens = count.tokens
+    if sampling.max_tokens is None:
+        cap = answer_cap(principal, prompt_tokens, default_max_tokens)
+        if cap != default_max_tokens:
+            message = message.model_copy(update={"default_max_tokens": cap})
+    token_cost = prompt_tokens + (sampling.max_tokens or message.default_max_tokens)
     return Generation(await admission.admit(principal, message, token_cost))
+
+
+def answer_cap(principal: Principal, prompt_tokens: int, default_max_tokens: int) -> int:
+    """The answer's cap for a request that omits ``max_tokens``: ``default_max_tokens``, lowered
+    to what the tightest token limit of the sender lets one request reserve (its tokens per
+    minute, per key or per tenant, or its tenant's token budget), so that omitting
+    ``max_tokens`` is never refused for a default the client did not choose. A prompt that alone
+    uses that limit keeps a cap of 1 token (and is refused as too big for the limit)."""
+    tenant = principal.tenant
+    limits = [n for n in (principal.tokens_per_minute, tenant.tokens_per_minute,
+                          tenant.token_budget) if n]
+    if not limits:
+        return default_max_tokens
+    return max(1, min(default_max_tokens, min(limits) - prompt_tokens))
+
+
+# How long the context length read from the workers' stats is reused (seconds).
+CONTEXT_CACHE_S = 1.0
+_context_cache: dict[str, tuple[float, int | None]] = {}
+
+
+async def served_context() -> int | None:
+    """The longest context (tokens) of a live worker, or None when none reports one.
+
+    The largest, not the smallest (:func:`gateway.workers.context_tokens`): a request is
+    refused here only when every worker would refuse it. Read from the workers' stats at most
+    once per :data:`CONTEXT_CACHE_S` per deployment.
+    """
+    prefix = redis_keys().prefix
+    now = time.monotonic()
+    cached = _context_cache.get(prefix)
+    if cached is not None and cached[0] > now:
+        return cached[1]
+    snapshots = await workers.worker_snapshots()
+    lengths = [int(s["max_model_len"]) for s in snapshots.values() if s.get("max_model_len")]
+    context = max(lengths) if lengths else None
+    _context_cache[prefix] = (now + CONTEXT_CACHE_S, context)
+    return context
+
+
+def context_refusal(count: PromptCount, max_tokens: int | None, context: int | None,
+                    param: str) -> ErrorInfo | None:
+    """The worker's ``context_length_exceeded`` error for a prompt it would refuse, else None.
+
+    The worker refuses a prompt that leaves no room in its context (``max_tokens`` omitted), or
+    whose tokens plus ``max_tokens`` exceed it; the message and numbers are the worker's
+    (``inference.preparation``, ``inference.engine``). A count that is not exact (the prompt's
+    bytes alone put it over the context) gives its lower bound, said as "at least". An estimated
+    count (no tokenizer) refuses nothing.
+
+    Args:
+        count: the prompt's tokens.
+        max_tokens: the request's ``max_tokens`` (None: the rest of the context).
+        context: the longest context of a live worker (tokens); None: nothing is refused.
+        param: the request field holding the prompt (``messages`` or ``prompt``).
+    """
+    if context is None or count.estimated:
+        return None
+    n = count.tokens if count.exact else f"at least {count.tokens}"
+    details: dict[str, Any] = {"prompt_tokens": count.tokens, "max_model_len": context}
+    if not count.exact:
+        details["prompt_bytes"] = count.prompt_bytes
+    if max_tokens is None:
+        if count.tokens < context:
+            return None
+        message = (f"prompt of {n} tokens leaves no room in the model's context of {context} "
+                   "tokens")
+        details["param"] = param
+    else:
+        if count.tokens + max_tokens <= context:
+            return None
+        total = (count.tokens + max_tokens if count.exact
+                 else f"at least {count.tokens + max_tokens}")
+        message = (f"prompt of {n} tokens + max_tokens {max_tokens} = {total} exceeds the "
+                   f"model's context of {context} tokens")
+        details["max_tokens"] = max_tokens
+    return ErrorInfo(code=ErrorCode.CONTEXT_LENGTH_EXCEEDED, message=message, details=details)

@@ -1,74 +1,395 @@
-"""Prompt token counts in the web tier, for rate limits and budgets (never torch).
+"""Prompt token counts in the web tier, for rate limits, budgets and the context (never torch).
 
 The count is the worker's own: the same tokenizer and chat template (:mod:`inference.tokenization`,
 which the worker builds its prompts with), read from ``TOKENIZER_PATH``, else ``MODEL_PATH``,
 else the prepared default model's folder. Without a ``tokenizer.json`` there (a web-only install
-given no tokenizer), counts are a conservative estimate from the text's length. The worker stays
-the authority on context length: a reservation made from these counts is settled to the worker's
-real usage afterwards.
+given no tokenizer), counts are an estimate from the text's length, which can be short of the
+worker's (it cannot know the template's additions). The worker stays the authority: reservations
+are settled to its real usage, and the web tier refuses only prompts every worker would refuse.
+
+**Where counting runs.** Tokenizing is CPU-bound and the ``tokenizers`` encoder holds the GIL for
+the whole call (about 0.4 s for 1 MB of text), so neither the event loop nor a thread of the web
+process may do it: every count runs in a pool of :data:`POOL_PROCESSES` counting processes
+(:class:`~concurrent.futures.ProcessPoolExecutor`), started with ``spawn`` (a fresh interpreter
+that inherits none of the threaded server's sockets or locks, alike on every OS), each loading
+the tokenizer once (about 0.5 s). They start with the first request the web process serves,
+whatever its path (Django's ``request_started``: a readiness probe is enough), or
+:func:`start_pool`. A counting process that dies (killed, out of memory) breaks the pool: it is
+replaced by a fresh one and the count retried once; a second failure is a retryable 503. The
+async functions (:func:`count_chat_tokens`, :func:`count_text_tokens`, :func:`run`) are the
+interface; the ``*_here`` functions count in the calling process, for the counting processes.
+
+**Byte bounds.** A byte-level BPE token covers at least one byte of the prompt and at most the
+longest token of the vocabulary (:class:`ByteBounds`, derived from ``tokenizer.json``), so a
+prompt of ``b`` bytes has between ``ceil(b / longest)`` and ``b`` tokens. A prompt whose lower
+bound is already over the most it may have is not tokenized at all: a 2.4 MB prompt against a
+context of 8,192 tokens costs a byte count, not 2.7 s of tokenizing.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import json
 import logging
 import math
-from collections.abc import Sequence
+import multiprocessing
+import os
+import sys
+import threading
+import types
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
-from gateway.conf import platform_settings
-from inference.protocol import model_folder
+from django.core.signals import request_started
+
 from inference.tokenization import Tokenizer, TokenizerLoadError
 
+# Settings and errors are imported where used: a counting process needs neither (0.5 s).
+
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # Byte-level BPE tokenizers average about 4 bytes per token on English text; 3 over-counts.
 ESTIMATE_BYTES_PER_TOKEN = 3
 # Without the chat template: role markers around each message, a generation prompt at the end.
 ESTIMATE_TOKENS_PER_MESSAGE = 5
 ESTIMATE_TOKENS_PER_PROMPT = 3
+# Counting processes per web process (``LLM_PLATFORM["TOKENIZER_PROCESSES"]`` overrides it).
+POOL_PROCESSES = 2
 
+
+# -- bounds from bytes ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ByteBounds:
+    """Token count bounds of a text from its UTF-8 length, for a byte-level BPE tokenizer.
+
+    Attributes:
+        max_token_bytes: bytes of the longest token (vocabulary and added tokens).
+        prefix_bytes: bytes the pre-tokenizer adds before the text (1 with
+            ``add_prefix_space``, else 0).
+    """
+
+    max_token_bytes: int
+    prefix_bytes: int = 0
+
+    def at_least(self, n_bytes: int) -> int:
+        """The fewest tokens a text of ``n_bytes`` bytes can have."""
+        return -(-n_bytes // self.max_token_bytes)
+
+    def at_most(self, n_bytes: int) -> int:
+        """The most tokens a text of ``n_bytes`` bytes can have (each token has a byte)."""
+        return n_bytes + self.prefix_bytes
+
+
+def _byte_level(pre_tokenizer: Any) -> dict[str, Any] | None:
+    """The ``ByteLevel`` step of a pre-tokenizer (alone or in a ``Sequence``), or None."""
+    if not isinstance(pre_tokenizer, dict):
+        return None
+    if pre_tokenizer.get("type") == "ByteLevel":
+        return pre_tokenizer
+    if pre_tokenizer.get("type") == "Sequence":
+        for step in pre_tokenizer.get("pretokenizers") or []:
+            if (found := _byte_level(step)) is not None:
+                return found
+    return None
+
+
+def byte_bounds(spec: dict[str, Any]) -> ByteBounds | None:
+    """The byte bounds of the tokenizer described by ``spec`` (``tokenizer.json``'s content).
+
+    Only a byte-level BPE tokenizer without a normalizer (which could change the text's length)
+    and without added tokens that swallow neighbouring whitespace (``lstrip``/``rstrip``) has
+    them: each vocabulary entry is written in the byte-level alphabet, one character per byte, and
+    an added token matches its own UTF-8 bytes. Anything else: None (no bound is used).
+    """
+    model = spec.get("model") or {}
+    byte_level = _byte_level(spec.get("pre_tokenizer"))
+    if model.get("type") != "BPE" or byte_level is None or spec.get("normalizer") is not None:
+        return None
+    added = spec.get("added_tokens") or []
+    if any(token.get("lstrip") or token.get("rstrip") for token in added):
+        return None
+    longest = max([*map(len, model.get("vocab") or {}),
+                   *(len(token["content"].encode()) for token in added)], default=0)
+    if longest < 1:
+        return None
+    return ByteBounds(max_token_bytes=longest,
+                      prefix_bytes=1 if byte_level.get("add_prefix_space") else 0)
+
+
+def utf8_length(text: str) -> int:
+    """Bytes of ``text`` in UTF-8 (a lone surrogate counts as its 3 bytes)."""
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+# -- counting in this process (the counting processes' side) ----------------------------------
 
 def tokenizer_folder() -> Path:
     """The folder whose tokenizer counts prompt tokens (see the module docstring)."""
-    configured = platform_settings().get("TOKENIZER_PATH") or ""
-    if configured.strip():
-        return Path(configured.strip()).expanduser()
+    from gateway.conf import platform_settings
+    from inference.protocol import model_folder
+
     conf = platform_settings()
+    if configured := (conf.get("TOKENIZER_PATH") or "").strip():
+        return Path(configured).expanduser()
     return model_folder(conf["MODEL_PATH"], conf["LLM_CACHE_DIR"])
 
 
+@dataclass(frozen=True)
+class _Local:
+    tokenizer: Tokenizer | None
+    bounds: ByteBounds | None
+
+
 @functools.cache
-def _load(folder: str) -> Tokenizer | None:
+def _load(folder: str) -> _Local:
     try:
-        return Tokenizer.from_folder(folder)
+        tok = Tokenizer.from_folder(folder)
     except TokenizerLoadError as exc:
         log.warning("counting tokens by estimate: %s", exc)
-        return None
+        return _Local(None, None)
+    try:
+        spec = json.loads((Path(folder) / "tokenizer.json").read_text(encoding="utf-8"))
+        bounds = byte_bounds(spec) if isinstance(spec, dict) else None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("no byte bounds for the tokenizer of %s: %s", folder, exc)
+        bounds = None
+    return _Local(tok, bounds)
+
+
+# The folder a counting process was started for (set by its initializer); None elsewhere.
+_process_folder: str | None = None
+
+
+def _local() -> _Local:
+    return _load(_process_folder if _process_folder is not None else str(tokenizer_folder()))
 
 
 def tokenizer() -> Tokenizer | None:
-    """The model's tokenizer, or None when its folder has none."""
-    return _load(str(tokenizer_folder()))
+    """The model's tokenizer in this process, or None when its folder has none."""
+    return _local().tokenizer
 
 
-def count_text_tokens(text: str) -> int:
-    """Tokens of a completion prompt ``text`` (no special tokens), as the worker counts them."""
-    tok = tokenizer()
-    if tok is None:
-        return math.ceil(len(text.encode()) / ESTIMATE_BYTES_PER_TOKEN)
-    return len(tok.encode(text))
+def local_bounds() -> ByteBounds | None:
+    """The byte bounds of this process's tokenizer, or None (see :func:`byte_bounds`)."""
+    return _local().bounds
 
 
-def count_chat_tokens(messages: Sequence[dict[str, str]]) -> int:
-    """Tokens of a chat prompt, rendered with the model's chat template as the worker does.
+def prompt_text(messages: Sequence[dict[str, str]] | None, prompt: str | None) -> str | None:
+    """The text the worker tokenizes: the rendered chat, or the prompt; None without the model's
+    tokenizer (or, for a chat, its chat template).
 
-    The template's own additions count too (a default system prompt when the messages have
-    none, role markers, the generation prompt).
+    Raises:
+        ValueError: the chat template refuses the messages.
     """
     tok = tokenizer()
-    if tok is None or not tok.chat_template:
-        content = sum(math.ceil(len(m["content"].encode()) / ESTIMATE_BYTES_PER_TOKEN)
-                      for m in messages)
-        return content + ESTIMATE_TOKENS_PER_MESSAGE * len(messages) + ESTIMATE_TOKENS_PER_PROMPT
-    return len(tok.apply_chat_template(messages))
+    if tok is None or (messages is not None and not tok.chat_template):
+        return None
+    return tok.render_chat(messages) if messages is not None else prompt or ""
+
+
+def _estimate(messages: Sequence[dict[str, str]] | None, prompt: str | None) -> int:
+    if messages is None:
+        return math.ceil(utf8_length(prompt or "") / ESTIMATE_BYTES_PER_TOKEN)
+    content = sum(math.ceil(utf8_length(m["content"]) / ESTIMATE_BYTES_PER_TOKEN)
+                  for m in messages)
+    return content + ESTIMATE_TOKENS_PER_MESSAGE * len(messages) + ESTIMATE_TOKENS_PER_PROMPT
+
+
+def bounds_here(messages: Sequence[dict[str, str]] | None,
+                prompt: str | None = None) -> tuple[int, int] | None:
+    """``(fewest, most)`` tokens of a chat or completion prompt from its bytes, or None.
+
+    None when this process's tokenizer has no byte bounds (or no chat template). Cheap: the chat
+    is rendered, not tokenized.
+
+    Raises:
+        ValueError: the chat template refuses the messages.
+    """
+    bounds = local_bounds()
+    text = prompt_text(messages, prompt) if bounds is not None else None
+    if bounds is None or text is None:
+        return None
+    n_bytes = utf8_length(text)
+    return bounds.at_least(n_bytes), bounds.at_most(n_bytes)
+
+
+@dataclass(frozen=True)
+class PromptCount:
+    """A prompt's token count.
+
+    Attributes:
+        tokens: the exact count when ``exact``; else the fewest tokens the prompt's bytes allow,
+            which is over the ``most`` the count was asked with (the prompt was not tokenized).
+        exact: whether the prompt was tokenized.
+        prompt_bytes: UTF-8 bytes of the text the worker would tokenize (the rendered chat).
+        pid: the process that counted (diagnostics).
+        estimated: counted without the model's tokenizer (or chat template): a guess.
+    """
+
+    tokens: int
+    exact: bool
+    prompt_bytes: int
+    pid: int
+    estimated: bool = False
+
+
+def measure_here(messages: Sequence[dict[str, str]] | None, prompt: str | None,
+                 most: int | None = None) -> PromptCount:
+    """The token count of a chat (``messages``) or completion (``prompt``), in this process.
+
+    A chat is rendered with the model's chat template and its additions count too (a default
+    system prompt, role markers, the generation prompt); a completion prompt gets no special
+    tokens. Blocking (the tokenizer holds the GIL): for the counting processes, never on an
+    event loop.
+
+    Args:
+        most: tokens the prompt may have at most (None: no limit). A prompt whose byte bound
+            alone shows more is not tokenized: its count is that bound, not exact.
+
+    Raises:
+        ValueError: the chat template refuses the messages.
+    """
+    text = prompt_text(messages, prompt)
+    if text is None:  # no tokenizer, or no template: an estimate
+        size = utf8_length(prompt or "") + sum(utf8_length(m["content"]) for m in messages or ())
+        return PromptCount(_estimate(messages, prompt), True, size, os.getpid(), estimated=True)
+    n_bytes = utf8_length(text)
+    bounds = local_bounds()
+    if bounds is not None and most is not None and bounds.at_least(n_bytes) > most:
+        return PromptCount(bounds.at_least(n_bytes), False, n_bytes, os.getpid())
+    return PromptCount(len(tokenizer().encode(text)), True, n_bytes, os.getpid())
+
+
+def _start_process(folder: str) -> None:
+    """Initializer of a counting process: load the tokenizer of ``folder`` once."""
+    global _process_folder
+    _process_folder = folder
+    _load(folder)
+
+
+def _ready() -> int:
+    return os.getpid()
+
+
+# -- the pool (the web process's side) --------------------------------------------------------
+
+_lock = threading.Lock()
+_pool: ProcessPoolExecutor | None = None
+_pool_folder: str | None = None
+
+
+def pool_processes() -> int:
+    """Counting processes per web process: ``TOKENIZER_PROCESSES``, else :data:`POOL_PROCESSES`."""
+    from gateway.conf import platform_settings
+
+    return max(1, int(platform_settings().get("TOKENIZER_PROCESSES") or POOL_PROCESSES))
+
+
+def _executor() -> ProcessPoolExecutor:
+    """The pool for the configured tokenizer folder, started (all its processes) if need be."""
+    global _pool, _pool_folder
+    folder = str(tokenizer_folder())
+    with _lock:
+        if _pool is not None and _pool_folder == folder:
+            return _pool
+        if _pool is not None:  # the tokenizer changed: the old pool finishes its work and ends
+            _pool.shutdown(wait=False)
+        size = pool_processes()
+        _pool = ProcessPoolExecutor(max_workers=size,
+                                    mp_context=multiprocessing.get_context("spawn"),
+                                    initializer=_start_process, initargs=(folder,))
+        _pool_folder = folder
+        # Start them all now, not one per call as calls arrive. A spawned process runs the
+        # parent's main script again unless told otherwise (daphne's: 0.6 s of imports, and a
+        # script without a ``__main__`` guard would start a pool itself): it needs none of it.
+        main = sys.modules["__main__"]
+        sys.modules["__main__"] = types.ModuleType("__main__")
+        try:
+            for _ in range(size):
+                _pool.submit(_ready)
+        finally:
+            sys.modules["__main__"] = main
+        return _pool
+
+
+def start_pool(**_: Any) -> None:
+    """Start the counting processes if they are not running (returns at once, never waits).
+
+    Connected to Django's ``request_started`` until the first request; a web process may also
+    call it when it starts.
+    """
+    request_started.disconnect(dispatch_uid="gateway.tokens.start_pool")
+    _executor()
+
+
+request_started.connect(start_pool, dispatch_uid="gateway.tokens.start_pool")
+
+
+def _discard(pool: ProcessPoolExecutor) -> None:
+    global _pool
+    with _lock:
+        if _pool is pool:
+            _pool = None
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def run(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a counting process; its result, or its exception, here.
+
+    ``fn`` and its arguments must be picklable (a module-level function); it may use this
+    module's ``*_here`` functions, which count with the process's tokenizer.
+
+    Raises:
+        APIError: 503 ``service_unavailable`` when a counting process died twice (the pool
+            is replaced each time).
+        Exception: whatever ``fn`` raised.
+    """
+    for attempt in (1, 2):
+        pool = _executor()
+        try:
+            return await asyncio.wrap_future(pool.submit(fn, *args))
+        except BrokenProcessPool as exc:
+            _discard(pool)
+            log.warning("a token-counting process died (attempt %d): %s", attempt, exc)
+    from gateway.errors import APIError
+
+    raise APIError(503, "The server could not count the prompt's tokens; retry shortly.",
+                   code="service_unavailable", retry_after_s=1)
+
+
+async def warm_up() -> list[int]:
+    """Start the counting processes and load their tokenizer now; the ids of those answering."""
+    pool_size = pool_processes()
+    return sorted(set(await asyncio.gather(*(run(_ready) for _ in range(pool_size)))))
+
+
+async def count_chat_tokens(messages: Sequence[dict[str, str]], *,
+                            most: int | None = None) -> PromptCount:
+    """Tokens of a chat prompt as the worker counts it (template included), off the event loop.
+
+    Args:
+        most: tokens the prompt may have at most; a prompt whose bytes alone show more is not
+            tokenized (see :func:`measure_here`).
+
+    Raises:
+        ValueError: the chat template refuses the messages.
+        APIError: 503 ``service_unavailable`` when the counting processes keep dying.
+    """
+    return await run(measure_here, [dict(m) for m in messages], None, most)
+
+
+async def count_text_tokens(text: str, *, most: int | None = None) -> PromptCount:
+    """Tokens of a completion prompt as the worker counts it, off the event loop.
+
+    Raises:
+        APIError: 503 ``service_unavailable`` when the counting processes keep dying.
+    """
+    return await run(measure_here, None, text, most)

@@ -19,6 +19,7 @@ import redis
 
 from gateway.clients import aredis, sync_redis
 from gateway.conf import platform_settings, redis_keys
+from inference.protocol import queue_script
 
 
 class Rule(Enum):
@@ -128,14 +129,34 @@ def worker_snapshots_sync(client: redis.Redis | None = None) -> dict[str, dict[s
     return {w: json.loads(r) for w, r in zip(workers, raw, strict=True) if r}
 
 
+GATE1_LUA = queue_script("gate1")
+
+
 def gate1_queued_sync(client: redis.Redis | None = None) -> int:
     """Requests accepted by the web tier and not yet admitted by any worker (gate 1)."""
-    return int((client or sync_redis()).get(redis_keys().queue) or 0)
+    return int((client or sync_redis()).eval(GATE1_LUA, 0, redis_keys().prefix))
 
 
 async def gate1_queued() -> int:
     """:func:`gate1_queued_sync` for async callers."""
-    return int(await aredis().get(redis_keys().queue) or 0)
+    return int(await aredis().eval(GATE1_LUA, 0, redis_keys().prefix))
+
+
+async def queue_state() -> dict[str, Any]:
+    """The shared queue: requests waiting, those each worker holds not yet admitted, and per
+    fairness key its shared VTC counter (weighted tokens served) and requests in flight
+    (waiting, taken or running anywhere)."""
+    keys = redis_keys()
+    pipe = aredis().pipeline(transaction=False)
+    pipe.hlen(keys.fq("wait"))
+    pipe.hgetall(keys.fq("held"))
+    pipe.hgetall(keys.fq("counter"))
+    pipe.hgetall(keys.fq("inflight"))
+    waiting, held, counters, inflight = await pipe.execute()
+    per_key = {k.decode(): {"vtc_counter": float(v), "in_flight": int(inflight.get(k, 0))}
+               for k, v in counters.items()}
+    return {"waiting": waiting, "held": {w.decode(): int(n) for w, n in held.items()},
+            "per_key": per_key}
 
 
 def gate1(queued: int) -> dict[str, int]:

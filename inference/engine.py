@@ -316,11 +316,14 @@ class LLMEngine:
                 continue
             try:
                 self.step()
-            except Exception as exc:  # keep serving: fail what was live, then go on
+            except Exception:  # keep serving: fail what was live, then go on
+                # Not reached by one request's own values (the scheduler contains those); the
+                # log has the exception, the clients a message without its (torch) text.
                 log.exception("tick failed")
                 self.scheduler.fail_all(ErrorInfo(
-                    code=ErrorCode.ENGINE_ERROR, message=f"the engine failed: {exc}",
-                    retryable=True))
+                    code=ErrorCode.ENGINE_ERROR,
+                    message="the engine failed while serving this request", retryable=True,
+                    details={"phase": "tick"}))
                 self._after_tick(self.scheduler.take_events())
 
     def _drain_inbox(self) -> None:
@@ -335,10 +338,11 @@ class LLMEngine:
     def _after_tick(self, events: list[Event]) -> None:
         left = self.scheduler.left_pending
         self.scheduler.left_pending = 0
+        # The snapshot first: a reader never sees rows freed here but pending not yet left.
+        self._stats = self._build_stats()
         with self._lock:
             self._queued -= left
         self._emit(events)
-        self._stats = self._build_stats()
 
     def _emit(self, events: list[Event]) -> None:
         """Deliver ``events`` to their handles and the event sink (on the engine's thread)."""

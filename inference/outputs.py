@@ -4,19 +4,67 @@ The scheduler decides when tokens are sampled and when a row leaves; this module
 token means for its request (EOS, a stop string, ``max_tokens``, ``min_tokens``) and builds the
 events the client receives. Text deltas come from the request's incremental detokenizer
 (:mod:`inference.detokenizer`), so a stop string is never streamed, not even in part.
+
+It also builds the errors that end rows: :class:`RowFault` for a failure of one request's own
+output (its text or its stop strings: that row ends, nobody else's does), and
+:func:`pass_failed` for a forward pass that failed as a whole. Their messages never carry the
+underlying exception's text (which may be torch's); the log has it, with the request id.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Set
 
 from inference.request import (
+    ErrorCode,
     ErrorInfo,
     FinalEvent,
     FinishReason,
     Request,
     TokenEvent,
 )
+
+log = logging.getLogger(__name__)
+
+
+class RowFault(Exception):
+    """One request's own output failed; ``error`` ends that request only."""
+
+    def __init__(self, error: ErrorInfo):
+        super().__init__(error.message)
+        self.error = error
+
+
+def pass_failed(phase: str, num_rows: int) -> ErrorInfo:
+    """The error of every row of a ``phase`` ("prefill" or "decode") forward pass that raised."""
+    return ErrorInfo(
+        code=ErrorCode.ENGINE_ERROR,
+        message=f"the model's {phase} pass failed; every request in it was ended",
+        retryable=True, details={"phase": phase, "rows": num_rows})
+
+
+def queue_timeout(waited_s: float) -> ErrorInfo:
+    """The error of a request not admitted before its deadline, after ``waited_s`` seconds."""
+    return ErrorInfo(
+        code=ErrorCode.QUEUE_TIMEOUT,
+        message=f"request waited {waited_s:.1f} s in the queue without being admitted, "
+                "past its deadline",
+        retryable=True, details={"waited_s": round(waited_s, 3)})
+
+
+def _text_failed(request: Request, stage: str, token: int | None) -> ErrorInfo:
+    log.exception("request %s: turning generated tokens into text failed (%s)",
+                  request.request_id, stage)
+    details: dict[str, object] = {"phase": stage,
+                                  "output_tokens": len(request.output_token_ids),
+                                  "stop_strings": len(request.sampling.stop)}
+    if token is not None:
+        details["token_id"] = token
+    return ErrorInfo(
+        code=ErrorCode.ENGINE_ERROR,
+        message="turning this request's generated tokens into text failed; only this request "
+                "was ended", retryable=True, details=details)
 
 
 def append_token(request: Request, token: int, eos_token_ids: Set[int]) -> TokenEvent | None:
@@ -28,6 +76,10 @@ def append_token(request: Request, token: int, eos_token_ids: Set[int]) -> Token
     Returns:
         The token's event to stream, or None for an EOS token that ends the answer (EOS is never
         streamed; before ``min_tokens``, or with ``ignore_eos``, it is streamed as empty text).
+
+    Raises:
+        RowFault: detokenizing the token or looking for the stop strings failed; the token is
+            not recorded (nor counted in the usage), and the request must end with the error.
     """
     params = request.sampling
     request.output_token_ids.append(token)
@@ -38,7 +90,13 @@ def append_token(request: Request, token: int, eos_token_ids: Set[int]) -> Token
             return None
         text = ""
     else:
-        text = request.detokenizer.add_token(token, check_stop=n_out > params.min_tokens)
+        try:
+            text = request.detokenizer.add_token(token, check_stop=n_out > params.min_tokens)
+            if not isinstance(text, str):
+                raise TypeError(f"the detokenizer returned {type(text).__name__}, not text")
+        except Exception as exc:
+            request.output_token_ids.pop()
+            raise RowFault(_text_failed(request, "detokenize", token)) from exc
     event = TokenEvent(request_id=request.request_id, seq=request.next_event_seq(),
                        token_id=token, text=text)
     if request.detokenizer.stopped:
@@ -54,9 +112,21 @@ def final_event(request: Request, reason: FinishReason, error: ErrorInfo | None,
 
     ``now`` is the scheduler's clock (monotonic seconds, as ``request.arrival_time``). Text held
     back while a stop string might have been forming is released unless the request failed.
+    Never raises: if releasing that text fails, an answer that ended normally ends with an
+    ``engine_error`` instead (its tail could not be delivered), and an aborted one stays aborted
+    without it. The caller reads the reason and error from the event.
     """
-    held_text = request.detokenizer.flush() if (
-        request.detokenizer and reason is not FinishReason.ERROR) else ""
+    held_text = ""
+    if request.detokenizer is not None and reason is not FinishReason.ERROR:
+        try:
+            held_text = request.detokenizer.flush()
+            if not isinstance(held_text, str):
+                raise TypeError(f"the detokenizer returned {type(held_text).__name__}, not text")
+        except Exception:
+            held_text = ""
+            failure = _text_failed(request, "flush", None)
+            if reason is not FinishReason.ABORT:
+                reason, error = FinishReason.ERROR, failure
     timings = {"queue_s": (request.admitted_time or now) - request.arrival_time,
                "e2e_s": now - request.arrival_time}
     if request.first_token_time is not None:

@@ -9,31 +9,30 @@ do the engine and the worker. ``docs/design.md`` describes the processes around 
 Keys, under a configurable prefix (``REDIS_PREFIX``, default ``llm``):
 
 ================================  ===========================================================
-``{p}:requests:{priority}``       stream of the :class:`RequestMessage` of one priority value
-                                  (``RequestMessage.priority``, any integer); consumer group
-                                  ``workers`` on each
-``{p}:request_tiers``             sorted set of the priorities that have a requests stream,
-                                  member ``str(priority)`` scored by ``priority``; a tier is
-                                  registered, and its stream and group created, atomically with
-                                  its first request, so workers find new tiers without a restart
+``{p}:fq:*``                      the shared request queue: requests waiting, in the
+                                  deployment's fair order, and those each worker took or runs
+                                  (``inference/lua/fair_queue.lua`` lists its keys)
 ``{p}:events:{request_id}``       stream of one request's events, in order: :class:`TokenEvent`
                                   ... then exactly one :class:`FinalEvent`
 ``{p}:control``                   pub/sub channel of :class:`ControlMessage` (aborts)
 ``{p}:aborted:{request_id}``      set when a request is aborted, so a worker that reads it later
                                   drops it
-``{p}:queue``                     gate 1: requests accepted and not yet admitted by any worker
 ``{p}:workers``                   sorted set: worker id -> time of its last heartbeat (unix s)
 ``{p}:stats:{worker_id}``         the worker's latest stats snapshot (JSON, expires)
 ================================  ===========================================================
 
-Gate 1 is global: the web tier increments ``{p}:queue`` atomically with the enqueue and refuses
-when it would pass ``MAX_QUEUE_SIZE``; each worker keeps its share of the counter equal to the
-requests it has taken and not yet admitted (those waiting in its engine's pending queue, at most
-``WORKER_PREFETCH``) and decrements it as they leave that queue.
+The queue hands requests out in one order for the whole deployment: priority tier first, then
+(with VTC) the fairness key with the least weighted service, counters shared by every worker, then
+arrival. A worker takes only what it can start soon (its free rows and ``WORKER_PREFETCH``
+more), so a request's place is decided by the queue, not by which worker read it. Every change of
+the queue is a Lua script made of one library (``inference/lua/fair_queue.lua``) and the script's
+own body (:func:`queue_script`), the web tier's admission script included: each state change is
+written once. A request a worker took stays its own until the worker writes the request's first
+event; if the worker's heartbeat lapses first, the request goes back to its place, once.
 
-Requests wait in Redis on one stream per priority so that a worker, which takes only a few ahead of
-admission (its prefetch), takes the highest tier's first: a backlog of a low tier never stands in
-front of a later request of a higher one. Within a tier they are taken in arrival order.
+Gate 1 (requests accepted and not yet admitted by any worker) is the number of requests waiting
+plus those each worker holds taken and not yet admitted by its engine: the web tier refuses when
+it would pass ``MAX_QUEUE_SIZE``.
 
 Errors carry a :class:`ErrorCode`, never an HTTP status: the web tier maps codes to statuses.
 """
@@ -49,18 +48,15 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-CONSUMER_GROUP = "workers"
 # Events streams outlive their request briefly so a slow reader still gets the final event.
 EVENTS_TTL_S = 600
 ABORT_MARK_TTL_S = 600
 # The Celery task (by name: the worker does not import Django) that records a UsageReport.
 USAGE_TASK_NAME = "gateway.tasks.record_usage"
 
-# Puts a request message on its tier's stream, atomically registering the tier and, for a new
-# stream, creating the consumer group (from id 0, so the entry added here is delivered).
-# KEYS[1] the tier's stream (Keys.requests(priority)), KEYS[2] Keys.request_tiers; ARGV[1]
-# str(priority), ARGV[2] the group, ARGV[3] the message JSON. Returns the new entry's id.
-ENQUEUE_LUA = (Path(__file__).parent / "lua" / "enqueue.lua").read_text()
+_LUA = Path(__file__).parent / "lua"
+# The shared queue's state changes, written once (see queue_script).
+FAIR_QUEUE_LUA = (_LUA / "fair_queue.lua").read_text()
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # The default model's folder under the model cache (prepared by ``inference.model_store``).
@@ -91,7 +87,8 @@ class PlatformSettings(BaseSettings):
     worker_heartbeat_ttl_s: float = Field(10.0, gt=0)
     # Celery's broker (usage reports go through it); empty: REDIS_URL.
     celery_broker_url: str = ""
-    celery_task_default_queue: str = Field("celery", min_length=1)
+    # Celery's queue; empty: "{REDIS_PREFIX}-celery", so deployments sharing a Redis keep apart.
+    celery_task_default_queue: str = ""
     # A local Hugging Face causal-LM folder; empty: the prepared default model. The worker loads
     # it; the web tier reads its tokenizer unless TOKENIZER_PATH names another folder.
     model_path: str = ""
@@ -103,6 +100,11 @@ class PlatformSettings(BaseSettings):
     def broker_url(self) -> str:
         """Celery's broker URL: ``CELERY_BROKER_URL``, else ``REDIS_URL``."""
         return self.celery_broker_url or self.redis_url
+
+    @property
+    def celery_queue(self) -> str:
+        """Celery's queue: ``CELERY_TASK_DEFAULT_QUEUE``, else ``{REDIS_PREFIX}-celery``."""
+        return self.celery_task_default_queue or f"{self.redis_prefix}-celery"
 
     @property
     def keys(self) -> Keys:
@@ -139,22 +141,13 @@ class Keys:
 
     prefix: str = "llm"
 
-    def requests(self, priority: int) -> str:
-        """The requests stream of one priority value."""
-        return f"{self.prefix}:requests:{int(priority)}"
-
-    @property
-    def request_tiers(self) -> str:
-        """Sorted set of the priorities that have a requests stream (scored by priority)."""
-        return f"{self.prefix}:request_tiers"
+    def fq(self, *parts: str | int) -> str:
+        """A key of the shared request queue (``inference/lua/fair_queue.lua``)."""
+        return ":".join([self.prefix, "fq", *map(str, parts)])
 
     @property
     def control(self) -> str:
         return f"{self.prefix}:control"
-
-    @property
-    def queue(self) -> str:
-        return f"{self.prefix}:queue"
 
     @property
     def workers(self) -> str:
@@ -168,6 +161,19 @@ class Keys:
 
     def stats(self, worker_id: str) -> str:
         return f"{self.prefix}:stats:{worker_id}"
+
+
+def queue_script(name: str) -> str:
+    """The Lua source of the queue script ``inference/lua/{name}.lua``, after the queue library.
+
+    The web tier's admission script is built the same way from its own body.
+    """
+    return FAIR_QUEUE_LUA + "\n" + (_LUA / f"{name}.lua").read_text()
+
+
+def queue_library_with(body: str) -> str:
+    """The Lua source of a script that changes the queue: the library, then ``body``."""
+    return FAIR_QUEUE_LUA + "\n" + body
 
 
 # -- messages ------------------------------------------------------------------------------------
@@ -211,6 +217,7 @@ class ErrorCode(StrEnum):
     INVALID_REQUEST = "invalid_request"
     ENGINE_ERROR = "engine_error"
     WORKER_SHUTDOWN = "worker_shutdown"
+    WORKER_LOST = "worker_lost"  # its worker died while running it
 
 
 class ErrorInfo(Message):

@@ -26,8 +26,15 @@ from inference.protocol import (
     Usage,
 )
 
-__all__ = ["ErrorCode", "ErrorInfo", "Event", "FinalEvent", "FinishReason", "Request",
-           "RequestPhase", "SamplingParams", "TokenEvent", "Usage"]
+__all__ = ["SAMPLING_EPS", "SEED_RANGE", "ErrorCode", "ErrorInfo", "Event", "FinalEvent",
+           "FinishReason", "Request", "RequestPhase", "SamplingParams", "TokenEvent", "Usage"]
+
+# A temperature below this is greedy decoding: vLLM's rule (``_SAMPLING_EPS = 1e-5`` in
+# ``vllm/sampling_params.py``, where ``temperature < _SAMPLING_EPS`` selects greedy sampling).
+# Dividing logits by a smaller temperature overflows float32 and leaves nothing to sample from.
+SAMPLING_EPS = 1e-5
+# Seeds ``torch.Generator.manual_seed`` accepts (the REST API's bounds too).
+SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
 class RequestPhase(StrEnum):
@@ -45,10 +52,12 @@ class SamplingParams:
 
     Attributes:
         max_tokens: generated tokens at most (>= 1).
-        temperature: 0 means greedy.
-        top_p: nucleus mass in (0, 1].
-        top_k: keep the k best logits; 0 or less disables it.
-        seed: seeds this request's own generator, so its samples do not depend on its batch.
+        temperature: 0 (or anything below :data:`SAMPLING_EPS`) means greedy; any finite value
+            above it samples (a huge one tends to the uniform choice among allowed tokens).
+        top_p: nucleus mass in (0, 1]; the most likely token always stays.
+        top_k: keep the k best logits; 0 or less, or at least the vocabulary, disables it.
+        seed: seeds this request's own generator, so its samples do not depend on its batch;
+            within :data:`SEED_RANGE`.
         stop: strings that end the answer; they are never streamed, not even in part.
         min_tokens: EOS and stop strings are ignored before this many tokens.
         ignore_eos: never stop at EOS (fixed-length benchmarks).
@@ -73,6 +82,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not (0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if isinstance(self.stop, str):
@@ -82,7 +93,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Whether the next token is the argmax: a temperature below :data:`SAMPLING_EPS`."""
+        return self.temperature < SAMPLING_EPS
 
 
 _arrival_counter = itertools.count()
@@ -163,6 +175,14 @@ class Request:
         seq = self.event_seq
         self.event_seq += 1
         return seq
+
+    def debug_row(self) -> dict[str, Any]:
+        """This row's sizes, reservations and blocks (the scheduler's debug snapshot)."""
+        return {"request_id": self.request_id, "prompt_len": self.prompt_len,
+                "max_tokens": self.max_tokens, "reserved_kv_tokens": self.reserved_kv_tokens,
+                "blocks": list(self.block_table), "reserved_blocks": self.reserved_blocks,
+                "num_computed_tokens": self.num_computed_tokens,
+                "output_tokens": len(self.output_token_ids)}
 
     def usage(self) -> Usage:
         return Usage(prompt_tokens=self.prompt_len, cached_prompt_tokens=self.num_cached_tokens,

@@ -14,24 +14,29 @@ batch). One tick runs four phases in a fixed order:
 Admit comes before evict, so a row promoted in this tick streams its first token in this tick and
 that token is never lost. The scheduler is single-threaded: :class:`inference.engine.LLMEngine`
 feeds it from a thread-safe inbox and runs :meth:`Scheduler.step` on its worker thread.
+
+Failures stay where they happen: a forward pass that raises ends each of its rows once; a row
+whose logits, draw, text or stop strings fail ends alone (:func:`inference.sampling.sample`,
+:class:`RowFault`), and every other row goes on exactly as it would have without it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from inference.backends.base import DecodeRow, ModelBackend, PrefillChunk
 from inference.config import EngineConfig, PrefillMode
 from inference.detokenizer import IncrementalDetokenizer
 from inference.gates import never_fits
 from inference.kv_cache import KVCacheManager
-from inference.outputs import append_token, final_event
+from inference.outputs import RowFault, append_token, final_event, pass_failed, queue_timeout
 from inference.policy import make_policy
 from inference.request import (
-    ErrorCode,
     ErrorInfo,
     Event,
     FinishReason,
@@ -203,12 +208,7 @@ class Scheduler:
         expired = [r for r in self._pending.values()
                    if r.queue_deadline is not None and now > r.queue_deadline]
         for request in expired:
-            waited = now - request.arrival_time
-            self._finish(request, FinishReason.ERROR, ErrorInfo(
-                code=ErrorCode.QUEUE_TIMEOUT,
-                message=f"request waited {waited:.1f} s in the queue without being admitted, "
-                        "past its deadline",
-                retryable=True, details={"waited_s": round(waited, 3)}))
+            self._finish(request, FinishReason.ERROR, queue_timeout(now - request.arrival_time))
 
     # -- phase 2: chunked prefill --------------------------------------------------------------
 
@@ -225,12 +225,8 @@ class Scheduler:
             self.kv.ensure_slots(request, end)
             chunks.append(PrefillChunk(request.request_id, request.prompt_token_ids[start:end],
                                        start, tuple(request.block_table)))
-        try:
-            logits = self.backend.prefill(chunks)
-        except Exception as exc:  # the engine keeps serving everyone else
-            log.exception("prefill failed for %d rows", len(rows))
-            for request in rows:
-                self._finish(request, FinishReason.ERROR, _engine_error("prefill", exc))
+        logits = self._forward("prefill", rows, lambda: self.backend.prefill(chunks))
+        if logits is None:
             return
         for i, (request, chunk) in enumerate(zip(rows, chunks, strict=True)):
             computed = len(chunk.token_ids)
@@ -251,8 +247,7 @@ class Scheduler:
         self._prefilling.remove(request)
         request.phase = RequestPhase.ACTIVE
         self._active.append(request)
-        token = sample(logits, [request], self.eos_token_ids)[0]
-        self._append_token(request, token)
+        self._append_token(request, sample(logits, [request], self.eos_token_ids)[0])
 
     # -- phase 3: eviction ---------------------------------------------------------------------
 
@@ -263,7 +258,7 @@ class Scheduler:
     # -- phase 4: decode -----------------------------------------------------------------------
 
     def _decode_step(self) -> None:
-        rows = self._active
+        rows = list(self._active)
         if not rows:
             return
         batch = []
@@ -272,15 +267,14 @@ class Scheduler:
             self.kv.ensure_slots(request, position + 1)
             batch.append(DecodeRow(request.request_id, request.output_token_ids[-1], position,
                                    tuple(request.block_table)))
-        try:
-            logits = self.backend.decode(batch)
-        except Exception as exc:
-            log.exception("decode failed for %d rows", len(rows))
-            for request in list(rows):
-                self._finish(request, FinishReason.ERROR, _engine_error("decode", exc))
+        logits = self._forward("decode", rows, lambda: self.backend.decode(batch))
+        if logits is None:
             return
         tokens = sample(logits, rows, self.eos_token_ids)
-        for request, token in zip(list(rows), tokens, strict=True):
+        for request, token in zip(rows, tokens, strict=True):
+            if isinstance(token, ErrorInfo):  # this row's logits or draw; the others go on
+                self._finish(request, FinishReason.ERROR, token)
+                continue
             request.num_computed_tokens += 1
             self.kv.commit_full_blocks(request)
             self.policy.on_tokens_processed(request, 0, 1)
@@ -288,12 +282,38 @@ class Scheduler:
 
     # -- shared helpers --------------------------------------------------------------------------
 
-    def _append_token(self, request: Request, token: int) -> None:
-        """Record a generated token, stream its text, and mark the row finished if it stopped."""
+    def _forward(self, phase: str, rows: list[Request],
+                 run: Callable[[], torch.Tensor]) -> torch.Tensor | None:
+        """One forward pass over ``rows``: its ``[len(rows), vocab]`` logits, or None if it raised
+        or gave another shape (then each of ``rows`` has ended once, with :func:`pass_failed`).
+        """
+        try:
+            logits = run()
+            if logits.dim() != 2 or logits.shape[0] != len(rows):
+                raise ValueError(f"{phase} returned logits of shape {tuple(logits.shape)} "
+                                 f"for {len(rows)} rows")
+        except Exception:
+            log.exception("%s pass failed for %d rows", phase, len(rows))
+            error = pass_failed(phase, len(rows))
+            for request in rows:
+                self._finish(request, FinishReason.ERROR, error)
+            return None
+        return logits
+
+    def _append_token(self, request: Request, token: int | ErrorInfo) -> None:
+        """Record a sampled token, stream its text, mark the row finished if it stopped; a token
+        that is an error, or whose text fails (:class:`RowFault`), ends this row alone."""
+        if isinstance(token, ErrorInfo):
+            self._finish(request, FinishReason.ERROR, token)
+            return
+        try:
+            event = append_token(request, token, self.eos_token_ids)
+        except RowFault as fault:
+            self._finish(request, FinishReason.ERROR, fault.error)
+            return
         self.tokens_generated += 1
         if request.first_token_time is None:
             request.first_token_time = self._clock()
-        event = append_token(request, token, self.eos_token_ids)
         if event is not None:
             self._emit(event)
 
@@ -318,10 +338,12 @@ class Scheduler:
             self.backend.remove_row(request.request_id)
             self.policy.on_request_finished(request)
         request.phase = RequestPhase.FINISHED
-        request.finish_reason = reason
-        request.error = error
-        self.finished[reason.value] += 1
-        self._emit(final_event(request, reason, error, self._clock()))
+        # Never raises; it may turn a normal end into an error (held text it could not release).
+        event = final_event(request, reason, error, self._clock())
+        request.finish_reason = event.finish_reason
+        request.error = event.error
+        self.finished[event.finish_reason.value] += 1
+        self._emit(event)
 
     def _emit(self, event: Event) -> None:
         self._events.append(event)
@@ -363,26 +385,12 @@ class Scheduler:
 
     def debug_snapshot(self) -> dict[str, Any]:
         """Queue membership and per-row reservations, for invariant checks."""
-        def rows(requests: Iterable[Request]) -> list[dict[str, Any]]:
-            return [{"request_id": r.request_id, "prompt_len": r.prompt_len,
-                     "max_tokens": r.max_tokens, "reserved_kv_tokens": r.reserved_kv_tokens,
-                     "blocks": list(r.block_table), "reserved_blocks": r.reserved_blocks,
-                     "num_computed_tokens": r.num_computed_tokens,
-                     "output_tokens": len(r.output_token_ids)} for r in requests]
-        pending_order = []
-        probe = self.policy.peek_next()
-        if probe is not None:
-            pending_order.append(probe.request_id)
+        head = self.policy.peek_next()
         return {
-            "pending": rows(self._pending.values()),
-            "pending_head": pending_order[0] if pending_order else None,
-            "prefilling": rows(self._prefilling),
-            "active": rows(self._active),
+            "pending": [r.debug_row() for r in self._pending.values()],
+            "pending_head": head.request_id if head is not None else None,
+            "prefilling": [r.debug_row() for r in self._prefilling],
+            "active": [r.debug_row() for r in self._active],
             "active_kv_reserved": self.active_kv_reserved,
             **self.kv.snapshot(),
         }
-
-
-def _engine_error(phase: str, exc: Exception) -> ErrorInfo:
-    return ErrorInfo(code=ErrorCode.ENGINE_ERROR, message=f"model {phase} failed: {exc}",
-                     retryable=True, details={"phase": phase})

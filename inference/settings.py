@@ -38,21 +38,17 @@ class WorkerSettings(PlatformSettings, EngineConfig):
     # The platform runs the fair policy by default (the engine library's default is FCFS).
     scheduling_policy: SchedulingPolicyName = SchedulingPolicyName.VTC
     worker_id: str = Field("", description="Consumer name and stats key; empty: host-pid.")
-    # Requests this worker holds taken from Redis and not yet admitted by its engine: its local
-    # bound, beside the global gate 1 (MAX_QUEUE_SIZE). 0: MAX_BATCH_SIZE.
-    worker_prefetch: int = Field(0, ge=0)
+    # Requests this worker takes from the shared queue beyond its free rows: it takes only what
+    # it can start soon, so each request's place is decided by the queue's fair order.
+    worker_prefetch: int = Field(1, ge=0)
     heartbeat_interval_s: float = Field(1.0, gt=0)
     # How long a stopping worker lets its engine finish a tick before ending what is in flight.
     shutdown_timeout_s: float = Field(10.0, ge=0)
     poll_block_ms: int = Field(50, ge=1)
 
-    @property
-    def prefetch(self) -> int:
-        """The worker's local bound of requests taken and not yet admitted."""
-        return self.worker_prefetch or self.max_batch_size
-
     def engine_config(self) -> EngineConfig:
-        """The engine's configuration: its fields as read here, its pending bound the prefetch."""
+        """The engine's configuration: its fields as read here; its pending queue holds at most
+        a batch and the prefetch (the worker's own bound, beside the global gate 1)."""
         fields = {name: getattr(self, name) for name in EngineConfig.model_fields}
-        fields["max_pending"] = self.prefetch
+        fields["max_pending"] = self.max_batch_size + self.worker_prefetch
         return EngineConfig(**fields)

@@ -1,13 +1,14 @@
 """The inference worker process: ``python -m inference.worker``.
 
 Loads the model, runs the engine's scheduler loop on its own thread, takes requests from the
-Redis requests streams (one per priority tier, highest tier first; consumer groups: several
-workers share the load), writes each request's events, takes aborts from the control channel,
-publishes its stats with a heartbeat, and hands each finished request's usage to Celery (by task
-name; the worker does not import Django).
+shared queue in the deployment's fair order (only what it can start soon; several workers share
+the load), charges the shared fairness counters, writes each request's events, takes aborts from
+the control channel, publishes its stats with a heartbeat, reclaims the requests of workers whose
+heartbeat lapsed, ends requests past their admission deadline, and hands each finished request's
+usage to Celery (by task name; the worker does not import Django).
 
 SIGTERM or SIGINT stops it cleanly: it takes no new work, requests not yet admitted go back to
-their tier's stream for another worker, requests in flight end with a ``worker_shutdown`` error
+their place in the queue for another worker, requests in flight end with a ``worker_shutdown`` error
 event.
 
 Settings (environment): :class:`inference.settings.WorkerSettings` (the engine's settings, those
@@ -72,10 +73,9 @@ def main() -> int:
     engine = LLMEngine(config)
     client = redis.Redis.from_url(settings.redis_url)
     usage_sink = None if settings.broker_url == "none" else celery_usage_sink(
-        settings.broker_url, settings.celery_task_default_queue)
-    bridge = WorkerBridge(engine, client, settings.keys, worker_id, prefetch=settings.prefetch,
-                          usage_sink=usage_sink)
-    bridge.ensure_groups()
+        settings.broker_url, settings.celery_queue)
+    bridge = WorkerBridge(engine, client, settings.keys, worker_id,
+                          prefetch=settings.worker_prefetch, usage_sink=usage_sink)
     pubsub = client.pubsub(ignore_subscribe_messages=True)
     pubsub.subscribe(**{bridge.keys.control: bridge.on_control})
     # get_message() returns as soon as a control message arrives; the timeout only bounds how
@@ -90,10 +90,12 @@ def main() -> int:
         while not stop.is_set():
             bridge.poll(settings.poll_block_ms)
             bridge.reconcile_queue()
+            bridge.charge_service()
             bridge.flush_usage()
             now = time.monotonic()
             if now >= next_beat:
                 bridge.publish_stats(settings.worker_heartbeat_ttl_s)
+                bridge.housekeep(settings.worker_heartbeat_ttl_s)
                 next_beat = now + settings.heartbeat_interval_s
     finally:
         requeued = bridge.shutdown(settings.shutdown_timeout_s)

@@ -15,17 +15,17 @@ django_asgi_app = get_asgi_application()
 
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
-from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 
-from llm_platform.routing import websocket_urlpatterns  # noqa: E402
+from llm_platform.routing import SameOriginValidator, websocket_urlpatterns  # noqa: E402
 
 application = ProtocolTypeRouter(
     {
         # Static files are served in every run mode; the handler passes other paths to Django.
         "http": ASGIStaticFilesHandler(django_asgi_app),
-        # Browsers send their page's origin: only this site's hosts may open a socket.
-        "websocket": AllowedHostsOriginValidator(
+        # Browsers send their page's origin: only this site's own origin (scheme, host and
+        # port) and CSRF_TRUSTED_ORIGINS may open a socket with the user's cookies.
+        "websocket": SameOriginValidator(
             AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
     }
 )

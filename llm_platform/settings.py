@@ -14,6 +14,7 @@ import environ
 
 from dashboard.conf import beat_schedule
 from inference.protocol import PlatformSettings
+from llm_platform.secret_key import load_secret_key
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = BASE_DIR / "var"
@@ -25,8 +26,10 @@ if (BASE_DIR / ".env").is_file():
 SHARED = PlatformSettings(_env_file=BASE_DIR / ".env")
 
 DEBUG = env.bool("DEBUG", default=False)
-# The default key is for a local machine only; set SECRET_KEY anywhere reachable by others.
-SECRET_KEY = env.str("SECRET_KEY", default="insecure-local-key-set-SECRET_KEY-in-production")
+# No public default: SECRET_KEY when set, else this install's own key, generated once into
+# SECRET_KEY_FILE (var/secret_key) and shared by every process (llm_platform/secret_key.py).
+SECRET_KEY = load_secret_key(env.str("SECRET_KEY", default=""), debug=DEBUG,
+                             path=BASE_DIR / env.str("SECRET_KEY_FILE", default="var/secret_key"))
 ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]"])
 CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
 
@@ -47,6 +50,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "csp.middleware.CSPMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -55,7 +59,35 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
 
+# Content-Security-Policy on every response (django-csp): the pages load scripts, styles,
+# images and fonts from this site only, with no inline script or style (not even a style
+# attribute), connect (fetch, the chat's websocket) to this site only, post forms to this site
+# only, and are never framed. A policy a browser would have enforced against untrusted text that
+# got past the chat's sanitizer (a remote image, a style overlay, a form posting elsewhere).
+CONTENT_SECURITY_POLICY = {
+    "DIRECTIVES": {
+        "default-src": ["'self'"],
+        "script-src": ["'self'"],
+        "style-src": ["'self'"],
+        "img-src": ["'self'"],
+        "font-src": ["'self'"],
+        "connect-src": ["'self'"],
+        "form-action": ["'self'"],
+        "frame-ancestors": ["'none'"],
+        "frame-src": ["'none'"],
+        "object-src": ["'none'"],
+        "base-uri": ["'none'"],
+    },
+}
+# Behind a reverse proxy: which host and scheme a request was made to (Django's settings; the
+# chat's websocket origin check and CSRF read them). Set only where the proxy sets these headers.
+USE_X_FORWARDED_HOST = env.bool("USE_X_FORWARDED_HOST", default=False)
+SECURE_PROXY_SSL_HEADER = (("HTTP_X_FORWARDED_PROTO", "https")
+                           if env.bool("SECURE_PROXY_SSL_HEADER", default=False) else None)
+
 ROOT_URLCONF = "llm_platform.urls"
+# Database sessions, looking up only keys the store could have issued.
+SESSION_ENGINE = "llm_platform.sessions"
 ASGI_APPLICATION = "llm_platform.asgi.application"
 
 TEMPLATES = [
@@ -107,14 +139,16 @@ CHANNEL_LAYERS = {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
         # channels_redis blocks 5 s per receive (BZPOPMIN); redis-py's default 5 s socket
         # timeout would cut that read and kill the websocket, so reads may take longer.
-        "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 30}]},
+        "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 30}],
+                   # Deployments sharing a Redis keep their channels apart, as their keys.
+                   "prefix": f"{SHARED.redis_prefix}:asgi"},
     },
 }
 
 CELERY_BROKER_URL = SHARED.broker_url
 CELERY_RESULT_BACKEND = None
 CELERY_TASK_IGNORE_RESULT = True
-CELERY_TASK_DEFAULT_QUEUE = SHARED.celery_task_default_queue
+CELERY_TASK_DEFAULT_QUEUE = SHARED.celery_queue
 # The usage task lives in the web tier's protocol package, which is not a Django app.
 CELERY_IMPORTS = ("gateway.tasks",)
 CELERY_TASK_ALWAYS_EAGER = env.bool("CELERY_TASK_ALWAYS_EAGER", default=False)
@@ -146,6 +180,8 @@ LLM_PLATFORM = {
     # Folder holding the model's tokenizer, used to count prompt tokens for limits and budgets;
     # empty: MODEL_PATH, else the prepared default model. Without one, counts are estimated.
     "TOKENIZER_PATH": env.str("TOKENIZER_PATH", default=""),
+    # Processes per web process that count prompt tokens off the event loop; 0: gateway.tokens'.
+    "TOKENIZER_PROCESSES": env.int("TOKENIZER_PROCESSES", default=0),
 }
 
 LOGGING = {

@@ -4,6 +4,9 @@ from django.contrib import admin
 from django.urls import include, path
 from django.views.generic import RedirectView
 
+# A request Django refuses before any view (a Host not in ALLOWED_HOSTS): JSON on the API.
+handler400 = "api.views.bad_request"
+
 urlpatterns = [
     # Before the admin's routes: the scheduler dashboard lives under admin/.
     path("", include("dashboard.urls")),

@@ -90,7 +90,8 @@ PLATFORM_HOST=$HOST PLATFORM_PORT=$PORT PLATFORM_REDIS_PORT=$redis_port \
 sup_pid=$!
 
 # Until the platform is ready: fail fast when supervisord stops, or when a program keeps exiting
-# (FATAL: it exited within a second at each of its tries; or three exits in supervisord's log).
+# (FATAL: it exited within its start time, startsecs, at each of its tries; or three exits in
+# supervisord's log).
 check_running() {
   if ! kill -0 "$sup_pid" 2>/dev/null; then
     echo "supervisord stopped; see var/supervisord.log:" >&2

@@ -61,6 +61,11 @@ class ApiKeyAdmin(admin.ModelAdmin):
     readonly_fields = ["prefix", "created_at", "last_used_at"]
     actions = ["revoke"]
 
+    def get_readonly_fields(self, request: HttpRequest, obj: ApiKey | None = None) -> list[str]:
+        """A key's tenant is chosen when it is made and never changes (its usage is billed
+        there)."""
+        return [*self.readonly_fields, "tenant"] if obj is not None else self.readonly_fields
+
     def save_model(self, request: HttpRequest, obj: ApiKey, form, change: bool) -> None:
         if not change:
             raw = generate_raw_key()
@@ -73,8 +78,10 @@ class ApiKeyAdmin(admin.ModelAdmin):
             return
         super().save_model(request, obj, form, change)
 
-    @admin.action(description="Revoke the selected keys")
+    # Only for users who may change keys: the admin then neither offers nor runs it for others.
+    @admin.action(description="Revoke the selected keys", permissions=["change"])
     def revoke(self, request: HttpRequest, queryset) -> None:
+        """Revoke every selected key (already revoked ones stay as they are)."""
         for key in queryset:
             revoke_api_key(key)
         self.message_user(request, f"Revoked {queryset.count()} key(s).")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import secrets
 from pathlib import Path
 
@@ -110,13 +111,20 @@ def ensure_demo_tenant() -> tuple[Tenant, str | None]:
         tenant, _, raw = create_tenant("Demo", slug=DEMO_TENANT_SLUG, operator_key=True)
     else:
         _, raw = create_api_key(tenant, "demo", is_operator=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(raw + "\n")
-    path.chmod(0o600)
+    write_private(path, raw)
     return tenant, raw
 
 
 DEMO_USERNAME = "demo"
+
+
+def write_private(path: Path, secret: str) -> None:
+    """Write ``secret`` to ``path`` readable by its owner only, from the first byte (mode 0600)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an older file may have had a wider mode
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
 
 
 def demo_password_file() -> Path:
@@ -140,8 +148,6 @@ def ensure_demo_user(tenant: Tenant) -> tuple[str, str]:
         password = secrets.token_urlsafe(12)
         user.set_password(password)
         user.save()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(password + "\n")
-        path.chmod(0o600)
+        write_private(path, password)
     Membership.objects.update_or_create(user=user, defaults={"tenant": tenant})
     return user.username, password

@@ -1,19 +1,46 @@
 -- Admission: every limit of one request, and gate 1, checked and recorded all-or-nothing; on
--- success the request is dispatched to its priority tier's requests stream (the enqueue at the
--- end is inference/lua/enqueue.lua's). A refused request consumes nothing.
--- KEYS[1] the gate-1 counter, KEYS[2] the request's tier stream, KEYS[3] the tier registry,
--- KEYS[4..] the limit keys, named by index in the spec.
--- ARGV[1] the spec (JSON, see gateway.admission.build_limits), ARGV[2] the request message JSON,
--- ARGV[3] str(priority). Returns a JSON verdict: {ok = true} or the refusal's numbers.
+-- success the request joins the shared queue (fq_enqueue, from inference/lua/fair_queue.lua,
+-- which gateway.admission puts before this text). A refused request consumes nothing.
+-- KEYS: the limit keys, named by index in the spec.
+-- ARGV[1] the spec (JSON, see gateway.admission.build_limits), ARGV[2] the request message JSON.
+-- Returns a JSON verdict: {ok = true} or the refusal's numbers; both with `windows`, for each
+-- rate window of the spec in order {used, ms until the window is empty}, this request counted
+-- when admitted (gateway.ratelimits, the responses' x-ratelimit-* headers).
 local spec = cjson.decode(ARGV[1])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local function refuse(code, what, limit, used, cost, retry_ms, retryable)
-  return cjson.encode({ok = false, code = code, what = what, limit = limit, used = used,
-                       cost = cost, retry_after_ms = retry_ms, retryable = retryable})
-end
 local function member_cost(member)
   return tonumber(string.match(member, ':(%d+)$')) or 1
+end
+
+-- Every rate window's use now, once the entries older than the window have left it.
+local uses = {}
+for i, w in ipairs(spec.windows) do
+  redis.call('ZREMRANGEBYSCORE', KEYS[w.key], '-inf', now - spec.window_ms)
+  local entries = redis.call('ZRANGE', KEYS[w.key], 0, -1, 'WITHSCORES')
+  local used = 0
+  for j = 1, #entries, 2 do used = used + member_cost(entries[j]) end
+  -- Scores ascend: the last is the newest entry's time, the last to leave the window.
+  local newest = #entries > 0 and tonumber(entries[#entries]) or nil
+  uses[i] = {entries = entries, used = used, newest = newest}
+end
+local function windows(admitted)
+  local out = {}
+  for i, w in ipairs(spec.windows) do
+    if admitted then
+      out[i] = {uses[i].used + w.cost, spec.window_ms}
+    elseif uses[i].newest then
+      out[i] = {uses[i].used, uses[i].newest + spec.window_ms - now}
+    else
+      out[i] = {uses[i].used, 0}
+    end
+  end
+  return out
+end
+local function refuse(code, what, limit, used, cost, retry_ms, retryable)
+  return cjson.encode({ok = false, code = code, what = what, limit = limit, used = used,
+                       cost = cost, retry_after_ms = retry_ms, retryable = retryable,
+                       windows = windows(false)})
 end
 
 for _, b in ipairs(spec.budgets) do
@@ -23,23 +50,19 @@ for _, b in ipairs(spec.budgets) do
   end
 end
 
-for _, w in ipairs(spec.windows) do
-  local key = KEYS[w.key]
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', now - spec.window_ms)
+for i, w in ipairs(spec.windows) do
   if w.cost > w.limit then
     return refuse('rate_limit_exceeded', w.what, w.limit, 0, w.cost, 0, false)
   end
-  local entries = redis.call('ZRANGE', key, 0, -1, 'WITHSCORES')
-  local used = 0
-  for i = 1, #entries, 2 do used = used + member_cost(entries[i]) end
+  local entries, used = uses[i].entries, uses[i].used
   if used + w.cost > w.limit then
     -- The oldest entries leave the window first: wait until enough of them have.
     local freed = 0
     local retry_ms = spec.window_ms
-    for i = 1, #entries, 2 do
-      freed = freed + member_cost(entries[i])
+    for j = 1, #entries, 2 do
+      freed = freed + member_cost(entries[j])
       if used - freed + w.cost <= w.limit then
-        retry_ms = tonumber(entries[i + 1]) + spec.window_ms - now
+        retry_ms = tonumber(entries[j + 1]) + spec.window_ms - now
         break
       end
     end
@@ -56,7 +79,7 @@ for _, c in ipairs(spec.concurrency) do
   end
 end
 
-local queued = tonumber(redis.call('GET', KEYS[1]) or '0')
+local queued = fq_gate1(spec.prefix)
 if queued >= spec.max_queue then
   return refuse('queue_full', 'requests waiting for a worker', spec.max_queue, queued, 1, 1000,
                 true)
@@ -74,10 +97,5 @@ for _, c in ipairs(spec.concurrency) do
   redis.call('ZADD', KEYS[c.key], now + spec.lease_ms, spec.member)
   redis.call('PEXPIRE', KEYS[c.key], spec.lease_ms)
 end
-redis.call('INCR', KEYS[1])
-redis.call('ZADD', KEYS[3], ARGV[3], ARGV[3])
-if redis.call('EXISTS', KEYS[2]) == 0 then
-  redis.pcall('XGROUP', 'CREATE', KEYS[2], spec.group, '0', 'MKSTREAM')
-end
-redis.call('XADD', KEYS[2], '*', 'data', ARGV[2])
-return cjson.encode({ok = true})
+fq_enqueue(spec.prefix, spec.member, spec.fairness_key, spec.priority, spec.deadline, ARGV[2])
+return cjson.encode({ok = true, windows = windows(true)})

@@ -1,6 +1,8 @@
 // The chat page: renders the conversation, streams answers over the websocket, Stop.
-// Model output is Markdown: marked turns it into HTML and DOMPurify strips anything that
-// could run script before it enters the page.
+// Model output is Markdown: marked turns it into HTML and DOMPurify keeps only inert Markdown
+// before it enters the page: no script, and nothing that loads a resource by itself (an image
+// becomes a link to it), styles the page (no style attribute or element, no class) or sends
+// anything (no form or form control). The page's Content-Security-Policy blocks the same.
 (function () {
   "use strict";
 
@@ -19,11 +21,49 @@
   let current = null; // {id, text, node} of the answer being written
   let pending = false; // a turn was sent and has not started or failed yet
   let renderQueued = false;
+  let closingReason = null; // the server said why it closes the socket (an error frame)
+
+  // What rendered Markdown may contain (everything else is dropped, its text kept).
+  const SANITIZE = {
+    ALLOWED_TAGS: ["a", "abbr", "b", "blockquote", "br", "code", "del", "em", "h1", "h2", "h3",
+                   "h4", "h5", "h6", "hr", "i", "kbd", "li", "ol", "p", "pre", "s", "span",
+                   "strong", "sub", "sup", "table", "tbody", "td", "tfoot", "th", "thead", "tr",
+                   "ul"],
+    ALLOWED_ATTR: ["href", "title", "align", "start"],
+    ALLOW_DATA_ATTR: false,
+    ALLOW_ARIA_ATTR: false,
+  };
+
+  function escapeHtml(text) {
+    return String(text).replace(/[&<>"']/g, function (c) {
+      return { "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c];
+    });
+  }
 
   marked.setOptions({ gfm: true, breaks: true });
+  marked.use({
+    renderer: {
+      // An image is shown as a link to it: nothing is fetched unless the user follows it.
+      image: function (token) {
+        const label = "image: " + (token.text || token.href || "");
+        return '<a href="' + escapeHtml(token.href || "") + '">' + escapeHtml(label) + "</a>";
+      },
+      // Task lists without form controls.
+      checkbox: function (token) {
+        return token.checked ? "\u2611 " : "\u2610 ";
+      },
+    },
+  });
+  // Links open in a new tab, without telling the other site where they came from.
+  DOMPurify.addHook("afterSanitizeAttributes", function (node) {
+    if (node.tagName === "A" && node.hasAttribute("href")) {
+      node.setAttribute("target", "_blank");
+      node.setAttribute("rel", "noopener noreferrer nofollow");
+    }
+  });
 
   function renderMarkdown(text) {
-    return DOMPurify.sanitize(marked.parse(text || ""), { USE_PROFILES: { html: true } });
+    return DOMPurify.sanitize(marked.parse(text || ""), SANITIZE);
   }
 
   function scrollToEnd() {
@@ -156,6 +196,7 @@
         break;
       case "error":
         pending = false;
+        if (frame.closing) closingReason = frame.message;
         showError(frame.message);
         if (!current) setBusy(false);
         break;
@@ -171,7 +212,13 @@
       showConnection("connected", true);
     };
     socket.onmessage = function (event) {
-      onFrame(JSON.parse(event.data));
+      let frame;
+      try {
+        frame = JSON.parse(event.data);
+      } catch (err) {
+        return; // not a frame of this protocol
+      }
+      if (frame && typeof frame === "object") onFrame(frame);
     };
     socket.onclose = function (event) {
       if (current || pending) {
@@ -187,16 +234,19 @@
         pending = false;
         setBusy(false);
       }
+      // The server closes with 4401 or 4403 when the user may no longer chat here; it has
+      // said why in an error frame just before (shown), else the page says it.
       if (event.code === 4401) {
         showConnection("signed out", false);
-        showError("You are signed out. Sign in again to chat.");
+        if (!closingReason) showError("You are signed out. Sign in again to chat.");
         return;
       }
       if (event.code === 4403) {
         showConnection("no tenant", false);
-        showError("Your account does not belong to an active tenant.");
+        if (!closingReason) showError("Your account does not belong to an active tenant.");
         return;
       }
+      closingReason = null;
       showConnection("disconnected, retrying…", false);
       setTimeout(connect, reconnectDelay);
       reconnectDelay = Math.min(reconnectDelay * 2, 10000);
@@ -231,6 +281,13 @@
     if (socket && socket.readyState === WebSocket.OPEN) {
       socket.send(JSON.stringify({ type: "stop" }));
     }
+  });
+
+  // Forms that ask before they post (no inline handlers: the page's policy forbids them).
+  document.querySelectorAll("form[data-confirm]").forEach(function (node) {
+    node.addEventListener("submit", function (event) {
+      if (!window.confirm(node.dataset.confirm)) event.preventDefault();
+    });
   });
 
   state.messages.forEach(function (message) { messageNode(message); });

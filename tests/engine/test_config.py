@@ -41,10 +41,12 @@ def test_max_queue_size_is_gate_one_only_and_the_worker_bound_is_worker_prefetch
     monkeypatch.setenv("MAX_BATCH_SIZE", "6")
     monkeypatch.delenv("WORKER_PREFETCH", raising=False)
     settings = WorkerSettings()
-    assert settings.max_queue_size == 4
-    assert settings.engine_config().max_pending == 6, "the prefetch defaults to MAX_BATCH_SIZE"
-    monkeypatch.setenv("WORKER_PREFETCH", "2")
-    assert WorkerSettings().engine_config().max_pending == 2
+    assert settings.max_queue_size == 4  # gate 1, read by the web tier too; not the engine's
+    # The engine holds a batch's worth and the prefetch (1 by default) taken beyond free rows.
+    assert settings.worker_prefetch == 1
+    assert settings.engine_config().max_pending == 6 + 1
+    monkeypatch.setenv("WORKER_PREFETCH", "3")
+    assert WorkerSettings().engine_config().max_pending == 6 + 3
 
 
 def test_a_misspelt_engine_setting_is_refused():

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from inference.backends.reference import ReferenceBackend
 from inference.engine import QueueFullError
 from inference.request import FinalEvent, FinishReason, SamplingParams
 from tests.engine.helpers import EventLog, make_engine
@@ -22,19 +23,26 @@ HEADS = [list(range(1, 13)), list(range(20, 29)), [7] * 16]
 
 class SchedulerMachine(RuleBasedStateMachine):
     policy = "fcfs"
+    # A subclass whose backend fails passes or rows (test_fault_state_machine.py) sets this:
+    # then a request may also end with engine_error, after any number of its tokens.
+    injects_faults = False
 
     @initialize(chunk=st.sampled_from([0, 1, 3, 8]), blocks=st.integers(12, 40),
                 batch=st.integers(1, 5), queue=st.integers(2, 12),
                 caching=st.booleans())
     def setup(self, chunk: int, blocks: int, batch: int, queue: int, caching: bool) -> None:
         self.engine = make_engine(
-            kv_num_blocks=blocks, kv_block_size=4, max_batch_size=batch,
+            self.make_backend(), kv_num_blocks=blocks, kv_block_size=4, max_batch_size=batch,
             prefill_chunk_size=chunk, max_pending=queue, scheduling_policy=self.policy,
             enable_prefix_caching=caching)
         self.log = EventLog()
         self.submitted: dict[str, tuple[int, int]] = {}
         self.aborted: set[str] = set()
         self.counter = 0
+
+    def make_backend(self) -> ReferenceBackend | None:
+        """The engine's backend (None: the plain reference backend)."""
+        return None
 
     def live_ids(self) -> set[str]:
         return {rid for rid in self.submitted if self.log.final(rid) is None}
@@ -114,6 +122,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             tokens = len(events) - 1
             if final.finish_reason is FinishReason.LENGTH:
                 assert tokens == max_tokens
+            elif (final.finish_reason is FinishReason.ERROR and self.injects_faults
+                  and final.error is not None and final.error.code == "engine_error"):
+                assert tokens <= max_tokens
             elif final.finish_reason is FinishReason.ERROR:
                 assert final.error is not None and final.error.code in (
                     "kv_budget_exceeded", "kv_pool_exceeded")

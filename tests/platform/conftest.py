@@ -78,10 +78,11 @@ def tenant_key(make_tenant):
 
 
 class InProcessWorker:
-    """A reference-backend engine and its Redis bridge, polled by a thread of this process."""
+    """A reference-backend engine and its Redis bridge, polled by a thread of this process, as
+    ``inference.worker`` runs them (heartbeats last an hour unless ``heartbeat_ttl_s`` says)."""
 
-    def __init__(self, prefix: str, redis_url: str, *, prefetch: int | None = None,
-                 **engine_settings: Any):
+    def __init__(self, prefix: str, redis_url: str, *, prefetch: int = 1,
+                 worker_id: str = "inproc", heartbeat_ttl_s: float = 3600, **engine_settings: Any):
         import threading
 
         from inference.bridge import WorkerBridge
@@ -92,10 +93,9 @@ class InProcessWorker:
         self.engine = LLMEngine(config)
         self.client = redis.Redis.from_url(redis_url)
         self.usage: list[UsageReport] = []
-        self.bridge = WorkerBridge(self.engine, self.client, Keys(prefix), "inproc",
-                                   prefetch=prefetch or config.max_batch_size,
-                                   usage_sink=self.usage.append)
-        self.bridge.ensure_groups()
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+        self.bridge = WorkerBridge(self.engine, self.client, Keys(prefix), worker_id,
+                                   prefetch=prefetch, usage_sink=self.usage.append)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -103,11 +103,13 @@ class InProcessWorker:
         while not self._stop.is_set():
             self.bridge.poll(20)
             self.bridge.reconcile_queue()
+            self.bridge.charge_service()
             self.bridge.flush_usage()
-            self.bridge.publish_stats(3600)
+            self.bridge.publish_stats(self.heartbeat_ttl_s)
+            self.bridge.housekeep(self.heartbeat_ttl_s)
 
     def start(self) -> InProcessWorker:
-        self.bridge.publish_stats(3600)
+        self.bridge.publish_stats(self.heartbeat_ttl_s)
         self.engine.start()
         self._thread.start()
         return self

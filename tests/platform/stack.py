@@ -14,6 +14,10 @@ from pathlib import Path
 
 import httpx
 
+from inference.protocol import queue_script
+
+GATE1_LUA = queue_script("gate1")
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
@@ -117,7 +121,7 @@ class Stack:
         quiet_since = None
         while time.monotonic() < deadline:
             busy = client.llen(queue) > 0
-            busy = busy or int(client.get(f"{self.prefix}:queue") or 0) > 0
+            busy = busy or int(client.eval(GATE1_LUA, 0, self.prefix)) > 0
             for raw in client.mget(list(client.scan_iter(f"{self.prefix}:stats:*"))) if not busy \
                     else []:
                 snap = json.loads(raw or "{}")

@@ -11,9 +11,14 @@ import pytest
 from gateway import admission
 from gateway.admission import Principal
 from gateway.errors import APIError
-from inference.protocol import RequestMessage
+from inference.protocol import RequestMessage, queue_script
 
 pytestmark = pytest.mark.django_db
+
+
+def gate1(rclient, keys) -> int:
+    """Gate 1's figure: requests accepted and not yet admitted by any worker."""
+    return int(rclient.eval(queue_script("gate1"), 0, keys.prefix))
 
 
 def message(tenant_slug: str = "t") -> RequestMessage:
@@ -123,17 +128,17 @@ def test_gate1_never_admits_past_max_queue_size(settings, tenant_key, live_worke
     results = admit_many(key, 30)
     assert results.count(None) == 8
     assert {r.code for r in results if r} == {"queue_full"}
-    assert int(rclient.get(keys.queue)) == 8
-    assert rclient.xlen(keys.requests(0)) == 8
-    entry = rclient.xrange(keys.requests(0), count=1)[0][1]
-    assert json.loads(entry[b"data"])["tenant"] == key.tenant.slug
+    assert gate1(rclient, keys) == 8
+    waiting = [json.loads(r) for r in rclient.hvals(keys.fq("wait"))]
+    assert len(waiting) == 8
+    assert {json.loads(r["body"])["tenant"] for r in waiting} == {key.tenant.slug}
 
 
 def test_refused_request_consumes_nothing(settings, make_tenant, live_worker, rclient, keys):
     settings.LLM_PLATFORM = {**settings.LLM_PLATFORM, "MAX_QUEUE_SIZE": 1}
     _, key, _ = make_tenant(requests_per_minute=3)
     assert admit_many(key, 3).count(None) == 1  # two refused by gate 1
-    rclient.set(keys.queue, 0)
+    rclient.delete(keys.fq("wait"))  # as if a worker had admitted it
     assert admit_many(key, 1) == [None]  # the refused ones did not use the rate limit
 
 

@@ -168,17 +168,29 @@ def test_stream_framing_with_usage(client, tenant_key, inproc_worker):
 
 
 def test_priority_tier_change_takes_effect_on_the_next_request(client, tenant_key, live_worker,
-                                                               rclient, keys, quick_timeouts):
+                                                               rclient, keys, quick_timeouts,
+                                                               monkeypatch):
+    from gateway import admission
+
+    dispatched, tiers_seen = [], []
+    real_admit = admission.admit
+
+    async def admit(*args, **kwargs):
+        message = await real_admit(*args, **kwargs)
+        dispatched.append(message)
+        tiers_seen.append(rclient.zrevrange(keys.fq("tiers"), 0, -1))
+        return message
+
+    monkeypatch.setattr(admission, "admit", admit)
     tenant, _, raw = tenant_key
-    post(client, raw, chat())  # nobody answers: the request waits on the stream
+    post(client, raw, chat())  # nobody answers: it waits in the queue until the client gives up
     tenant.tier = PriorityTier.objects.get(name="premium")
     tenant.save()
     client.raise_request_exception = False
     post(client, raw, chat())
-    for priority in (0, 10):  # each on its own tier's stream
-        [(_, fields)] = rclient.xrange(keys.requests(priority))
-        assert json.loads(fields[b"data"])["priority"] == priority
-    assert rclient.zrevrange(keys.request_tiers, 0, -1) == [b"10", b"0"]
+    assert [m.priority for m in dispatched] == [0, 10]
+    assert tiers_seen == [[b"0"], [b"10"]]  # each waited in its own tier
+    assert rclient.hlen(keys.fq("wait")) == 0, "a client that gave up withdrew its request"
 
 
 @pytest.fixture
@@ -216,3 +228,17 @@ def test_models(client, tenant_key):
     response = client.get("/v1/models", HTTP_AUTHORIZATION=f"Bearer {tenant_key[2]}")
     assert [m["id"] for m in response.json()["data"]] == [MODEL]
     assert client.get("/v1/models").status_code == 401
+
+
+def test_omitting_max_tokens_fits_the_default_answer_to_a_small_token_limit(
+        client, make_tenant, inproc_worker):
+    """A default the client did not choose is never the reason for a 'can never fit' 429."""
+    _, _, raw = make_tenant(tokens_per_minute=100)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}]}
+    response = post(client, raw, body)
+    assert response.status_code == 200, response.content
+    usage = response.json()["usage"]
+    assert usage["completion_tokens"] >= 1
+    # The reservation (the web tier's prompt count plus the capped default) fit in 100.
+    again = post(client, raw, {**body, "max_tokens": 100})
+    assert again.status_code == 429 and error_of(again)["code"] == "rate_limit_exceeded"

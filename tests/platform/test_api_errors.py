@@ -228,3 +228,11 @@ def test_concurrency_limit_429_has_retry_after(client, make_tenant, live_worker)
     assert response.status_code == 429
     assert error_of(response)["code"] == "concurrency_limit_exceeded"
     assert response["Retry-After"] == "1"
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/v1/chat/completions", "/healthz"])
+def test_a_host_not_allowed_gets_a_json_400_on_the_api(client, path):
+    client.raise_request_exception = False
+    response = client.get(path, HTTP_HOST="evil.example")
+    assert response.status_code == 400 and response["Content-Type"] == "application/json"
+    assert error_of(response)["code"] == "bad_request"

@@ -1,9 +1,9 @@
-"""Priority tiers across Redis: one requests stream per priority, read highest first by workers.
+"""Priority tiers across Redis: the shared queue hands out the highest tier's requests first.
 
-A worker takes only its prefetch ahead of admission, so a high tier's request must not wait in
-Redis behind a low tier's backlog. The bridge tests drive ``WorkerBridge.poll`` by hand on an
-engine whose scheduler thread never runs (nothing is admitted, so what was taken stays in its
-pending queue); the last ones run a real in-process worker.
+A worker takes only what it can start soon, so a high tier's request must not wait behind a low
+tier's backlog in the queue. The bridge tests drive ``WorkerBridge.poll`` by hand on an engine
+whose scheduler thread never runs (nothing is admitted, so what was taken stays in its pending
+queue); the last ones run a real in-process worker.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from gateway.admission import Principal
 from inference.bridge import WorkerBridge
 from inference.config import EngineConfig
 from inference.engine import LLMEngine
-from inference.protocol import CONSUMER_GROUP, Keys, RequestMessage
+from inference.protocol import Keys, RequestMessage, queue_script
 from inference.request import TokenEvent
 from tenants.models import PriorityTier
 from tests.platform.conftest import InProcessWorker
@@ -63,7 +63,6 @@ class Bridge:
         self.client = redis.Redis.from_url(redis_url)
         self.bridge = WorkerBridge(self.engine, self.client, Keys(prefix), "w-test",
                                    prefetch=prefetch)
-        self.bridge.ensure_groups()
         self.submitted: list[str] = []
         submit_to_engine = self.engine.submit
 
@@ -95,25 +94,24 @@ def blocked_reads(rclient) -> int:
                if c.get("cmd") == "xreadgroup" and "b" in c.get("flags", ""))
 
 
-def stream_ids(rclient, keys: Keys, priority: int) -> list[str]:
-    """Request ids waiting on (or read from) one tier's stream, oldest first."""
-    return [json.loads(fields[b"data"])["request_id"]
-            for _, fields in rclient.xrange(keys.requests(priority))]
+def waiting_ids(rclient, keys: Keys, priority: int) -> list[str]:
+    """Request ids waiting in one tier, over all fairness keys, in arrival order."""
+    records = [json.loads(r) for r in rclient.hvals(keys.fq("wait"))]
+    return [r["id"] for r in sorted(records, key=lambda r: r["seq"]) if r["prio"] == priority]
 
 
-def test_admission_registers_each_tier_and_puts_requests_on_its_stream(
-        tier_key, live_worker, rclient, keys):
+def gate1(rclient, keys: Keys) -> int:
+    return int(rclient.eval(queue_script("gate1"), 0, keys.prefix))
+
+
+def test_admission_puts_each_request_in_its_tier(tier_key, live_worker, rclient, keys):
     low, high, batch = tier_key(0), tier_key(10), tier_key(-10)
     messages = [submit(k) for k in (low, high, low, batch)]
-    assert stream_ids(rclient, keys, 0) == [messages[0].request_id, messages[2].request_id]
-    assert stream_ids(rclient, keys, 10) == [messages[1].request_id]
-    assert stream_ids(rclient, keys, -10) == [messages[3].request_id]
-    assert rclient.zrevrange(keys.request_tiers, 0, -1, withscores=True) == [
-        (b"10", 10.0), (b"0", 0.0), (b"-10", -10.0)]
-    for priority in (10, 0, -10):  # every tier's stream has the workers' group
-        [group] = rclient.xinfo_groups(keys.requests(priority))
-        assert group["name"] == CONSUMER_GROUP.encode()
-    assert int(rclient.get(keys.queue)) == 4
+    assert waiting_ids(rclient, keys, 0) == [messages[0].request_id, messages[2].request_id]
+    assert waiting_ids(rclient, keys, 10) == [messages[1].request_id]
+    assert waiting_ids(rclient, keys, -10) == [messages[3].request_id]
+    assert rclient.zrevrange(keys.fq("tiers"), 0, -1) == [b"10", b"0", b"-10"]
+    assert gate1(rclient, keys) == 4
 
 
 def test_poll_fills_its_room_from_the_highest_tier_down(tier_key, live_worker, make_bridge,
@@ -123,36 +121,42 @@ def test_poll_fills_its_room_from_the_highest_tier_down(tier_key, live_worker, m
         submit(batch)
     backlog = [submit(low) for _ in range(4)]
     late = [submit(high) for _ in range(2)]  # arrives last, behind the backlog
-    b = make_bridge(prefetch=3)
+    b = make_bridge(prefetch=1, max_batch_size=2)  # room: 2 free rows and 1 more
 
     assert b.bridge.poll() == 3
     assert b.submitted == [m.request_id for m in late + backlog[:1]]
-    assert b.bridge.poll() == 0  # no room left: nothing more is read
-    assert rclient.xinfo_groups(keys.requests(-10))[0]["last-delivered-id"] == b"0-0"
-    # What was taken is acknowledged, and still counts in gate 1 (nothing was admitted).
-    for priority in (10, 0):
-        assert rclient.xpending(keys.requests(priority), CONSUMER_GROUP)["pending"] == 0
-    assert int(rclient.get(keys.queue)) == 9
+    assert b.bridge.poll() == 0  # no room left: nothing more is taken
+    assert len(waiting_ids(rclient, keys, -10)) == 3
+    # What was taken still counts in gate 1 (nothing was admitted).
+    assert gate1(rclient, keys) == 9
 
 
-def test_poll_discovers_a_new_tier_without_a_restart(tier_key, live_worker, make_bridge):
+def test_a_new_tier_is_served_without_a_restart(tier_key, live_worker, make_bridge):
     low = tier_key(0)
     submit(low)
-    b = make_bridge(prefetch=2)
+    b = make_bridge(prefetch=0, max_batch_size=1)
     assert b.bridge.poll() == 1
+    b.engine.abort(b.submitted[-1])
+    b.engine.step()  # the abort leaves the pending queue: room for one
     newer = submit(tier_key(7))  # a tier created after the worker started
     submit(low)
     assert b.bridge.poll() == 1
     assert b.submitted[-1] == newer.request_id
 
 
-def test_an_idle_poll_wakes_for_the_first_request_of_any_tier(tier_key, live_worker,
-                                                              make_bridge, rclient):
+def blocked_waits(rclient) -> int:
+    """Redis clients blocked waiting for an enqueue right now (an idle worker's poll)."""
+    return sum(1 for c in rclient.client_list()
+               if c.get("cmd") == "blpop" and "b" in c.get("flags", ""))
+
+
+def test_an_idle_poll_wakes_for_the_first_request(tier_key, live_worker, make_bridge, rclient):
     low, high = tier_key(0), tier_key(10)
     submit(high)
     submit(low)
     b = make_bridge(prefetch=4)
-    assert b.bridge.poll() == 2  # both tiers are known, and now empty
+    assert b.bridge.poll() == 2
+    rclient.delete(b.bridge.keys.fq("wake"))  # the wake-ups of the two taken already
     result: list[tuple[int, float]] = []
 
     def poll() -> None:
@@ -161,7 +165,7 @@ def test_an_idle_poll_wakes_for_the_first_request_of_any_tier(tier_key, live_wor
 
     thread = threading.Thread(target=poll)
     thread.start()
-    assert wait_for(lambda: blocked_reads(rclient) > 0, 5, every_s=0.01), "the poll never blocked"
+    assert wait_for(lambda: blocked_waits(rclient) > 0, 5, every_s=0.01), "the poll never blocked"
     late = submit(low)
     thread.join(10)
     [(taken, waited)] = result
@@ -169,26 +173,26 @@ def test_an_idle_poll_wakes_for_the_first_request_of_any_tier(tier_key, live_wor
     assert waited < 3, "it woke for the request, long before its 5 s block ran out"
 
 
-def test_shutdown_hands_each_unadmitted_request_back_to_its_own_tier(
+def test_shutdown_hands_each_unadmitted_request_back_to_its_place(
         tier_key, live_worker, make_bridge, rclient, keys):
     high, batch = tier_key(10), tier_key(-10)
     batch_one, high_one = submit(batch), submit(high)
-    b = make_bridge(prefetch=2)
+    batch_two = submit(batch)
+    b = make_bridge(prefetch=0, max_batch_size=2)
     assert b.bridge.poll() == 2
     assert b.submitted == [high_one.request_id, batch_one.request_id]
 
     assert b.bridge.shutdown(1) == 2
 
-    for m in (high_one, batch_one):  # at the end of its own tier's stream, unread: any worker's
-        assert stream_ids(rclient, keys, m.priority) == [m.request_id, m.request_id]
-        [group] = rclient.xinfo_groups(keys.requests(m.priority))
-        assert group["lag"] == 1 and group["pending"] == 0
-    assert not rclient.exists(keys.requests(0))
-    assert int(rclient.get(keys.queue)) == 2  # both still wait for admission
+    # Back where they were, ahead of the later request of their tier: any worker's now.
+    assert waiting_ids(rclient, keys, 10) == [high_one.request_id]
+    assert waiting_ids(rclient, keys, -10) == [batch_one.request_id, batch_two.request_id]
+    assert rclient.hlen(keys.fq("taken", "w-test")) == 0
+    assert gate1(rclient, keys) == 3  # all still wait for admission
 
 
 @pytest.mark.parametrize("refusal", ["queue_full", "stopped"])
-def test_a_request_the_engine_cannot_take_goes_back_to_its_own_tier(
+def test_a_request_the_engine_cannot_take_goes_back_to_its_place(
         tier_key, live_worker, make_bridge, rclient, keys, refusal):
     high, batch = tier_key(10), tier_key(-10)
     first, second = submit(high), submit(batch)
@@ -200,14 +204,13 @@ def test_a_request_the_engine_cannot_take_goes_back_to_its_own_tier(
     assert b.submitted == expected
     handed_back = [second] if refusal == "queue_full" else [first, second]
     for m in handed_back:
-        assert stream_ids(rclient, keys, m.priority)[-1] == m.request_id
-        assert rclient.xinfo_groups(keys.requests(m.priority))[0]["lag"] == 1
-    assert int(rclient.get(keys.queue)) == 2
+        assert waiting_ids(rclient, keys, m.priority) == [m.request_id]
+    assert gate1(rclient, keys) == 2
 
 
 def test_high_tier_gets_its_first_token_before_a_low_tier_backlog_in_redis(
         tier_key, redis_prefix, settings):
-    """A worker saturated by a low tier (batch of 1, prefetch of 1) with a backlog in Redis:
+    """A worker saturated by a low tier (batch of 1, prefetch of 1) with a backlog in the queue:
     a later high-tier request waits for what the worker already took, not for the backlog."""
     low, high = tier_key(0), tier_key(10)
     worker = InProcessWorker(redis_prefix, settings.REDIS_URL, prefetch=1, max_model_len=256,

@@ -30,6 +30,29 @@ def anyio_backend() -> str:
 
 
 @pytest.fixture
+def worker(redis_prefix, settings):  # noqa: F811 - the shared fixture
+    """A worker with a long context, so answers can run long enough to be stopped."""
+    w = InProcessWorker(redis_prefix, settings.REDIS_URL, max_model_len=8192,
+                        max_batch_size=4).start()
+    # Aborts arrive on the control channel, as in the worker process.
+    pubsub = w.client.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(**{w.bridge.keys.control: w.bridge.on_control})
+    control = pubsub.run_in_thread(sleep_time=0.01, daemon=True)
+    yield w
+    control.stop()
+    w.stop()
+
+
+@pytest.fixture
+def chat_conf(settings):
+    def configure(**values):
+        settings.CHAT = {**getattr(settings, "CHAT", {}), **values}
+
+    configure(MAX_TOKENS=24, TEMPERATURE=0.0)
+    return configure
+
+
+@pytest.fixture
 def make_member(make_tenant):  # noqa: F811 - the shared fixture
     """Create a user belonging to a tenant: ``make_member(tenant=None, **user_fields)``."""
     from django.contrib.auth import get_user_model
@@ -45,3 +68,53 @@ def make_member(make_tenant):  # noqa: F811 - the shared fixture
         return user
 
     return make
+
+
+# The websocket as a browser reaches it: the project's whole ASGI stack (origin check, session
+# cookie, auth), with the page's own origin.
+SITE_HOST = "localhost:8000"
+SITE_ORIGIN = f"http://{SITE_HOST}"
+
+
+def signed_in_client(user):
+    """A Django test client signed in as ``user`` (a real session, as the login page makes)."""
+    from django.test import Client
+
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def session_cookie(client) -> str:
+    """The session cookie of a signed-in test client, as a ``Cookie`` header value."""
+    from django.conf import settings
+
+    return f"{settings.SESSION_COOKIE_NAME}={client.cookies[settings.SESSION_COOKIE_NAME].value}"
+
+
+def socket_to_site(cookie: str | None = None, *, origin: str | None = SITE_ORIGIN,
+                   host: str = SITE_HOST, path: str = "/ws/chat/",
+                   headers: list[tuple[bytes, bytes]] = ()):
+    """A ``WebsocketCommunicator`` on the project's ASGI application (not yet connected)."""
+    from channels.testing import WebsocketCommunicator
+
+    from llm_platform.asgi import application
+
+    sent = [(b"host", host.encode())]
+    if origin is not None:
+        sent.append((b"origin", origin.encode()))
+    if cookie:
+        sent.append((b"cookie", cookie.encode()))
+    return WebsocketCommunicator(application, path, headers=[*sent, *headers])
+
+
+async def output(communicator, timeout: float = 10) -> dict:
+    """The next thing the socket sends: a frame (decoded: ``{"type": ..., ...}``) or its close
+    (``{"type": "websocket.close", "code": ...}``)."""
+    import json
+
+    message = await communicator.receive_output(timeout)
+    if message["type"] == "websocket.send":
+        assert message.get("text") is not None, f"a binary frame: {message!r}"
+        return json.loads(message["text"])
+    return message

@@ -11,44 +11,20 @@ from channels.testing import WebsocketCommunicator
 
 from chat.consumers import CLOSE_NO_TENANT, CLOSE_UNAUTHENTICATED
 from chat.models import Conversation, Message
-from chat.routing import websocket_urlpatterns
-from tests.web.conftest import InProcessWorker
+from tests.web.conftest import (
+    InProcessWorker,
+    session_cookie,
+    signed_in_client,
+    socket_to_site,
+)
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.anyio]
 
 
-@pytest.fixture
-def worker(redis_prefix, settings):
-    """A worker with a long context, so answers can run long enough to be stopped."""
-    w = InProcessWorker(redis_prefix, settings.REDIS_URL, max_model_len=8192,
-                        max_batch_size=4).start()
-    # Aborts arrive on the control channel, as in the worker process.
-    pubsub = w.client.pubsub(ignore_subscribe_messages=True)
-    pubsub.subscribe(**{w.bridge.keys.control: w.bridge.on_control})
-    control = pubsub.run_in_thread(sleep_time=0.01, daemon=True)
-    yield w
-    control.stop()
-    w.stop()
-
-
-@pytest.fixture
-def chat_conf(settings):
-    def configure(**values):
-        settings.CHAT = {**getattr(settings, "CHAT", {}), **values}
-
-    configure(MAX_TOKENS=24, TEMPERATURE=0.0)
-    return configure
-
-
-def router():
-    from channels.routing import URLRouter
-
-    return URLRouter(websocket_urlpatterns)
-
-
 async def open_socket(user) -> WebsocketCommunicator:
-    communicator = WebsocketCommunicator(router(), "/ws/chat/")
-    communicator.scope["user"] = user
+    """A socket of ``user``, opened as the chat page opens it: signed in, from the site."""
+    client = await sync_to_async(signed_in_client)(user)
+    communicator = socket_to_site(session_cookie(client))
     connected, _ = await communicator.connect(timeout=10)
     assert connected
     return communicator
@@ -213,8 +189,8 @@ async def test_a_user_without_a_tenant_is_refused(db):
     from django.contrib.auth import get_user_model
 
     user = await sync_to_async(get_user_model().objects.create_user)("loner", password="x")
-    communicator = WebsocketCommunicator(router(), "/ws/chat/")
-    communicator.scope["user"] = user
+    client = await sync_to_async(signed_in_client)(user)
+    communicator = socket_to_site(session_cookie(client))
     connected, code = await communicator.connect(timeout=10)
     await communicator.disconnect()
     assert not connected and code == CLOSE_NO_TENANT

@@ -90,57 +90,21 @@ def test_the_rate_survives_worker_restarts_and_new_workers():
     assert tokens_rate(before, after, 10) == pytest.approx((60 + 40 + 20) / 10)
 
 
-def tier_stream(rclient, keys, priority: int) -> str:
-    """Register a priority tier and create its requests stream and group, as admission does."""
-    stream = keys.requests(priority)
-    rclient.zadd(keys.request_tiers, {str(priority): priority})
-    rclient.xgroup_create(stream, "workers", id="0", mkstream=True)
-    return stream
-
-
-def test_cleanup_deletes_old_snapshots_and_trims_redis(rclient, keys):
+def test_cleanup_deletes_old_snapshots_and_orphaned_event_streams(rclient, keys):
     StatsSnapshot.objects.create(taken_at=timezone.now() - timedelta(days=2))
     kept = StatsSnapshot.objects.create(taken_at=timezone.now())
-    low, high = tier_stream(rclient, keys, 0), tier_stream(rclient, keys, 10)
     old_ms = int((time.time() - 3600) * 1000)
-    for stream in (low, high):
-        for i in range(3):  # read and acknowledged an hour ago
-            rclient.xadd(stream, {"data": "x"}, id=f"{old_ms}-{i}")
-        for entry_id, _ in rclient.xreadgroup("workers", "w", {stream: ">"})[0][1]:
-            rclient.xack(stream, "workers", entry_id)
-    rclient.xadd(low, {"data": "unread"}, id=f"{old_ms}-3")  # never read, same millisecond
-    rclient.xadd(high, {"data": "unacked"}, id=f"{old_ms + 1}-0")
-    rclient.xreadgroup("workers", "w", {high: ">"})  # read, never acknowledged
-    rclient.xadd(high, {"data": "unread"}, id=f"{old_ms + 2}-0")
-    rclient.xadd(keys.events("lost"), {"data": "{}"}, id=f"{old_ms}-0")  # no expiry
-    rclient.xadd(keys.events("live"), {"data": "{}"})
+    rclient.xadd(keys.events("lost"), {"data": "{}"}, id=f"{old_ms}-0")  # no expiry, old
+    rclient.xadd(keys.events("recent"), {"data": "{}"})  # no expiry yet, new
+    rclient.xadd(keys.events("live"), {"data": "{}"}, id=f"{old_ms}-0")
     rclient.expire(keys.events("live"), 600)
-    rclient.zadd(keys.workers, {"dead": time.time() - 7200, "alive": time.time()})
 
     result = tasks.cleanup()
 
     assert list(StatsSnapshot.objects.all()) == [kept]
-    assert result["requests_trimmed"] == 6
-    assert [e[1][b"data"] for e in rclient.xrange(low)] == [b"unread"]
-    assert [e[1][b"data"] for e in rclient.xrange(high)] == [b"unacked", b"unread"]
-    assert not rclient.exists(keys.events("lost")) and rclient.exists(keys.events("live"))
-    assert rclient.zrange(keys.workers, 0, -1) == [b"alive"]
-    assert rclient.zrange(keys.request_tiers, 0, -1) == [b"0", b"10"]  # tiers stay registered
-
-
-def test_cleanup_drops_idle_consumers_without_pending_entries_of_every_tier(rclient, keys,
-                                                                            settings):
-    settings.DASHBOARD = {"DEAD_WORKER_AFTER_S": 0.05}
-    low, high = tier_stream(rclient, keys, -5), tier_stream(rclient, keys, 3)
-    for stream in (low, high):
-        rclient.xgroup_createconsumer(stream, "workers", "gone")
-    rclient.xadd(high, {"data": "x"})
-    rclient.xreadgroup("workers", "busy", {high: ">"})  # holds an unacknowledged entry
-    time.sleep(0.1)
-
-    assert tasks.cleanup()["consumers"] == 2
-    assert [c["name"] for c in rclient.xinfo_consumers(low, "workers")] == []
-    assert [c["name"] for c in rclient.xinfo_consumers(high, "workers")] == [b"busy"]
+    assert result == {"snapshots": 1, "event_streams": 1}
+    assert not rclient.exists(keys.events("lost"))
+    assert rclient.exists(keys.events("recent")) and rclient.exists(keys.events("live"))
 
 
 def test_metrics_need_staff_or_an_operator_key(client, admin_client, make_tenant, settings):

@@ -1,0 +1,149 @@
+"""A worker's side of the shared request queue: take in the fair order, own, hand back, charge.
+
+The queue (``inference/lua/fair_queue.lua``, see :mod:`inference.protocol`) holds every request
+waiting for a worker in one order for the whole deployment: priority tier, then the fairness key
+with the least weighted service (VTC, Sheng et al., OSDI 2024; counters shared by every worker),
+then arrival; or priority then arrival (FCFS). Each method is one Lua script, so each change of the
+queue is atomic. Only the worker's main thread calls :meth:`take`, :meth:`requeue`,
+:meth:`charge`, :meth:`expire` and :meth:`reclaim`; the engine thread calls :meth:`write_events`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from pydantic import ValidationError
+
+from inference.protocol import Event, FinalEvent, Keys, RequestMessage, queue_script
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class QueuedRequest:
+    """A request as the queue holds it: its id, fairness key, tier, arrival and message.
+
+    ``message`` is None when the stored message does not validate (it is then dropped).
+    """
+
+    request_id: str
+    fairness_key: str
+    priority: int
+    arrival: int
+    message: RequestMessage | None
+
+    @classmethod
+    def from_record(cls, raw: bytes | str) -> QueuedRequest:
+        record = json.loads(raw)
+        try:
+            message = RequestMessage.from_json(record["body"])
+        except ValidationError:
+            log.exception("dropping malformed request message %s", record.get("id"))
+            message = None
+        return cls(record["id"], record["key"], int(record["prio"]), int(record["seq"]),
+                   message)
+
+
+class FairQueue:
+    """The shared queue as one worker uses it.
+
+    Args:
+        client: a Redis client (``decode_responses=False``).
+        keys: key names of the deployment.
+        worker_id: this worker's id (its heartbeat member and consumer name).
+        policy: ``vtc`` or ``fcfs``: the order this worker takes requests in.
+    """
+
+    def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, policy: str):
+        self.client = client
+        self.keys = keys
+        self.worker_id = worker_id
+        self.policy = str(policy)
+        self._scripts = {name: client.register_script(queue_script(name))
+                         for name in ("take", "events", "requeue", "charge", "withdraw",
+                                      "reclaim", "enqueue", "gate1")}
+
+    def _run(self, name: str, *args: Any) -> Any:
+        return self._scripts[name](args=[self.keys.prefix, *args])
+
+    def take(self, n: int) -> list[QueuedRequest]:
+        """Take up to ``n`` requests in the fair order; they are this worker's until handed back.
+
+        Each counts as held (gate 1) until :meth:`release_held` says its engine admitted it.
+        """
+        if n <= 0:
+            return []
+        raw = self._run("take", self.worker_id, n, self.policy)
+        return [QueuedRequest.from_record(r) for r in raw]
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block until a request is enqueued (or ``timeout_s`` passes); True if one was."""
+        return self.client.blpop([self.keys.fq("wake")], timeout=timeout_s) is not None
+
+    def requeue(self, request_ids: Sequence[str]) -> int:
+        """Hand taken requests back to their places for any worker; return how many went back."""
+        if not request_ids:
+            return 0
+        return int(self._run("requeue", self.worker_id, *request_ids))
+
+    def release_held(self, n: int) -> None:
+        """``n`` held requests left this worker's pending queue (admitted, or ended)."""
+        if n:
+            self.client.hincrby(self.keys.fq("held"), self.worker_id, -n)
+
+    def write_events(self, events: Iterable[Event], ttl_s: int) -> list[str]:
+        """Append events to their requests' streams, for the requests this worker owns.
+
+        Returns:
+            The ids of requests the worker no longer owns (reclaimed while it was silent):
+            their events were dropped, and the caller should stop them.
+        """
+        args: list[Any] = []
+        for event in events:
+            args += [event.request_id, "1" if isinstance(event, FinalEvent) else "0",
+                     event.model_dump_json()]
+        if not args:
+            return []
+        lost = self._run("events", self.worker_id, ttl_s, *args)
+        return [i.decode() if isinstance(i, bytes) else i for i in lost]
+
+    def charge(self, service: dict[str, float]) -> None:
+        """Add weighted tokens (``w_in`` x computed prompt + ``w_out`` x generated, divided by
+        the key's weight) to each fairness key's shared counter."""
+        args: list[Any] = []
+        for key, amount in service.items():
+            if amount:
+                args += [key, repr(float(amount))]
+        if args:
+            self._run("charge", *args)
+
+    def expire(self, now: float, limit: int = 256) -> list[QueuedRequest]:
+        """Withdraw waiting requests whose admission deadline (unix s) is before ``now``."""
+        return [QueuedRequest.from_record(r)
+                for r in self._run("withdraw", "expired", now, limit)]
+
+    def reclaim(self, now: float, ttl_s: float) -> tuple[int, list[str], list[QueuedRequest]]:
+        """Reclaim the requests of workers whose heartbeat is older than ``ttl_s``.
+
+        Returns:
+            (requests put back in the queue, the workers reclaimed, the requests they were
+            running: the caller ends each with an error, as their output cannot be resumed).
+        """
+        reply = self._run("reclaim", now, ttl_s)
+        workers = json.loads(reply[1])  # cjson writes an empty list as {}
+        return int(reply[0]), list(workers or []), [QueuedRequest.from_record(r)
+                                                    for r in reply[2:]]
+
+    def enqueue(self, message: RequestMessage) -> int:
+        """Put a new request in the queue without the web tier's limits (tools, tests)."""
+        return int(self._run("enqueue", message.request_id, message.fairness_key,
+                             message.priority, message.deadline() or 0, message.to_json()))
+
+    def gate1(self) -> int:
+        """Requests accepted and not yet admitted by any worker."""
+        return int(self._run("gate1"))

@@ -1,0 +1,141 @@
+-- The shared request queue: one fair order for the whole deployment (docs/design.md, "Across
+-- workers"). A library: every script that touches the queue is this text followed by its own
+-- body, so each state change is written once (inference/protocol.py, queue_script()).
+--
+-- A request waits under its priority tier and its fairness key, in arrival order. A worker takes
+-- the next request by the sort key (-priority, counter[key], arrival_seq) with VTC, or
+-- (-priority, arrival_seq) with FCFS. The counters are shared by every worker: each charges the
+-- service it gives (inference.fair_queue.FairQueue.charge). A key that becomes backlogged (nothing
+-- waiting, taken or running anywhere) is lifted to the smallest counter of the backlogged keys,
+-- or, when none is, to the counter of the key that went idle last (VTC, Sheng et al., OSDI 2024).
+--
+-- Keys under {p}:fq: (p the deployment's prefix)
+--   seq                 string: the last arrival number given
+--   tiers               zset priority -> priority: tiers with a request waiting
+--   ready:{prio}        zset key -> counter: keys with a request waiting in the tier
+--   heads:{prio}        zset key -> arrival of its oldest waiting request in the tier
+--   q:{prio}:{key}      zset request id -> arrival: the key's waiting requests in the tier
+--   wait                hash request id -> record (JSON: id, key, prio, seq, deadline, body)
+--   deadlines           zset request id -> admission deadline (unix s) of waiting requests
+--   counter             hash key -> weighted service (VTC counter)
+--   inflight            hash key -> requests waiting, taken or running
+--   backlogged          zset key -> counter: keys with a request in flight
+--   last_idle           string: the counter of the key that went idle last
+--   taken:{worker}      hash request id -> record: taken by the worker, no event written yet
+--   running:{worker}    hash request id -> record: its first event written
+--   held                hash worker -> requests it took and its engine has not admitted yet
+--   wake                list: one entry per enqueue, for idle workers to block on
+-- Gate 1 (requests accepted and not yet admitted) is HLEN wait + the sum of held.
+
+local function fq(p, ...)
+  return table.concat({p, 'fq', ...}, ':')
+end
+
+local function fq_counter(p, key)
+  return tonumber(redis.call('HGET', fq(p, 'counter'), key) or '0')
+end
+
+local function fq_gate1(p)
+  local n = redis.call('HLEN', fq(p, 'wait'))
+  local held = redis.call('HVALS', fq(p, 'held'))
+  for i = 1, #held do
+    n = n + tonumber(held[i])
+  end
+  return n
+end
+
+-- Put a request (a record table) in its place among the waiting ones.
+local function fq_add_waiting(p, rec)
+  local prio = tostring(rec.prio)
+  redis.call('ZADD', fq(p, 'q', prio, rec.key), rec.seq, rec.id)
+  redis.call('HSET', fq(p, 'wait'), rec.id, cjson.encode(rec))
+  if rec.deadline and rec.deadline > 0 then
+    redis.call('ZADD', fq(p, 'deadlines'), rec.deadline, rec.id)
+  end
+  local head = redis.call('ZSCORE', fq(p, 'heads', prio), rec.key)
+  if not head or tonumber(head) > rec.seq then
+    redis.call('ZADD', fq(p, 'heads', prio), rec.seq, rec.key)
+  end
+  redis.call('ZADD', fq(p, 'ready', prio), fq_counter(p, rec.key), rec.key)
+  redis.call('ZADD', fq(p, 'tiers'), rec.prio, prio)
+  redis.call('LPUSH', fq(p, 'wake'), '1')
+  redis.call('LTRIM', fq(p, 'wake'), 0, 255)
+end
+
+-- Take a request out of the waiting ones; returns its record, or nil when it is not waiting.
+local function fq_remove_waiting(p, id)
+  local raw = redis.call('HGET', fq(p, 'wait'), id)
+  if not raw then
+    return nil
+  end
+  local rec = cjson.decode(raw)
+  local prio = tostring(rec.prio)
+  local queue = fq(p, 'q', prio, rec.key)
+  redis.call('HDEL', fq(p, 'wait'), id)
+  redis.call('ZREM', fq(p, 'deadlines'), id)
+  redis.call('ZREM', queue, id)
+  local next_head = redis.call('ZRANGE', queue, 0, 0, 'WITHSCORES')
+  if #next_head == 0 then
+    redis.call('ZREM', fq(p, 'heads', prio), rec.key)
+    redis.call('ZREM', fq(p, 'ready', prio), rec.key)
+    if redis.call('ZCARD', fq(p, 'ready', prio)) == 0 then
+      redis.call('ZREM', fq(p, 'tiers'), prio)
+    end
+  else
+    redis.call('ZADD', fq(p, 'heads', prio), next_head[2], rec.key)
+  end
+  return rec
+end
+
+-- A new request of `key` is in flight: lift the key if it was idle.
+local function fq_backlog(p, key)
+  local inflight = redis.call('HINCRBY', fq(p, 'inflight'), key, 1)
+  if inflight == 1 then
+    local floor = redis.call('ZRANGE', fq(p, 'backlogged'), 0, 0, 'WITHSCORES')
+    local lift = tonumber(floor[2] or redis.call('GET', fq(p, 'last_idle')) or '0')
+    local counter = math.max(fq_counter(p, key), lift)
+    redis.call('HSET', fq(p, 'counter'), key, counter)
+    redis.call('ZADD', fq(p, 'backlogged'), counter, key)
+  end
+end
+
+-- A request of `key` ended (or left the queue for good).
+local function fq_release(p, key)
+  local inflight = redis.call('HINCRBY', fq(p, 'inflight'), key, -1)
+  if inflight <= 0 then
+    redis.call('HDEL', fq(p, 'inflight'), key)
+    redis.call('ZREM', fq(p, 'backlogged'), key)
+    redis.call('SET', fq(p, 'last_idle'), fq_counter(p, key))
+  end
+end
+
+-- A new request enters the queue; returns its arrival number.
+local function fq_enqueue(p, id, key, prio, deadline, body)
+  local seq = redis.call('INCR', fq(p, 'seq'))
+  fq_backlog(p, key)
+  fq_add_waiting(p, {id = id, key = key, prio = tonumber(prio), seq = seq,
+                     deadline = tonumber(deadline), body = body})
+  return seq
+end
+
+-- The key to serve next in the highest tier with a request waiting, by the policy.
+local function fq_next_key(p, policy)
+  local top = redis.call('ZREVRANGE', fq(p, 'tiers'), 0, 0)
+  if #top == 0 then
+    return nil
+  end
+  local prio = top[1]
+  if policy == 'fcfs' then
+    return prio, redis.call('ZRANGE', fq(p, 'heads', prio), 0, 0)[1]
+  end
+  local least = redis.call('ZRANGE', fq(p, 'ready', prio), 0, 0, 'WITHSCORES')
+  local tied = redis.call('ZRANGEBYSCORE', fq(p, 'ready', prio), least[2], least[2])
+  local best, best_seq = nil, nil
+  for i = 1, #tied do
+    local seq = tonumber(redis.call('ZSCORE', fq(p, 'heads', prio), tied[i]))
+    if best_seq == nil or seq < best_seq then
+      best, best_seq = tied[i], seq
+    end
+  end
+  return prio, best
+end
