@@ -1,13 +1,18 @@
 """Experiment 7: a light tenant's wait behind a heavy tenant's backlog, through the platform.
 
-Tenant ``A`` sends ``--backlog`` requests at once (streamed, ``--a-tokens`` each); ``--delay``
-seconds later tenant ``B``, of the same tier, sends ``--b-requests`` (``--b-tokens`` each). B's
-TTFT is measured through the REST API, Redis and ``--workers`` inference workers (the reference
-backend with a step delay: the question is the queue's and the scheduler's). When B's requests
+Tenant ``A`` sends ``--backlogs`` requests at once (streamed, ``--a-tokens`` each, a random length
+in the range, so that its rows end at different times as real answers do); ``--delay`` seconds
+later tenant ``B``, of the same tier, sends ``--b-requests`` (``--b-tokens`` each). B's TTFT is
+measured through the REST API, Redis and ``--workers`` inference workers (the reference backend
+with a step delay near the real model's decode step at 32 rows on 2 cores: the question is the
+queue's and the scheduler's). When B's requests
 have ended, A's are cancelled (their clients go away) and the platform is left to go idle before
 the next run. With the deployment's fair order, B is next for the first free row whatever the
 depth of A's backlog; the figure to read is B's TTFT p99 at the deepest backlog against the
-shallowest (target: within 1.5x), beside B's TTFT on an idle platform.
+shallowest (target: within 1.5x), beside B's TTFT on an idle platform. B still waits for rows to
+free up (requests of one tier are not preempted): behind a backlog that fills every row, its
+requests start as A's rows end, so the comparison holds between backlogs that both fill the rows
+when B arrives.
 
 Usage::
 
@@ -51,6 +56,14 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def token_range(text: str) -> tuple[int, int]:
+    """``MIN,MAX`` positive integers, MIN <= MAX (an argparse type)."""
+    values = int_list(text)
+    if len(values) != 2 or values[0] > values[1]:
+        raise argparse.ArgumentTypeError(f"need MIN,MAX with MIN <= MAX, got {text!r}")
+    return values[0], values[1]
+
+
 def workload(args: argparse.Namespace, backlog: int, seed: int) -> list[RequestSpec]:
     """A's backlog at time 0 (tagged ``backlog``: background load) and B's requests later."""
     rng = random.Random(seed)
@@ -61,7 +74,7 @@ def workload(args: argparse.Namespace, backlog: int, seed: int) -> list[RequestS
         return RequestSpec(tenant=tenant, arrival_s=at, prompt=maker.make(length, rng),
                            max_tokens=tokens, prompt_len=length, ignore_eos=True, tag=tag)
 
-    specs = [spec("A", 0.0, args.a_tokens, "backlog") for _ in range(backlog)]
+    specs = [spec("A", 0.0, rng.randint(*args.a_tokens), "backlog") for _ in range(backlog)]
     specs += [spec("B", args.delay, args.b_tokens, "light") for _ in range(args.b_requests)]
     return specs
 
@@ -120,9 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--delay", type=positive_float, default=8.0,
                         help="seconds between A's backlog and B's requests")
     parser.add_argument("--b-requests", type=positive_int, default=10, help="B's requests")
-    parser.add_argument("--a-tokens", type=positive_int, default=48, help="max_tokens of A's")
+    parser.add_argument("--a-tokens", type=token_range, default=(32, 96),
+                        help="MIN,MAX: max_tokens of A's requests, uniform in the range")
     parser.add_argument("--b-tokens", type=positive_int, default=16, help="max_tokens of B's")
-    parser.add_argument("--step-delay", type=positive_float, default=0.02,
+    parser.add_argument("--step-delay", type=positive_float, default=0.15,
                         help="seconds per forward pass of the reference backend")
     parser.add_argument("--batch", type=positive_int, default=32, help="MAX_BATCH_SIZE")
     parser.add_argument("--policy", choices=("vtc", "fcfs"), default="vtc",

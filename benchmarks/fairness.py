@@ -1,6 +1,7 @@
 """Experiment 1: fairness of VTC against FCFS with two and three tenants.
 
-Scenarios (the tenants together ask for about twice what the engine serves, so they compete):
+Scenarios (the tenants together ask for about twice what the engine serves, so they compete;
+through the platform each rate is multiplied by the number of workers):
 
 * ``two``: tenants ``A`` and ``B`` send the same requests, ``B`` at twice ``A``'s rate;
 * ``three``: ``A`` sends short requests, ``B`` requests four times longer (prompt and output) at
@@ -127,7 +128,9 @@ async def run_one(scenario: str, policy: str, target: str,
                   args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = reference_tokenizer() if args.backend == "reference" else model_tokenizer()
     maker = PromptMaker(tokenizer, seed=args.seed)
-    specs, longest_prompt = build_workload(scenario, args.duration, args.rate, args.seed, maker)
+    # The tenants ask for the same multiple of what the deployment serves: n workers, n x rate.
+    rate = args.rate * (args.workers if target == "rest" else 1)
+    specs, longest_prompt = build_workload(scenario, args.duration, rate, args.seed, maker)
     samples: list[dict[str, Any]] = []
     name = f"{scenario}/{policy}" if target == "engine" else f"{target}/{scenario}/{policy}"
     if target == "engine":
@@ -294,7 +297,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--duration", type=positive_float, default=40,
                         help="seconds per run")
     parser.add_argument("--rate", type=positive_float, default=6.0,
-                        help="requests/s of tenant A (B and C relative to it)")
+                        help="requests/s of tenant A (B and C relative to it), per worker")
     parser.add_argument("--step-delay", type=non_negative_float, default=0.01,
                         help="seconds per forward pass of the reference backend")
     parser.add_argument("--batch", type=positive_int, default=4, help="MAX_BATCH_SIZE")

@@ -6,11 +6,11 @@ tenant ``vip`` sends a few (Poisson, ``--vip-rate``). Through the REST API, Redi
 that only the tiers differ. Runs:
 
 * ``same-tier``: both tenants ``standard``: vip waits behind bulk's backlog;
-* ``tiers``: vip ``premium``, bulk ``batch``, the default worker prefetch (``MAX_BATCH_SIZE``
-  requests taken from Redis ahead of admission; each tier has its own Redis stream, read highest
-  first, so vip's requests go ahead of bulk's backlog there too);
+* ``tiers``: vip ``premium``, bulk ``batch``, the default worker prefetch (the worker takes from
+  the shared queue only its free rows and one more; the queue hands out the highest tier first,
+  so vip's requests go ahead of bulk's backlog there);
 * ``tiers-deep-prefetch``: the same with ``WORKER_PREFETCH=MAX_QUEUE_SIZE``, so every accepted
-  request waits in the worker's priority-ordered queue rather than in Redis.
+  request waits in the worker's own priority-ordered queue rather than in the shared one.
 
 Usage::
 

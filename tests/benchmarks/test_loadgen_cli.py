@@ -171,6 +171,9 @@ def test_every_request_failing_warns_and_exits_1(tmp_path, capsys):
     (["--duration", "1", "--sample-every", "2"], "longer than --duration"),
     (["--kv-budget", "-5"], "--kv-budget"),
     (["--kv-budget", "99999"], "--kv-budget"),
+    (["--targets", "engine,cloud"], "choose from engine, rest"),
+    (["--workers", "0"], "at least 1"),
+    (["--backend", "gguf"], "invalid choice"),
 ])
 def test_bad_fairness_flags_are_argparse_errors(argv, message, capsys):
     from benchmarks import fairness
@@ -216,3 +219,21 @@ def test_bench_engine_exits_1_after_the_table_when_a_run_failed(tmp_path, monkey
     assert "failed: exit 1: boom" in captured.out
     assert "failed runs: engine on c" in captured.err
     assert list(json.loads(out.read_text())["results"]) == ["c"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--backlogs", "40,0"], "positive integers"),
+    (["--backlogs", "many"], "not a list of integers"),
+    (["--a-tokens", "96,32"], "MIN <= MAX"),
+    (["--a-tokens", "32"], "MIN,MAX"),
+    (["--workers", ""], "positive integers"),
+    (["--repeats", "0"], "at least 1"),
+])
+def test_bad_backlog_flags_are_argparse_errors(argv, message, capsys):
+    from benchmarks import backlog
+
+    with pytest.raises(SystemExit) as exc:
+        backlog.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
