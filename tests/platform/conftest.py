@@ -127,3 +127,15 @@ def inproc_worker(redis_prefix: str, settings) -> Iterator[InProcessWorker]:
                              max_batch_size=4).start()
     yield worker
     worker.stop()
+
+
+@pytest.fixture(scope="module")
+def real_tokenizer():
+    """The default model's tokenizer and chat template (skips when the model is not prepared)."""
+    from inference.protocol import model_folder
+    from inference.tokenization import Tokenizer
+
+    folder = model_folder()
+    if not (folder / "tokenizer.json").is_file():
+        pytest.skip(f"the default model is not prepared in {folder}")
+    return Tokenizer.from_folder(folder)

@@ -8,13 +8,10 @@ per admitted request, and a refused request (429) reports the window that is ful
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import uuid
 
 import pytest
-from asgiref.sync import async_to_sync
-from django.test import AsyncClient
 
 from gateway import admission
 from gateway.admission import Principal
@@ -22,7 +19,7 @@ from gateway.ratelimits import WindowUse, duration, headers
 from inference.protocol import RequestMessage
 from tenants.services import create_api_key
 from tests.platform.conftest import InProcessWorker
-from tests.platform.test_api import CHAT, chat, post
+from tests.platform.test_api import chat, post, post_stream
 
 pytestmark = pytest.mark.django_db
 
@@ -45,16 +42,6 @@ def ms(text: str) -> float:
     return total
 
 
-def stream(raw_key: str, body: dict):
-    """A streaming request: the response (headers sent before the first byte) and its body."""
-
-    async def go():
-        response = await AsyncClient().post(CHAT, json.dumps(body), content_type="application/json",
-                                            headers={"Authorization": f"Bearer {raw_key}"})
-        content = b"".join([part async for part in response.streaming_content])
-        return response, content
-
-    return async_to_sync(go)()
 
 
 def test_the_numbers_move_as_requests_are_admitted(client, make_tenant, inproc_worker):
@@ -75,7 +62,7 @@ def test_the_numbers_move_as_requests_are_admitted(client, make_tenant, inproc_w
     assert {s["x-ratelimit-reset-requests"] for s in seen} == {"1m0s"}
     assert {s["x-ratelimit-reset-tokens"] for s in seen} == {"1m0s"}
 
-    response, content = stream(raw, chat(max_tokens=3, stream=True))
+    response, content = post_stream(raw, chat(max_tokens=3, stream=True))
     assert response.status_code == 200 and content.endswith(b"data: [DONE]\n\n")
     assert limits_of(response)["x-ratelimit-remaining-requests"] == "0"
 
@@ -117,7 +104,7 @@ def test_no_limit_no_headers(client, make_tenant, inproc_worker):
     _, _, unlimited = make_tenant()
     response = post(client, unlimited, chat(max_tokens=1))
     assert response.status_code == 200 and limits_of(response) == {}
-    response, _ = stream(unlimited, chat(max_tokens=1, stream=True))
+    response, _ = post_stream(unlimited, chat(max_tokens=1, stream=True))
     assert response.status_code == 200 and limits_of(response) == {}
 
     _, _, tokens_only = make_tenant(tokens_per_minute=10_000)

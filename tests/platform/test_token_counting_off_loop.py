@@ -31,14 +31,6 @@ CHAT = "/v1/chat/completions"
 HUGE = "hello world " * 200_000
 
 
-@pytest.fixture(scope="module")
-def real_tokenizer() -> Tokenizer:
-    folder = model_folder()
-    if not (folder / "tokenizer.json").is_file():
-        pytest.skip(f"the default model is not prepared in {folder}")
-    return Tokenizer.from_folder(folder)
-
-
 @pytest.fixture
 def never_queued(monkeypatch):
     """This process must neither tokenize (only a counting process may) nor queue a request."""

@@ -26,7 +26,7 @@ from api.schemas import ChatCompletionRequest, CompletionRequest, validate
 from gateway import admission, lifecycle
 from gateway.admission import Principal
 from inference.preparation import submit_args
-from inference.protocol import RequestMessage, Sampling, model_folder
+from inference.protocol import RequestMessage, Sampling
 from inference.tokenization import Tokenizer
 from tests.platform.conftest import InProcessWorker
 
@@ -35,14 +35,6 @@ pytestmark = [pytest.mark.django_db, pytest.mark.model]
 MODEL = "SmolLM2-135M-Instruct"
 CHAT = "/v1/chat/completions"
 MAX_TOKENS = 7
-
-
-@pytest.fixture(scope="module")
-def real_tokenizer() -> Tokenizer:
-    folder = model_folder()
-    if not (folder / "tokenizer.json").is_file():
-        pytest.skip(f"the default model is not prepared in {folder}")
-    return Tokenizer.from_folder(folder)
 
 
 @pytest.fixture

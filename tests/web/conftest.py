@@ -15,6 +15,7 @@ from tests.platform.conftest import (  # noqa: F401 - fixtures shared with the p
     live_worker,
     make_tenant,
     rclient,
+    real_tokenizer,
     redis_prefix,
     stack_idle_before_flush,
     tenant_key,

@@ -18,14 +18,6 @@ from inference.tokenization import Tokenizer
 pytestmark = [pytest.mark.django_db, pytest.mark.model]
 
 
-@pytest.fixture(scope="module")
-def real_tokenizer() -> Tokenizer:
-    folder = model_folder()
-    if not (folder / "tokenizer.json").is_file():
-        pytest.skip(f"the default model is not prepared in {folder}")
-    return Tokenizer.from_folder(folder)
-
-
 def conversation(*contents: str) -> list[dict[str, str]]:
     roles = ["user", "assistant"]
     return [{"role": roles[i % 2], "content": c} for i, c in enumerate(contents)]
