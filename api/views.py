@@ -34,7 +34,7 @@ from api.sse import DONE, KEEPALIVE, sse_data
 from gateway import lifecycle, ratelimits, workers
 from gateway.admission import Principal
 from gateway.clients import aredis
-from gateway.conf import platform_settings
+from gateway.conf import platform_settings, redis_keys
 from gateway.credentials import bearer_token
 from gateway.errors import APIError, unexpected_error
 from gateway.events import Waiting
@@ -209,7 +209,11 @@ async def _complete(generation: Generation, shape: responses.ResponseShape,
 
 async def _stream(generation: Generation, shape: responses.ResponseShape,
                   worker_error: WorkerError) -> HttpResponse:
-    events = generation.events(first_timeout_s=platform_settings()["STREAM_DECISION_TIMEOUT_S"])
+    conf = platform_settings()
+    # The status waits (bounded) for the worker's first event; then a comment keeps a quiet
+    # stream open through proxies with an idle timeout.
+    events = generation.events(first_timeout_s=conf["STREAM_DECISION_TIMEOUT_S"],
+                               keepalive_s=conf["SSE_KEEPALIVE_S"])
     # The status is decided before the first byte: wait (bounded) for the worker's first event.
     try:
         first = await anext(events)
@@ -324,6 +328,8 @@ async def scheduler_stats(request: HttpRequest) -> HttpResponse:
     return JsonResponse({
         "gate1": workers.gate1(await workers.gate1_queued()),
         "queue": await workers.queue_state(),
+        # Requests ended whose usage record is not written yet (gateway.usage).
+        "usage_pending": await aredis().hlen(redis_keys().usage_pending),
         "workers": snapshots,
         "total": workers.aggregate(list(snapshots.values())),
     })

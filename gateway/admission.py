@@ -11,9 +11,11 @@ the global queue counter is why this is one script.
   set of the admitted requests, scored by time), so no 60-second span ever admits more than the
   limit; tokens are reserved as ``prompt + max_tokens`` and settled to the real usage afterwards
   (``gateway/lua/settle.lua``).
-- max concurrent requests: a sorted set of leases (scored by expiry), released when the response
-  ends; a lease outlives a crashed web process by at most ``REQUEST_IDLE_TIMEOUT_S``.
-- token budget per period: a counter per tenant and period, reserved and settled like tokens.
+- max concurrent requests: a sorted set of leases (scored by expiry), released when the request
+  ends in the queue (``fq_finish``, whoever ends it: its worker, a reclaim, a withdrawal) and when
+  the response ends; the expiry (``REQUEST_IDLE_TIMEOUT_S`` and a minute) is the last resort.
+- token budget per period: a counter per tenant and period, reserved and settled like tokens;
+  a counter Redis has lost is first rebuilt from the usage records (:mod:`gateway.budgets`).
 - gate 1: requests waiting in the queue plus those workers hold not yet admitted (see
   :mod:`inference.protocol`).
 
@@ -25,12 +27,14 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import redis
 
+from gateway import budgets as token_budgets
 from gateway import ratelimits
 from gateway.clients import aredis, sync_redis
 from gateway.conf import platform_settings, redis_keys
@@ -43,6 +47,10 @@ RATE_WINDOW_MS = 60_000
 _LUA = Path(__file__).parent / "lua"
 ADMIT_LUA = queue_library_with((_LUA / "admit.lua").read_text())
 SETTLE_LUA = (_LUA / "settle.lua").read_text()
+# An admission retried after its reply was lost gets its first verdict for this long (s).
+ADMITTED_MARKER_TTL_S = 600
+# Where the web tier's copy of a request message keeps the Redis epoch it was queued in.
+EPOCH_META_KEY = "epoch"
 # Keys of the admission script before the limit keys (the queue's are named in the script).
 FIXED_KEYS = 0
 
@@ -117,10 +125,10 @@ def build_limits(
                             "kind": "tokens"})
             token_windows.append({"key": name, "cost": token_cost})
     if tenant.token_budget:
-        period = tenant.budget_period_seconds
-        name = f"{p}:budget:{tenant.pk}:{int(now // period)}"
-        budgets.append({"key": slot(name), "limit": tenant.token_budget, "cost": token_cost,
-                        "ttl_s": period, "what": f"token budget per {tenant.budget_period}"})
+        period = token_budgets.budget_period(tenant, p, now)
+        budgets.append({"key": slot(period.key), "limit": tenant.token_budget,
+                        "cost": token_cost, "ttl_s": period.seconds,
+                        "what": f"token budget per {tenant.budget_period}"})
     concurrency_keys = []
     if tenant.max_concurrent_requests:
         name = f"{p}:conc:tenant:{tenant.pk}"
@@ -207,11 +215,17 @@ async def _admit(principal: Principal, message: RequestMessage,
     if not await alive_workers():
         raise APIError(503, "No inference worker is running; retry later.",
                        code="no_worker_available", retry_after_s=5)
-    spec, limit_keys, admission = build_limits(principal, message.request_id, token_cost)
+    now = time.time()
+    spec, limit_keys, admission = build_limits(principal, message.request_id, token_cost, now)
+    if principal.tenant.token_budget:
+        # A counter Redis lost (restart, flush) is rebuilt from the usage records first.
+        period = token_budgets.budget_period(principal.tenant, redis_keys().prefix, now)
+        await token_budgets.ensure_counter(aredis(), period)
     message = message.model_copy(
         update={"meta": {**message.meta, "admission": admission.to_meta()}})
     spec.update(fairness_key=message.fairness_key, priority=int(message.priority),
-                deadline=message.deadline() or 0)
+                deadline=message.deadline() or 0, epoch=uuid.uuid4().hex,
+                marker_ttl_s=ADMITTED_MARKER_TTL_S)
     raw = await aredis().eval(ADMIT_LUA, len(limit_keys), *limit_keys, json.dumps(spec),
                               message.to_json())
     verdict = json.loads(raw)
@@ -220,9 +234,11 @@ async def _admit(principal: Principal, message: RequestMessage,
         exc = refusal(verdict)
         exc.extra_headers.update(ratelimits.headers(uses))
         raise exc
-    # Kept in the web tier's copy only (the worker's was sent above): the response's headers.
+    # Kept in the web tier's copy only (the worker's was sent above): the response's headers and
+    # the epoch of the Redis data it was queued in (gateway.monitor tells when Redis lost it).
     return message.model_copy(
-        update={"meta": {**message.meta, ratelimits.META_KEY: ratelimits.to_meta(uses)}})
+        update={"meta": {**message.meta, ratelimits.META_KEY: ratelimits.to_meta(uses),
+                         EPOCH_META_KEY: verdict["epoch"]}})
 
 
 async def release(meta: dict[str, Any]) -> None:
@@ -236,15 +252,28 @@ async def release(meta: dict[str, Any]) -> None:
         await pipe.execute()
 
 
-def settle(meta: dict[str, Any], actual_tokens: int, client: redis.Redis | None = None) -> None:
-    """Replace the tokens reserved at admission by ``actual_tokens`` (prompt + completion)."""
+def settle(meta: dict[str, Any], actual_tokens: int, client: redis.Redis | None = None, *,
+           ledger: tuple[str, str] | None = None) -> bool:
+    """Replace the tokens reserved at admission by ``actual_tokens`` (prompt + completion).
+
+    Args:
+        ledger: (the usage ledger's key, the request id): settle only if this call removes the
+            request's ledger entry, in the same atomic step (:mod:`gateway.usage`), so a
+            request is settled exactly once.
+
+    Returns:
+        Whether the reservations were settled (False when the ledger entry was already gone).
+    """
     admission = meta.get("admission") or {}
     windows = admission.get("token_windows") or []
     budgets = admission.get("budgets") or []
-    if not windows and not budgets:
-        return
-    spec = {"member": admission["member"], "actual": int(actual_tokens),
+    spec = {"member": admission.get("member", ""), "actual": int(actual_tokens),
             "windows": [{"cost": w["cost"]} for w in windows],
             "budgets": [{"cost": b["cost"]} for b in budgets]}
+    if ledger is not None:
+        spec["ledger"], spec["request_id"] = ledger
+    elif not windows and not budgets:
+        return True
     names = [w["key"] for w in windows] + [b["key"] for b in budgets]
-    (client or sync_redis()).eval(SETTLE_LUA, len(names), *names, json.dumps(spec))
+    return int((client or sync_redis()).eval(SETTLE_LUA, len(names), *names,
+                                             json.dumps(spec))) >= 0

@@ -1,4 +1,7 @@
-"""The web tier's Redis clients: one async pool per event loop, one blocking pool per process."""
+"""The web tier's Redis clients: one async pool per event loop, one blocking pool per process.
+
+Both retry a call on a lost connection for a few seconds
+(:func:`inference.protocol.redis_retry_options`)."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import redis.asyncio as aioredis
 from django.conf import settings
 
 from gateway.conf import platform_settings
+from inference.protocol import redis_retry_options
 
 _async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aioredis.Redis] = (
     weakref.WeakKeyDictionary()
@@ -27,14 +31,15 @@ def aredis() -> aioredis.Redis:
     client = _async_clients.get(loop)
     if client is None:
         client = aioredis.Redis.from_url(
-            settings.REDIS_URL, max_connections=platform_settings()["REDIS_MAX_CONNECTIONS"])
+            settings.REDIS_URL, max_connections=platform_settings()["REDIS_MAX_CONNECTIONS"],
+            **redis_retry_options(asyncio=True))
         _async_clients[loop] = client
     return client
 
 
 @functools.cache
 def _sync_client(url: str) -> redis_sync.Redis:
-    return redis_sync.Redis.from_url(url)
+    return redis_sync.Redis.from_url(url, **redis_retry_options())
 
 
 def sync_redis() -> redis_sync.Redis:

@@ -30,6 +30,7 @@ STATUS_BY_CODE: dict[ErrorCode, int] = {
     ErrorCode.INVALID_REQUEST: 400,
     ErrorCode.ENGINE_ERROR: 500,
     ErrorCode.WORKER_SHUTDOWN: 503,
+    ErrorCode.WORKER_LOST: 503,
 }
 # Recorded for a request whose client went away (nginx's convention).
 CLIENT_CLOSED_STATUS = 499

@@ -8,54 +8,59 @@ A worker appends each request's events to ``{prefix}:events:{request_id}``:
 from __future__ import annotations
 
 import asyncio
-import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
+import redis.exceptions
 from asgiref.sync import sync_to_async
 
+from gateway import monitor, usage
 from gateway.clients import aredis
 from gateway.conf import redis_keys
 from gateway.errors import APIError
-from gateway.tasks import record_usage
 from inference.protocol import (
     ABORT_MARK_TTL_S,
     EVENTS_TTL_S,
     ControlMessage,
     Event,
-    FinalEvent,
-    FinishReason,
-    RequestMessage,
-    UsageReport,
     decode_event,
-    encode_event,
     queue_script,
 )
 
-# Blocks stay well below the client's socket timeout (5 s by default in redis-py 8).
-XREAD_BLOCK_S = 2.0
+log = logging.getLogger(__name__)
+
+# Blocks stay well below the client's socket timeout (5 s by default in redis-py 8), and short
+# enough that a lost request (Redis lost its data) is noticed within a second or so.
+XREAD_BLOCK_S = 1.0
 WITHDRAW_LUA = queue_script("withdraw")
+# Backoff between reads while Redis is unreachable (seconds).
+OUTAGE_BACKOFF_S = (0.1, 0.2, 0.5, 1.0)
 
 
 @dataclass(frozen=True)
 class Waiting:
-    """No event yet after the first-event timeout: a streaming response commits to its status."""
+    """No event for a while: the first-event timeout passed (a streaming response commits to its
+    status), or a keepalive period passed (a streaming response sends a comment)."""
 
 
 async def abort(request_id: str) -> None:
     """Stop ``request_id`` wherever it is.
 
-    Still waiting in the shared queue, it is withdrawn from it: its final event (``abort``) is
-    written here and its usage recorded (nothing generated), as no worker will see it. Taken by a
-    worker, every worker is asked to abort it (a worker that reads it later drops it).
+    Still waiting in the shared queue, it is withdrawn from it and ends there (final event
+    ``abort``, its usage recorded: nothing generated), as no worker will see it. Taken by a
+    worker, every worker is asked to abort it, and an abort mark tells a worker that missed the
+    message (or reads the request later) to drop it.
+
+    Raises:
+        redis.RedisError: Redis is unreachable (the web monitor retries it: :func:`abort_later`).
     """
     keys = redis_keys()
     client = aredis()
-    withdrawn = await client.eval(WITHDRAW_LUA, 0, keys.prefix, "ids", request_id)
+    withdrawn = await client.eval(WITHDRAW_LUA, 0, keys.prefix, EVENTS_TTL_S, "ids", request_id)
     if withdrawn:
-        await _end_withdrawn(json.loads(withdrawn[0]))
+        await sync_to_async(usage.record)(request_id)
         return
     pipe = client.pipeline(transaction=False)
     pipe.set(keys.aborted(request_id), 1, ex=ABORT_MARK_TTL_S)
@@ -63,19 +68,14 @@ async def abort(request_id: str) -> None:
     await pipe.execute()
 
 
-async def _end_withdrawn(record: dict[str, Any]) -> None:
-    """The final event and the usage of a request withdrawn before any worker took it."""
-    event = FinalEvent(request_id=record["id"], finish_reason=FinishReason.ABORT)
-    stream = redis_keys().events(record["id"])
-    pipe = aredis().pipeline(transaction=False)
-    pipe.xadd(stream, encode_event(event))
-    pipe.expire(stream, EVENTS_TTL_S)
-    await pipe.execute()
-    message = RequestMessage.from_json(record["body"])
-    report = UsageReport(request_id=message.request_id, meta=message.meta, usage=event.usage,
-                         finish_reason=event.finish_reason, enqueued_at=message.enqueued_at,
-                         finished_at=time.time())
-    await sync_to_async(record_usage)(report.model_dump(mode="json"))
+async def abort_later(request_id: str) -> None:
+    """:func:`abort`, and when Redis is unreachable, leave it to the web monitor to retry."""
+    try:
+        await abort(request_id)
+    except redis.exceptions.RedisError:
+        log.warning("could not abort %s now (Redis unreachable): retrying in the background",
+                    request_id)
+        monitor.current().pending_aborts[request_id] = time.monotonic()
 
 
 def _raise_if_cancelled() -> None:
@@ -91,40 +91,80 @@ def _raise_if_cancelled() -> None:
         raise asyncio.CancelledError
 
 
+def lost_error() -> APIError:
+    """The error of a request whose state Redis lost (restarted without its data)."""
+    return APIError(503, "The server's request store restarted and lost this request; retry "
+                    "it.", code="service_unavailable", retry_after_s=1)
+
+
 async def events(
-    request_id: str, idle_timeout_s: float, first_timeout_s: float | None = None
+    request_id: str, idle_timeout_s: float, first_timeout_s: float | None = None, *,
+    keepalive_s: float | None = None, epoch: str | None = None,
+    outage_tolerance_s: float = 10.0,
 ) -> AsyncIterator[Event | Waiting]:
     """The request's events in order, up to and including the final one.
 
-    With ``first_timeout_s``, yields one :class:`Waiting` if the first event has not arrived by
-    then (seconds), and goes on waiting.
+    Args:
+        idle_timeout_s: how long to wait for any event (seconds).
+        first_timeout_s: yield one :class:`Waiting` if the first event has not arrived by then.
+        keepalive_s: after the first :class:`Waiting` or event, yield a :class:`Waiting` each time
+            this long passes without an event.
+        epoch: the deployment's epoch when the request was queued: when the web monitor reads
+            another, Redis lost the request, and waiting would never end.
+        outage_tolerance_s: how long Redis may stay unreachable before the request ends; the
+            read resumes after the last event received, so no event is lost or repeated.
 
     Raises:
-        APIError: 504 ``worker_timeout`` when no event arrives for ``idle_timeout_s`` seconds.
+        APIError: 504 ``worker_timeout`` when no event arrives for ``idle_timeout_s`` seconds;
+            503 ``service_unavailable`` when Redis stays unreachable past ``outage_tolerance_s``
+            or lost the request.
         pydantic.ValidationError: an entry that is not a valid event.
     """
     client = aredis()
     stream = redis_keys().events(request_id)
+    watcher = monitor.current()
     last_id = "0-0"
     start = time.monotonic()
     deadline = start + idle_timeout_s
-    first_deadline = start + first_timeout_s if first_timeout_s is not None else None
+    # When to yield the next Waiting: the first-event timeout, then every keepalive period.
+    beat_at = start + first_timeout_s if first_timeout_s is not None else None
+    failures = 0
+    failing_since: float | None = None
     while True:
-        wake = deadline if first_deadline is None else min(deadline, first_deadline)
+        wake = deadline if beat_at is None else min(deadline, beat_at)
         block_ms = max(1, int(min(XREAD_BLOCK_S, wake - time.monotonic()) * 1000))
-        reply = await client.xread({stream: last_id}, block=block_ms, count=256)
-        _raise_if_cancelled()
-        if not reply:
+        try:
+            reply = await client.xread({stream: last_id}, block=block_ms, count=256)
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            _raise_if_cancelled()
             now = time.monotonic()
-            if first_deadline is not None and now >= first_deadline:
-                first_deadline = None
+            failing_since = failing_since or now
+            if now - failing_since > outage_tolerance_s:
+                raise APIError(503, "The server lost its connection to the request store; "
+                               "retry the request.", code="service_unavailable",
+                               retry_after_s=1) from exc
+            await asyncio.sleep(OUTAGE_BACKOFF_S[min(failures, len(OUTAGE_BACKOFF_S) - 1)])
+            failures += 1
+            deadline += time.monotonic() - now  # an outage is not the worker's silence
+            continue
+        _raise_if_cancelled()
+        failures, failing_since = 0, None
+        now = time.monotonic()
+        if not reply:
+            if epoch is not None and watcher.epoch is not None and watcher.epoch != epoch:
+                raise lost_error()
+            if beat_at is not None and now >= beat_at:
+                beat_at = now + keepalive_s if keepalive_s else None
                 yield Waiting()
             if now >= deadline:
                 raise APIError(504, f"No answer from the inference worker within "
                                f"{idle_timeout_s:g} s.", code="worker_timeout")
             continue
-        first_deadline = None
-        deadline = time.monotonic() + idle_timeout_s
+        deadline = now + idle_timeout_s
+        if keepalive_s:
+            beat_at = now + keepalive_s
+        elif first_timeout_s is not None:
+            beat_at = None
         for entry_id, fields in reply[0][1]:
             last_id = entry_id
             event = decode_event(fields)

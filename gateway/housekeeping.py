@@ -1,18 +1,63 @@
-"""Housekeeping of the protocol's Redis keys: what would otherwise be kept for ever.
+"""Housekeeping of the protocol's Redis keys: what would otherwise be kept, or waited on, for ever.
 
-The shared queue cleans up after itself (a request leaves it when taken, withdrawn or expired; a
-dead worker's requests are reclaimed by the live workers), and most keys expire. What is left is
-an events stream whose expiry was never set (a writer that died between its two commands).
+:func:`sweep` (and :func:`asweep`, its async twin for the web tier's monitor) reclaims the
+requests of workers whose heartbeat lapsed and ends the waiting requests past their admission
+deadline. The workers run the same Lua scripts; the web tiers and a Celery beat task run them too,
+so that a dead worker's streams end within its heartbeat TTL even when no worker lives. Each
+script is atomic: whoever runs it first does the work, once.
+
+:func:`trim_redis` deletes an events stream whose expiry was never set (a writer that died
+between its two commands).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 import redis
+import redis.asyncio as aioredis
 
-from gateway.conf import redis_keys
-from inference.protocol import EVENTS_TTL_S
+from gateway.clients import sync_redis
+from gateway.conf import platform_settings, redis_keys
+from inference.protocol import EVENTS_TTL_S, queue_script
+
+log = logging.getLogger(__name__)
+
+RECLAIM_LUA = queue_script("reclaim")
+WITHDRAW_LUA = queue_script("withdraw")
+# Requests expired per sweep (the rest go in the next one).
+EXPIRE_BATCH = 256
+
+
+def _ids(values: list) -> list[str]:
+    return [v.decode() if isinstance(v, bytes) else str(v) for v in values]
+
+
+def _reclaimed(reply: list) -> list[str]:
+    workers = _ids([reply[1]])[0]
+    ended = _ids(reply[2:])
+    if workers not in ("{}", "[]"):
+        log.warning("reclaimed dead worker(s) %s: %s request(s) back in the queue, %d ended",
+                    workers, reply[0], len(ended))
+    return ended
+
+
+def sweep(client: redis.Redis | None = None) -> list[str]:
+    """Reclaim dead workers and end expired requests; return the ids of the requests ended."""
+    client = client or sync_redis()
+    prefix, ttl = redis_keys().prefix, platform_settings()["WORKER_HEARTBEAT_TTL_S"]
+    ended = _reclaimed(client.eval(RECLAIM_LUA, 0, prefix, ttl, EVENTS_TTL_S))
+    return ended + _ids(client.eval(WITHDRAW_LUA, 0, prefix, EVENTS_TTL_S, "expired",
+                                    EXPIRE_BATCH))
+
+
+async def asweep(client: aioredis.Redis) -> list[str]:
+    """:func:`sweep` on an async client."""
+    prefix, ttl = redis_keys().prefix, platform_settings()["WORKER_HEARTBEAT_TTL_S"]
+    ended = _reclaimed(await client.eval(RECLAIM_LUA, 0, prefix, ttl, EVENTS_TTL_S))
+    return ended + _ids(await client.eval(WITHDRAW_LUA, 0, prefix, EVENTS_TTL_S, "expired",
+                                          EXPIRE_BATCH))
 
 
 def _stream_id_ms(entry_id: bytes | str) -> int:

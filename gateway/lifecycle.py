@@ -24,11 +24,13 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from gateway import admission, workers
+import redis.exceptions
+
+from gateway import admission, monitor, workers
 from gateway.admission import Principal
 from gateway.clients import aredis
 from gateway.conf import platform_settings, redis_keys
-from gateway.events import Waiting, abort, events
+from gateway.events import Waiting, abort, abort_later, events
 from gateway.tokens import PromptCount, count_chat_tokens, count_text_tokens
 from inference.protocol import (
     ChatTurn,
@@ -83,23 +85,28 @@ class Generation:
     def meta(self) -> dict[str, Any]:
         return self.message.meta
 
-    async def events(self, first_timeout_s: float | None = None
-                     ) -> AsyncIterator[Event | Waiting]:
+    async def events(self, first_timeout_s: float | None = None, *,
+                     keepalive_s: float | None = None) -> AsyncIterator[Event | Waiting]:
         """The worker's events, up to and including the final one (kept as :attr:`final`).
 
         Args:
-            first_timeout_s: yield one :class:`~gateway.events.Waiting` when the first event
+            first_timeout_s: yield a :class:`~gateway.events.Waiting` when the first event
                 takes longer than this (seconds), then go on waiting.
+            keepalive_s: then yield one each time this long passes without an event.
 
         Raises:
-            APIError: 504 ``worker_timeout`` after ``REQUEST_IDLE_TIMEOUT_S`` without an event.
+            APIError: 504 ``worker_timeout`` after ``REQUEST_IDLE_TIMEOUT_S`` without an event;
+                503 ``service_unavailable`` when Redis stays unreachable or lost the request.
         """
         if self._refusal is not None:
             self.final = self._refusal
             yield self._refusal
             return
-        idle = platform_settings()["REQUEST_IDLE_TIMEOUT_S"]
-        async for event in events(self.request_id, idle, first_timeout_s):
+        conf = platform_settings()
+        async for event in events(self.request_id, conf["REQUEST_IDLE_TIMEOUT_S"],
+                                  first_timeout_s, keepalive_s=keepalive_s,
+                                  epoch=self.meta.get(admission.EPOCH_META_KEY),
+                                  outage_tolerance_s=conf["REDIS_OUTAGE_TOLERANCE_S"]):
             if isinstance(event, FinalEvent):
                 self.final = event
             yield event
@@ -121,11 +128,14 @@ class Generation:
         await asyncio.shield(self._end())
 
     async def _end(self) -> None:
+        if self.final is None:
+            await abort_later(self.request_id)
         try:
-            if self.final is None:
-                await abort(self.request_id)
-        finally:
             await admission.release(self.meta)
+        except redis.exceptions.RedisError:
+            # Released when the request ends in the queue (its final event releases its
+            # leases), or when the lease expires.
+            log.warning("could not release the leases of %s now", self.request_id)
 
 
 async def start(principal: Principal, *, sampling: Sampling, default_max_tokens: int,
@@ -169,6 +179,7 @@ async def start(principal: Principal, *, sampling: Sampling, default_max_tokens:
         sampling=sampling,
         default_max_tokens=default_max_tokens,
         queue_deadline_s=conf["MAX_QUEUE_WAIT_S"],
+        origin=(await monitor.ensure_started()).web_id,
         meta={"tenant_id": tenant.pk, "api_key_id": principal.api_key_id, **(meta or {})},
     )
     if prompt_tokens is None:

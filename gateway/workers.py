@@ -34,6 +34,7 @@ class Rule(Enum):
 FIELD_RULES: dict[str, Rule] = {
     **dict.fromkeys((
         "num_pending", "num_prefilling", "num_active", "num_queued", "held_in_gate1",
+        "events_unsent",
         "active_kv_reserved", "active_kv_budget", "kv_admit_blocked", "tick_count",
         "tokens_generated", "prompt_tokens_computed", "kv_blocks_total", "kv_blocks_held",
         "kv_blocks_free", "kv_blocks_evictable", "kv_blocks_reserved", "prefix_hit_tokens",

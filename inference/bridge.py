@@ -3,9 +3,14 @@
 Message schema and key names: :mod:`inference.protocol`; the shared request queue:
 :mod:`inference.fair_queue`; turning a message into a submission: :mod:`inference.preparation`.
 Threads: the worker's main thread calls :meth:`WorkerBridge.poll` (take and submit),
-:meth:`reconcile_queue`, :meth:`charge_service`, :meth:`housekeep`, :meth:`flush_usage` and
-:meth:`publish_stats`; the engine thread calls :meth:`on_events` once or twice per tick; a Redis
-pub/sub thread calls :meth:`on_control`. No tensor work happens here.
+:meth:`reconcile_queue`, :meth:`charge_service`, :meth:`housekeep`, :meth:`audit`,
+:meth:`flush_events`, :meth:`flush_usage` and :meth:`publish_stats`; the engine thread calls
+:meth:`on_events` once or twice per tick; a Redis pub/sub thread calls :meth:`on_control`. No
+tensor work happens here.
+
+A Redis outage is ridden out here: events wait, in order, in a buffer and are written when Redis
+is back, at most once each. What it does when something else died, or it is told to stop, is in
+:mod:`inference.recovery` (``docs/design.md``, "Faults").
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import redis
 from pydantic import ValidationError
@@ -36,13 +40,16 @@ from inference.protocol import (
     Keys,
     RequestMessage,
     TokenEvent,
-    UsageReport,
-    encode_event,
 )
+from inference.recovery import Recovery
 
 log = logging.getLogger(__name__)
 
-UsageSink = Callable[[UsageReport], None]
+# Called with the id of each request this worker ended, to have its usage recorded from the
+# ledger (the Celery usage task in production).
+UsageSink = Callable[[str], None]
+# Events buffered while Redis is unreachable, at most (then the oldest requests are stopped).
+MAX_UNSENT_EVENTS = 100_000
 
 
 @dataclass
@@ -50,10 +57,11 @@ class LiveRequest:
     """A request this worker took from Redis and has not finished."""
 
     message: RequestMessage
-    first_token_at: float | None = None
+    prompt_tokens: int = 0
+    started: bool = False  # whether its first event was handed to Redis
 
 
-class WorkerBridge:
+class WorkerBridge(Recovery):
     """Connects one :class:`LLMEngine` to Redis.
 
     Args:
@@ -64,23 +72,28 @@ class WorkerBridge:
         prefetch: requests this worker takes beyond its free rows (``WORKER_PREFETCH``): it takes
             only what it can start soon, so the shared queue, not the worker that read first,
             decides each request's place.
-        usage_sink: called on the main thread with each finished request's
-            :class:`~inference.protocol.UsageReport` (sent to the Celery usage task in
-            production).
+        usage_sink: called on the main thread with the id of each request this worker ended
+            (its usage entry is in the ledger; the sink has it recorded).
+        web_ttl_s: a web process whose heartbeat is older than this is gone, with the clients
+            of the answers it was streaming: those answers are stopped.
     """
 
     def __init__(self, engine: LLMEngine, client: redis.Redis, keys: Keys, worker_id: str, *,
-                 prefetch: int, usage_sink: UsageSink | None = None):
+                 prefetch: int, usage_sink: UsageSink | None = None, web_ttl_s: float = 10.0):
         self.engine = engine
         self.client = client
         self.keys = keys
         self.worker_id = worker_id
         self.usage_sink = usage_sink
         self.prefetch = max(0, prefetch)
+        self.web_ttl_s = web_ttl_s
         self.queue = FairQueue(client, keys, worker_id, engine.config.scheduling_policy)
         self._live: dict[str, LiveRequest] = {}
         self._live_lock = threading.Lock()
-        self._finished: queue.SimpleQueue[tuple[FinalEvent, LiveRequest]] = queue.SimpleQueue()
+        self._ended: queue.SimpleQueue[str] = queue.SimpleQueue()
+        # Events not yet written (Redis unreachable), in order; both threads flush them.
+        self._unsent: list[Event] = []
+        self._send_lock = threading.Lock()
         # Requests this worker counts in the global gate-1 counter: taken from Redis, not yet
         # admitted by its engine (or ended). Only the main thread touches it.
         self._held = 0
@@ -91,6 +104,12 @@ class WorkerBridge:
         self._row_freed = threading.Event()  # set by the engine thread when a request ends
         # Requests this worker ended outside its engine, by finish reason (in its stats).
         self._ended_outside: dict[str, int] = {}
+        # The deployment's epoch as this worker knows it (None: not read yet).
+        self.epoch: str | None = None
+        # Requests whose state Redis lost: their final events are written without ownership.
+        self._wiped: dict[str, LiveRequest] = {}
+        # Origins (web processes) first seen without a heartbeat: origin -> monotonic time.
+        self._origin_missing: dict[str, float] = {}
         engine.event_sink = self.on_events
 
     # -- requests in (main thread) ----------------------------------------------------------
@@ -109,6 +128,8 @@ class WorkerBridge:
         room it waits up to ``block_ms`` for one of its requests to end.
         """
         if not self._accepting:
+            self._row_freed.wait(block_ms / 1000)
+            self._row_freed.clear()
             return 0
         room = self.room()
         if room <= 0:
@@ -127,21 +148,21 @@ class WorkerBridge:
         self._held += 1  # counted in gate 1 until its engine admits it
         message = queued.message
         if message is None:
-            self._end_unadmitted(None, queued.request_id, FinishReason.ERROR, ErrorInfo(
+            self._end_unadmitted(queued.request_id, FinishReason.ERROR, ErrorInfo(
                 code=ErrorCode.INVALID_REQUEST, message="the request message was malformed"))
             return
         rid = message.request_id
-        if self.client.exists(self.keys.aborted(rid)):
-            self._end_unadmitted(message, rid, FinishReason.ABORT)
+        if self.client.exists(self.keys.aborted(rid)) or not self._origin_alive(message.origin):
+            self._end_unadmitted(rid, FinishReason.ABORT)
             return
         expired = queue_timeout(message)
         if expired is not None:
-            self._end_unadmitted(message, rid, FinishReason.ERROR, expired)
+            self._end_unadmitted(rid, FinishReason.ERROR, expired)
             return
         try:
             kwargs = submit_args(message, self.engine.tokenizer, self.engine.max_model_len)
             with self._live_lock:
-                self._live[rid] = LiveRequest(message)
+                self._live[rid] = LiveRequest(message, len(kwargs["prompt_token_ids"]))
             self.engine.submit(**kwargs)
         except (QueueFullError, EngineStoppedError):
             # This worker cannot take it now: back to its place for any worker (still counted).
@@ -151,34 +172,21 @@ class WorkerBridge:
             return
         except EngineRefusal as exc:
             self._forget(rid)
-            self._end_unadmitted(message, rid, FinishReason.ERROR, exc.error)
+            self._end_unadmitted(rid, FinishReason.ERROR, exc.error)
             return
         if self.client.exists(self.keys.aborted(rid)):
             self.engine.abort(rid)  # the abort may have been published before we submitted
 
-    def _end_unadmitted(self, message: RequestMessage | None, request_id: str,
-                        reason: FinishReason, error: ErrorInfo | None = None) -> None:
+    def _end_unadmitted(self, request_id: str, reason: FinishReason,
+                        error: ErrorInfo | None = None) -> None:
         """Finish a request this worker took that never entered its engine."""
         event = FinalEvent(request_id=request_id, finish_reason=reason, error=error)
         lost = self.queue.write_events([event], EVENTS_TTL_S)
         self._count_ended(reason)
         self._held -= 1
         self.queue.release_held(1)
-        if message is not None and not lost:
-            self._finished.put((event, LiveRequest(message)))
-
-    def _end_orphan(self, queued: QueuedRequest, error: ErrorInfo) -> None:
-        """Finish a request no worker owns (withdrawn from the queue, or its worker died)."""
-        event = FinalEvent(request_id=queued.request_id, finish_reason=FinishReason.ERROR,
-                           error=error)
-        self._count_ended(FinishReason.ERROR)
-        key = self.keys.events(queued.request_id)
-        pipe = self.client.pipeline(transaction=False)
-        pipe.xadd(key, encode_event(event))
-        pipe.expire(key, EVENTS_TTL_S)
-        pipe.execute()
-        if queued.message is not None:
-            self._finished.put((event, LiveRequest(queued.message)))
+        if not lost:
+            self._ended.put(request_id)
 
     def _count_ended(self, reason: FinishReason) -> None:
         self._ended_outside[reason.value] = self._ended_outside.get(reason.value, 0) + 1
@@ -187,26 +195,68 @@ class WorkerBridge:
         with self._live_lock:
             return self._live.pop(request_id, None)
 
-    # -- events out (engine thread) ---------------------------------------------------------
+    # -- events out (engine thread, and the main thread after an outage) --------------------
 
     def on_events(self, events: list[Event]) -> None:
-        """Write one tick's events to their requests' streams (only for requests it owns)."""
-        lost = set(self.queue.write_events(events, EVENTS_TTL_S))
+        """Write one tick's events to their requests' streams (only for requests it owns).
+
+        When Redis is unreachable the events wait, in order, and go out with the next call or
+        :meth:`flush_events`; the engine goes on generating meanwhile.
+        """
         if any(isinstance(e, FinalEvent) for e in events):
             self._row_freed.set()
-        now = time.time()
+        with self._send_lock:
+            self._unsent.extend(events)
+            self._send_unsent()
+
+    def flush_events(self) -> None:
+        """Write the events that wait for Redis (main thread; raises while it is unreachable)."""
+        with self._send_lock:
+            if self._unsent:
+                self._send_unsent(raise_errors=True)
+
+    def _send_unsent(self, raise_errors: bool = False) -> None:
+        events = self._unsent
+        if not events:
+            return
+        counts: dict[str, int] = {}
+        with self._live_lock:
+            for event in events:
+                live = self._live.get(event.request_id)
+                if live is not None and not live.started:
+                    counts[event.request_id] = live.prompt_tokens
+        try:
+            lost = set(self.queue.write_events(events, EVENTS_TTL_S, counts))
+        except redis.RedisError as exc:
+            if len(events) > MAX_UNSENT_EVENTS:
+                log.error("%d events wait for Redis: dropping the oldest", len(events))
+                del events[: len(events) - MAX_UNSENT_EVENTS]
+            if raise_errors:
+                raise
+            log.warning("could not write %d event(s) (%s): kept for the next try",
+                        len(events), exc)
+            return
+        self._unsent = []
+        if lost and self._epoch_changed():
+            self._on_wiped()
         for event in events:
             if event.request_id in lost:
                 continue
             if isinstance(event, TokenEvent):
                 live = self._live.get(event.request_id)
-                if live is not None and live.first_token_at is None:
-                    live.first_token_at = now
-            else:
-                live = self._forget(event.request_id)
                 if live is not None:
-                    self._finished.put((event, live))
+                    live.started = True
+            elif self._forget(event.request_id) is not None:
+                self._ended.put(event.request_id)
         for request_id in lost:
+            wiped = self._wiped.get(request_id)
+            final = next((e for e in events if e.request_id == request_id
+                          and isinstance(e, FinalEvent)), None)
+            if wiped is not None:
+                if final is not None:
+                    self._wiped.pop(request_id, None)
+                    self._write_unowned_final(final, wiped)
+                continue
             # Reclaimed while this worker was silent: another worker serves it (or ended it).
             if self._forget(request_id) is not None:
                 log.warning("request %s is no longer this worker's: stopping it", request_id)
@@ -214,7 +264,7 @@ class WorkerBridge:
 
     # -- control (pub/sub thread) -----------------------------------------------------------
 
-    def on_control(self, raw: dict[str, Any]) -> None:
+    def on_control(self, raw: dict) -> None:
         """Handle one pub/sub message of the control channel (aborts)."""
         try:
             message = ControlMessage.from_json(raw["data"])
@@ -226,7 +276,7 @@ class WorkerBridge:
         if mine:
             self.engine.abort(message.request_id)
 
-    # -- gate 1, usage, stats (main thread) -------------------------------------------------
+    # -- gate 1, usage, stats, audits (main thread) -----------------------------------------
 
     def reconcile_queue(self) -> None:
         """Release from gate 1 the requests that left this engine's pending queue."""
@@ -248,54 +298,67 @@ class WorkerBridge:
             served = float(row.get("weighted_service") or 0.0)
             if served > self._charged.get(key, 0.0):
                 delta[key] = served - self._charged.get(key, 0.0)
-                self._charged[key] = served
         self.queue.charge(delta)
+        for key, amount in delta.items():  # charged only once the queue took it
+            self._charged[key] = self._charged.get(key, 0.0) + amount
 
     def housekeep(self, heartbeat_ttl_s: float) -> None:
-        """End waiting requests past their admission deadline, and reclaim dead workers' ones."""
-        now = time.time()
-        for queued in self.queue.expire(now):
-            error = queue_timeout(queued.message, now) if queued.message else None
-            self._end_orphan(queued, error or ErrorInfo(
-                code=ErrorCode.QUEUE_TIMEOUT, message="not admitted before its deadline",
-                retryable=True))
-        requeued, workers, running = self.queue.reclaim(now, heartbeat_ttl_s)
+        """End waiting requests past their admission deadline, and reclaim dead workers' ones.
+
+        The same scripts run in the web tiers and a Celery beat task (whoever runs first does
+        the work, once); the requests ended here have their usage recorded through this worker.
+        """
+        for request_id in self.queue.expire(EVENTS_TTL_S):
+            self._count_ended(FinishReason.ERROR)
+            self._ended.put(request_id)
+        requeued, workers, ended = self.queue.reclaim(heartbeat_ttl_s, EVENTS_TTL_S)
         if workers:
             log.warning("reclaimed dead worker(s) %s: %d request(s) back in the queue, %d ended",
-                        ", ".join(workers), requeued, len(running))
-        for queued in running:
-            self._end_orphan(queued, ErrorInfo(
-                code=ErrorCode.WORKER_LOST, retryable=True,
-                message="the inference worker serving this request stopped; retry it",
-                details={"worker": ", ".join(workers)}))
+                        ", ".join(workers), requeued, len(ended))
+        for request_id in ended:
+            self._count_ended(FinishReason.ERROR)
+            self._ended.put(request_id)
 
     def flush_usage(self) -> int:
-        """Hand each finished request's usage report to the usage sink; return how many."""
+        """Hand the id of each request this worker ended to the usage sink; return how many.
+
+        A sink that fails leaves the entry in the ledger: the reconciliation records it.
+        """
         n = 0
         while True:
             try:
-                event, live = self._finished.get_nowait()
+                request_id = self._ended.get_nowait()
             except queue.Empty:
                 return n
             n += 1
             if self.usage_sink is None:
                 continue
-            report = UsageReport(
-                request_id=live.message.request_id, meta=live.message.meta, usage=event.usage,
-                finish_reason=event.finish_reason, error=event.error,
-                enqueued_at=live.message.enqueued_at, first_token_at=live.first_token_at,
-                finished_at=time.time())
             try:
-                self.usage_sink(report)
+                self.usage_sink(request_id)
             except Exception:  # noqa: BLE001 - usage must not stop serving
-                log.exception("could not record usage of %s", report.request_id)
+                log.exception("could not send the usage of %s (the reconciliation will)",
+                              request_id)
 
     def publish_stats(self, ttl_s: float) -> None:
         """Heartbeat and stats snapshot (expiring after ``ttl_s`` without a refresh).
 
         A worker whose heartbeat lapsed was reclaimed by another (its requests went back to the
-        queue or were ended): it finds out here, stops what it still runs, and starts afresh.
+        queue or were ended): it finds out here, stops what it still runs, and starts afresh. A
+        worker that finds the deployment's epoch changed knows Redis lost its data.
         """
+        if self.epoch is None or self._epoch_changed():
+            if self.epoch is not None:
+                self._on_wiped()
+            self.epoch = self._read_epoch()
+        if not self._registered and not self._live:
+            # A process that ran under this id before and died left its requests under it.
+            requeued, _, ended = self.queue.reclaim(ttl_s, EVENTS_TTL_S, include_self=True)
+            if requeued or ended:
+                log.warning("an earlier process under this worker's id left %d request(s) "
+                            "taken (back in the queue) and %d running (ended)", requeued,
+                            len(ended))
+            for request_id in ended:
+                self._ended.put(request_id)
         snapshot = self.engine.stats()
         finished = dict(snapshot.get("requests_finished") or {})
         for reason, n in self._ended_outside.items():  # ended before reaching the engine
@@ -303,6 +366,7 @@ class WorkerBridge:
         snapshot["requests_finished"] = finished
         snapshot["worker_id"] = self.worker_id
         snapshot["held_in_gate1"] = self._held
+        snapshot["events_unsent"] = len(self._unsent)
         snapshot["published_at"] = time.time()
         pipe = self.client.pipeline(transaction=False)
         pipe.zadd(self.keys.workers, {self.worker_id: time.time()}, xx=self._registered, ch=True)
@@ -313,39 +377,3 @@ class WorkerBridge:
             self._on_reclaimed()
         self._registered = True
 
-    def _on_reclaimed(self) -> None:
-        with self._live_lock:
-            live, self._live = list(self._live), {}
-        log.error("this worker's heartbeat lapsed and its %d request(s) were reclaimed by "
-                  "another worker: stopping them", len(live))
-        for request_id in live:
-            self.engine.abort(request_id)
-        self._held = 0
-        self.client.hdel(self.keys.fq("held"), self.worker_id)
-        self.client.zadd(self.keys.workers, {self.worker_id: time.time()})
-
-    # -- shutdown ---------------------------------------------------------------------------
-
-    def shutdown(self, timeout_s: float) -> int:
-        """Stop taking work, hand unadmitted requests back to Redis, end the rest.
-
-        In-flight requests end with a ``worker_shutdown`` error event (from the engine).
-
-        Returns:
-            How many requests went back to their places in the shared queue, for another worker.
-        """
-        self._accepting = False
-        self.client.zrem(self.keys.workers, self.worker_id)
-        withdrawn = self.engine.shutdown(timeout_s)
-        back = []
-        for request in withdrawn:
-            if self._forget(request.request_id) is not None:
-                back.append(request.request_id)
-        # Still counted in gate 1: back to their places in the queue, for another worker.
-        self.queue.requeue(back)
-        self._held -= len(back)
-        self.reconcile_queue()
-        self.flush_usage()
-        self.client.delete(self.keys.stats(self.worker_id))
-        self.client.hdel(self.keys.fq("held"), self.worker_id)
-        return len(back)

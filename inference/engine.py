@@ -232,6 +232,27 @@ class LLMEngine:
             self._inbox.append(("abort", request_id))
         self._wakeup.set()
 
+    def withdraw_pending(self, timeout: float = 5.0) -> list[Request]:
+        """Take out the requests not yet admitted (no event emitted for them), between ticks.
+
+        A draining worker hands them to another worker while its running requests finish.
+
+        Returns:
+            The withdrawn requests (empty if the engine thread did not answer within
+            ``timeout`` seconds).
+        """
+        box: list[Request] = []
+        done = threading.Event()
+        with self._lock:
+            self._inbox.append(("withdraw", (box, done)))
+            thread = self._thread
+        self._wakeup.set()
+        if thread is None:
+            self._drain_inbox()
+            self._after_tick([])
+        done.wait(timeout)
+        return box
+
     def num_queued(self) -> int:
         """Gate 1's figure: requests submitted and not yet admitted (or ended)."""
         with self._lock:
@@ -332,6 +353,13 @@ class LLMEngine:
         for kind, item in inbox:
             if kind == "submit":
                 self.scheduler.add_request(item)
+            elif kind == "withdraw":
+                box, done = item
+                box.extend(self.scheduler.withdraw_pending())
+                with self._lock:
+                    for request in box:
+                        self._handles.pop(request.request_id, None)
+                done.set()
             elif not self.scheduler.abort_request(item):
                 log.debug("abort of unknown request %s ignored", item)
 

@@ -24,6 +24,10 @@ from inference.protocol import Event, FinalEvent, Keys, RequestMessage, queue_sc
 log = logging.getLogger(__name__)
 
 
+def _ids(values: Iterable[bytes | str]) -> list[str]:
+    return [v.decode() if isinstance(v, bytes) else str(v) for v in values]
+
+
 @dataclass(frozen=True)
 class QueuedRequest:
     """A request as the queue holds it: its id, fairness key, tier, arrival and message.
@@ -96,17 +100,27 @@ class FairQueue:
         if n:
             self.client.hincrby(self.keys.fq("held"), self.worker_id, -n)
 
-    def write_events(self, events: Iterable[Event], ttl_s: int) -> list[str]:
+    def write_events(self, events: Iterable[Event], ttl_s: int,
+                     prompt_tokens: dict[str, int] | None = None) -> list[str]:
         """Append events to their requests' streams, for the requests this worker owns.
 
+        A request's final event ends it (its usage entry goes to the ledger, its leases are
+        released). Writing the same events again (a retry after a lost reply) writes nothing
+        twice.
+
+        Args:
+            prompt_tokens: request id -> its prompt's tokens, recorded with its first event (a
+                request that ends with its worker is billed for its prompt).
+
         Returns:
-            The ids of requests the worker no longer owns (reclaimed while it was silent):
-            their events were dropped, and the caller should stop them.
+            The ids of requests the worker no longer owns (reclaimed while it was silent, or
+            lost with Redis's data): their events were dropped, and the caller should stop them.
         """
+        counts = prompt_tokens or {}
         args: list[Any] = []
         for event in events:
             args += [event.request_id, "1" if isinstance(event, FinalEvent) else "0",
-                     event.model_dump_json()]
+                     event.seq, event.model_dump_json(), counts.get(event.request_id, "")]
         if not args:
             return []
         lost = self._run("events", self.worker_id, ttl_s, *args)
@@ -122,22 +136,38 @@ class FairQueue:
         if args:
             self._run("charge", *args)
 
-    def expire(self, now: float, limit: int = 256) -> list[QueuedRequest]:
-        """Withdraw waiting requests whose admission deadline (unix s) is before ``now``."""
-        return [QueuedRequest.from_record(r)
-                for r in self._run("withdraw", "expired", now, limit)]
-
-    def reclaim(self, now: float, ttl_s: float) -> tuple[int, list[str], list[QueuedRequest]]:
-        """Reclaim the requests of workers whose heartbeat is older than ``ttl_s``.
+    def expire(self, ttl_s: int, limit: int = 256) -> list[str]:
+        """End the waiting requests whose admission deadline has passed (``queue_timeout``).
 
         Returns:
-            (requests put back in the queue, the workers reclaimed, the requests they were
-            running: the caller ends each with an error, as their output cannot be resumed).
+            The ids of the requests ended (their usage entries are in the ledger).
         """
-        reply = self._run("reclaim", now, ttl_s)
+        return _ids(self._run("withdraw", ttl_s, "expired", limit))
+
+    def reclaim(self, ttl_s: float, events_ttl_s: int, *,
+                include_self: bool = False) -> tuple[int, list[str], list[str]]:
+        """Reclaim the requests of workers whose heartbeat is older than ``ttl_s`` (and, with
+        ``include_self``, what an earlier process left under this worker's own id).
+
+        Requests they took and had not started go back to their places; those they were running
+        end with a retryable ``worker_lost`` error saying how many tokens their stream holds.
+
+        Returns:
+            (requests put back in the queue, the workers reclaimed, the ids of the requests
+            ended: their usage entries are in the ledger).
+        """
+        extra = [self.worker_id] if include_self else []
+        reply = self._run("reclaim", ttl_s, events_ttl_s, *extra)
         workers = json.loads(reply[1])  # cjson writes an empty list as {}
-        return int(reply[0]), list(workers or []), [QueuedRequest.from_record(r)
-                                                    for r in reply[2:]]
+        return int(reply[0]), list(workers or []), _ids(reply[2:])
+
+    def owned(self) -> tuple[list[str], list[str]]:
+        """(ids this worker took and has not started, ids it runs), as the queue records them."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hkeys(self.keys.fq("taken", self.worker_id))
+        pipe.hkeys(self.keys.fq("running", self.worker_id))
+        taken, running = pipe.execute()
+        return _ids(taken), _ids(running)
 
     def enqueue(self, message: RequestMessage) -> int:
         """Put a new request in the queue without the web tier's limits (tools, tests)."""

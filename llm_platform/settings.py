@@ -153,6 +153,16 @@ CELERY_TASK_DEFAULT_QUEUE = SHARED.celery_queue
 CELERY_IMPORTS = ("gateway.tasks",)
 CELERY_TASK_ALWAYS_EAGER = env.bool("CELERY_TASK_ALWAYS_EAGER", default=False)
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# A task is acknowledged when it has run, not when it is taken: a Celery worker killed mid-task
+# leaves it to be delivered again (usage records are idempotent per request id; the usage ledger's
+# reconciliation records whatever is still lost: gateway.usage).
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+# Unacknowledged tasks go back to the queue after this (seconds; Redis broker). Every task is
+# short, so a task unacknowledged this long belonged to a Celery worker that died.
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env.int("CELERY_VISIBILITY_TIMEOUT_S",
+                                                                 default=300)}
 
 # The platform's own settings, in one namespace (read through gateway.conf.platform_settings()).
 LLM_PLATFORM = {
@@ -161,6 +171,7 @@ LLM_PLATFORM = {
     "MAX_QUEUE_SIZE": SHARED.max_queue_size,
     "MAX_QUEUE_WAIT_S": SHARED.max_queue_wait_s,
     "WORKER_HEARTBEAT_TTL_S": SHARED.worker_heartbeat_ttl_s,
+    "WEB_HEARTBEAT_TTL_S": SHARED.web_heartbeat_ttl_s,
     "MODEL_PATH": SHARED.model_path,
     "LLM_CACHE_DIR": SHARED.llm_cache_dir,
     # Connections per web process: each request in flight holds one while it waits for events.
@@ -172,6 +183,11 @@ LLM_PLATFORM = {
     # How long the web tier waits for a worker's first answer before it commits to HTTP 200 on a
     # streaming request (seconds); a refusal within it gets its real status code.
     "STREAM_DECISION_TIMEOUT_S": env.float("STREAM_DECISION_TIMEOUT_S", default=30.0),
+    # A streaming response sends an SSE comment after this long without an event (seconds), so
+    # proxies with an idle timeout keep the connection open.
+    "SSE_KEEPALIVE_S": env.float("SSE_KEEPALIVE_S", default=15.0),
+    # How long a request in flight rides out a Redis outage before it ends with a 503 (seconds).
+    "REDIS_OUTAGE_TOLERANCE_S": env.float("REDIS_OUTAGE_TOLERANCE_S", default=10.0),
     # A request with no event from its worker for this long ends with a 504 (seconds).
     "REQUEST_IDLE_TIMEOUT_S": env.float("REQUEST_IDLE_TIMEOUT_S", default=300.0),
     # Who the fair (VTC) scheduler balances: "tenant", "api_key" or "user" (the request's user
@@ -211,4 +227,12 @@ DASHBOARD = _given(
     METRICS_TOKEN=env.str("METRICS_TOKEN", default=None),
 )
 # Celery beat (started by the run command): snapshots for the dashboard, housekeeping.
-CELERY_BEAT_SCHEDULE = beat_schedule(DASHBOARD)
+CELERY_BEAT_SCHEDULE = {
+    **beat_schedule(DASHBOARD),
+    # Ends what no live process would (a dead worker's requests when no worker lives, expired
+    # requests), and records usage whose task was lost (gateway.housekeeping, gateway.usage).
+    "sweep-queue": {"task": "gateway.tasks.sweep_queue",
+                    "schedule": env.float("SWEEP_INTERVAL_S", default=2.0)},
+    "reconcile-usage": {"task": "gateway.tasks.reconcile_usage",
+                        "schedule": env.float("USAGE_RECONCILE_INTERVAL_S", default=10.0)},
+}

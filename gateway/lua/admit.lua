@@ -7,6 +7,12 @@
 -- rate window of the spec in order {used, ms until the window is empty}, this request counted
 -- when admitted (gateway.ratelimits, the responses' x-ratelimit-* headers).
 local spec = cjson.decode(ARGV[1])
+-- The same request admitted again (a retried call whose reply was lost): its first verdict.
+local marker = spec.prefix .. ':admitted:' .. spec.member
+local earlier = redis.call('GET', marker)
+if earlier then
+  return earlier
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local function member_cost(member)
@@ -97,5 +103,13 @@ for _, c in ipairs(spec.concurrency) do
   redis.call('ZADD', KEYS[c.key], now + spec.lease_ms, spec.member)
   redis.call('PEXPIRE', KEYS[c.key], spec.lease_ms)
 end
-fq_enqueue(spec.prefix, spec.member, spec.fairness_key, spec.priority, spec.deadline, ARGV[2])
-return cjson.encode({ok = true, windows = windows(true)})
+local leases = {}
+for _, c in ipairs(spec.concurrency) do
+  leases[#leases + 1] = KEYS[c.key]
+end
+fq_enqueue(spec.prefix, spec.member, spec.fairness_key, spec.priority, spec.deadline, ARGV[2],
+           leases)
+local verdict = cjson.encode({ok = true, windows = windows(true),
+                              epoch = fq_epoch(spec.prefix, spec.epoch)})
+redis.call('SET', marker, verdict, 'EX', spec.marker_ttl_s)
+return verdict

@@ -1,7 +1,13 @@
 -- Settle a request's token reservations to its real usage: each rate window's entry and each
 -- budget counter is lowered from the reserved cost to the actual tokens.
--- KEYS: the token windows, then the budgets; ARGV[1] the spec JSON (member, actual, costs).
+-- KEYS: the token windows, then the budgets; ARGV[1] the spec JSON (member, actual, costs, and
+-- optionally ledger and request_id: the usage ledger entry to remove). Returns -1 when the entry
+-- was already gone (nothing settled), else how many reservations were settled.
 local spec = cjson.decode(ARGV[1])
+-- With a ledger: settle only if this call removes the request's usage entry (exactly once).
+if spec.ledger and redis.call('HDEL', spec.ledger, spec.request_id) == 0 then
+  return -1
+end
 local n = 0
 for _, w in ipairs(spec.windows) do
   n = n + 1

@@ -1,29 +1,39 @@
 -- Write a worker's events to their requests' event streams (after fair_queue.lua), only for the
 -- requests the worker still owns: a request reclaimed from it (its heartbeat lapsed) is another
 -- worker's now, and its events are dropped here. A request's first event marks it running (it can
--- no longer be handed to another worker); its final event ends it in the queue's accounting.
+-- no longer be handed to another worker) and records its prompt's tokens and the time; its final
+-- event ends it (fq_finish). A token event whose seq was already written (the reply to an earlier
+-- call was lost and the call repeated) is not written again, so a retry never doubles a token.
 -- ARGV: prefix, worker id, events' TTL (s), then per event: request id, "1" if final else "0",
--- the event's JSON. Returns the ids of requests the worker does not own.
+-- its seq, the event's JSON, and the prompt's token count ("" when not known).
+-- Returns the ids of requests the worker does not own.
 local p, worker, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local taken, running = fq(p, 'taken', worker), fq(p, 'running', worker)
+local now = fq_now()
 local lost = {}
-for i = 4, #ARGV, 3 do
-  local id, final, event = ARGV[i], ARGV[i + 1] == '1', ARGV[i + 2]
+for i = 4, #ARGV, 5 do
+  local id, final, seq, event = ARGV[i], ARGV[i + 1] == '1', tonumber(ARGV[i + 2]), ARGV[i + 3]
   local raw = redis.call('HGET', running, id)
   if not raw then
     raw = redis.call('HGET', taken, id)
     if raw then
+      local rec = cjson.decode(raw)
+      rec.prompt_tokens = tonumber(ARGV[i + 4])
+      rec.first_at = now
+      raw = cjson.encode(rec)
       redis.call('HDEL', taken, id)
       redis.call('HSET', running, id, raw)
     end
   end
   if raw then
-    local stream = p .. ':events:' .. id
-    redis.call('XADD', stream, '*', 'data', event)
-    redis.call('EXPIRE', stream, ttl)
     if final then
       redis.call('HDEL', running, id)
-      fq_release(p, cjson.decode(raw).key)
+      fq_finish(p, cjson.decode(raw), event, ttl, now)
+    elseif seq >= fq_tokens_sent(p, id) then
+      local stream = p .. ':events:' .. id
+      redis.call('XADD', stream, '*', 'data', event)
+      redis.call('EXPIRE', stream, ttl)
+      redis.call('HSET', fq(p, 'next'), id, seq + 1)
     end
   elseif lost[#lost] ~= id then
     lost[#lost + 1] = id

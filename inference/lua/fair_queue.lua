@@ -25,6 +25,15 @@
 --   running:{worker}    hash request id -> record: its first event written
 --   held                hash worker -> requests it took and its engine has not admitted yet
 --   wake                list: one entry per enqueue, for idle workers to block on
+--   next                hash request id -> the seq of its next token event (running requests):
+--                       an event written again after a lost reply is not written twice
+-- and, beside the queue:
+--   {p}:events:{id}     the request's events stream
+--   {p}:usage:pending   hash request id -> usage entry of an ended request not yet recorded in
+--                       the database (gateway.usage records it, then deletes it)
+-- A record (JSON) holds id, key (fairness key), prio, seq (arrival), deadline, body (the request
+-- message's JSON), leases (concurrency lease keys holding its id), and once it runs,
+-- prompt_tokens and first_at (unix s of its first event).
 -- Gate 1 (requests accepted and not yet admitted) is HLEN wait + the sum of held.
 
 local function fq(p, ...)
@@ -110,11 +119,11 @@ local function fq_release(p, key)
 end
 
 -- A new request enters the queue; returns its arrival number.
-local function fq_enqueue(p, id, key, prio, deadline, body)
+local function fq_enqueue(p, id, key, prio, deadline, body, leases)
   local seq = redis.call('INCR', fq(p, 'seq'))
   fq_backlog(p, key)
   fq_add_waiting(p, {id = id, key = key, prio = tonumber(prio), seq = seq,
-                     deadline = tonumber(deadline), body = body})
+                     deadline = tonumber(deadline), body = body, leases = leases or {}})
   return seq
 end
 
@@ -138,4 +147,51 @@ local function fq_next_key(p, policy)
     end
   end
   return prio, best
+end
+
+-- The time now (unix s, from the server's clock).
+local function fq_now()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1e6
+end
+
+-- A final error event (JSON) as inference.protocol.FinalEvent writes it.
+local function fq_error_event(id, seq, code, message, details, completion_tokens, prompt_tokens)
+  return cjson.encode({type = 'final', request_id = id, seq = seq, finish_reason = 'error',
+                       usage = {prompt_tokens = prompt_tokens or 0, cached_prompt_tokens = 0,
+                                completion_tokens = completion_tokens or 0},
+                       text = '', timings = {},
+                       error = {code = code, message = message, retryable = true,
+                                details = details}})
+end
+
+-- End a request for good: its final event (JSON) in its stream, its usage entry in the ledger
+-- (recorded exactly once by gateway.usage), its concurrency leases released, its key's
+-- in-flight count lowered. Every end of every request goes through here.
+local function fq_finish(p, rec, event, ttl, now)
+  local stream = p .. ':events:' .. rec.id
+  redis.call('XADD', stream, '*', 'data', event)
+  redis.call('EXPIRE', stream, ttl)
+  redis.call('HDEL', fq(p, 'next'), rec.id)
+  redis.call('HSET', p .. ':usage:pending', rec.id,
+             cjson.encode({final = event, body = rec.body, first_at = rec.first_at,
+                           finished_at = now}))
+  if type(rec.leases) == 'table' then
+    for _, lease in ipairs(rec.leases) do
+      redis.call('ZREM', lease, rec.id)
+    end
+  end
+  fq_release(p, rec.key)
+end
+
+-- The token events a running request's stream holds (its next seq).
+local function fq_tokens_sent(p, id)
+  return tonumber(redis.call('HGET', fq(p, 'next'), id) or '0')
+end
+
+-- The deployment's epoch: a random id set by the first process to find none. Redis losing its
+-- data loses the epoch too, so a process that saw another one knows the state it held is gone.
+local function fq_epoch(p, candidate)
+  redis.call('SET', p .. ':epoch', candidate, 'NX')
+  return redis.call('GET', p .. ':epoch')
 end

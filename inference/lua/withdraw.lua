@@ -1,12 +1,15 @@
--- Take a waiting request out of the queue for good (after fair_queue.lua): its client left, or
--- its admission deadline passed. Returns the records withdrawn (JSON).
--- ARGV: prefix, "ids" then request ids, or "expired" then the time now (unix s) and a limit.
-local p, mode = ARGV[1], ARGV[2]
+-- Take waiting requests out of the queue for good and end them (after fair_queue.lua): their
+-- client left ("ids": finish reason abort), or their admission deadline passed ("expired": a
+-- retryable queue_timeout error). Any process may run this; each request ends once (fq_finish).
+-- ARGV: prefix, the events' TTL (s), then "ids" and request ids, or "expired" and a limit.
+-- Returns the ids of the requests ended.
+local p, ttl, mode = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local now = fq_now()
 local ids = {}
 if mode == 'expired' then
-  ids = redis.call('ZRANGEBYSCORE', fq(p, 'deadlines'), '-inf', ARGV[3], 'LIMIT', 0, ARGV[4])
+  ids = redis.call('ZRANGEBYSCORE', fq(p, 'deadlines'), '-inf', now, 'LIMIT', 0, ARGV[4])
 else
-  for i = 3, #ARGV do
+  for i = 4, #ARGV do
     ids[#ids + 1] = ARGV[i]
   end
 end
@@ -14,8 +17,24 @@ local out = {}
 for i = 1, #ids do
   local rec = fq_remove_waiting(p, ids[i])
   if rec then
-    fq_release(p, rec.key)
-    out[#out + 1] = cjson.encode(rec)
+    local event
+    if mode == 'expired' then
+      local message = cjson.decode(rec.body)
+      local allowed = tonumber(message.queue_deadline_s) or 0
+      local waited = now - (tonumber(message.enqueued_at) or now)
+      event = fq_error_event(
+        rec.id, 0, 'queue_timeout',
+        string.format('request waited %.1f s for a worker, more than the allowed %g s', waited,
+                      allowed),
+        {max_queue_wait_s = allowed}, 0, 0)
+    else
+      event = cjson.encode({type = 'final', request_id = rec.id, seq = 0,
+                            finish_reason = 'abort', text = '', timings = {},
+                            usage = {prompt_tokens = 0, cached_prompt_tokens = 0,
+                                     completion_tokens = 0}})
+    end
+    fq_finish(p, rec, event, ttl, now)
+    out[#out + 1] = rec.id
   end
 end
 return out

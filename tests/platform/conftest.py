@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import redis
 
-from inference.protocol import Keys, UsageReport
+from inference.protocol import Keys, UsageReport, redis_retry_options
 
 
 @pytest.fixture(autouse=True)
@@ -82,7 +82,9 @@ class InProcessWorker:
     ``inference.worker`` runs them (heartbeats last an hour unless ``heartbeat_ttl_s`` says)."""
 
     def __init__(self, prefix: str, redis_url: str, *, prefetch: int = 1,
-                 worker_id: str = "inproc", heartbeat_ttl_s: float = 3600, **engine_settings: Any):
+                 worker_id: str = "inproc", heartbeat_ttl_s: float = 3600,
+                 heartbeat_interval_s: float = 0.05, drain_s: float = 5, web_ttl_s: float = 10,
+                 **engine_settings: Any):
         import threading
 
         from inference.bridge import WorkerBridge
@@ -91,22 +93,32 @@ class InProcessWorker:
 
         config = EngineConfig(backend="reference", **engine_settings)
         self.engine = LLMEngine(config)
-        self.client = redis.Redis.from_url(redis_url)
+        self.client = redis.Redis.from_url(redis_url, **redis_retry_options())
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.drain_s = drain_s
         self.usage: list[UsageReport] = []
         self.heartbeat_ttl_s = heartbeat_ttl_s
-        self.bridge = WorkerBridge(self.engine, self.client, Keys(prefix), worker_id,
-                                   prefetch=prefetch, usage_sink=self.usage.append)
+        self.keys = Keys(prefix)
+        self.bridge = WorkerBridge(self.engine, self.client, self.keys, worker_id,
+                                   prefetch=prefetch, usage_sink=self._report,
+                                   web_ttl_s=web_ttl_s)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
+    def _report(self, request_id: str) -> None:
+        """The usage sink: the report of the ledger entry (as the Celery task reads it)."""
+        from gateway.usage import report_from_entry
+
+        raw = self.client.hget(self.keys.usage_pending, request_id)
+        if raw is not None:
+            self.usage.append(report_from_entry(request_id, raw))
+
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.bridge.poll(20)
-            self.bridge.reconcile_queue()
-            self.bridge.charge_service()
-            self.bridge.flush_usage()
-            self.bridge.publish_stats(self.heartbeat_ttl_s)
-            self.bridge.housekeep(self.heartbeat_ttl_s)
+        from inference.worker import serve
+
+        serve(self.bridge, self._stop, heartbeat_ttl_s=self.heartbeat_ttl_s,
+              heartbeat_interval_s=self.heartbeat_interval_s, poll_block_ms=20,
+              drain_s=self.drain_s)
 
     def start(self) -> InProcessWorker:
         self.bridge.publish_stats(self.heartbeat_ttl_s)
@@ -114,10 +126,10 @@ class InProcessWorker:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 10) -> None:
+        """Drain and stop (as SIGTERM does to a worker process)."""
         self._stop.set()
-        self._thread.join(5)
-        self.bridge.shutdown(5)
+        self._thread.join(timeout_s)
 
 
 @pytest.fixture

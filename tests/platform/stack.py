@@ -1,5 +1,9 @@
 """The whole platform as separate processes, for end-to-end tests: daphne, inference workers and a
-Celery worker, on the test database and a private Redis key prefix."""
+Celery worker (and, when asked, Celery beat), on the test database and a private Redis key prefix.
+
+Each process has a name (``daphne``, ``celery``, ``beat``, ``worker0``, ``worker1``, ...):
+:meth:`Stack.kill` and :meth:`Stack.restart` act on one by its name, and a restarted process keeps
+its command, port and worker id (the chaos harness, ``benchmarks/chaos.py``)."""
 
 from __future__ import annotations
 
@@ -43,12 +47,13 @@ class Stack:
     """Start with :meth:`start`; ``url``, ``env`` and ``logs`` describe it; :meth:`stop` ends it."""
 
     def __init__(self, db_url: str, redis_url: str, log_dir: Path, *, workers: int = 2,
-                 **env: str):
+                 beat: bool = False, **env: str):
         self.prefix = f"e2e-{uuid.uuid4().hex[:8]}"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_dir = log_dir
         self.num_workers = workers
+        self.beat = beat
         self.env = {
             **os.environ,
             "DATABASE_URL": db_url,
@@ -61,17 +66,33 @@ class Stack:
         }
         self.workers: list[subprocess.Popen] = []
         self.others: list[subprocess.Popen] = []
+        # How each named process was started (its command and extra environment), for restarts.
+        self._commands: dict[str, tuple[list[str], dict[str, str]]] = {}
+        self.processes: dict[str, subprocess.Popen] = {}
 
     def _spawn(self, name: str, args: list[str], **env: str) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - lives with the process
-        return subprocess.Popen(args, cwd=REPO, env={**self.env, **env}, stdout=log,
+        """Start the process ``name`` (its output in ``{log_dir}/{name}.log``; a restart of the
+        same name appends to it)."""
+        mode = "ab" if name in self._commands else "wb"
+        log = open(self.log_dir / f"{name}.log", mode)  # noqa: SIM115 - lives with the process
+        proc = subprocess.Popen(args, cwd=REPO, env={**self.env, **env}, stdout=log,
                                 stderr=subprocess.STDOUT)
+        self._commands[name] = (args, env)
+        self.processes[name] = proc
+        return proc
 
     def start_worker(self) -> subprocess.Popen:
         n = len(self.workers)
         proc = self._spawn(f"worker{n}", [sys.executable, "-m", "inference.worker"],
                            WORKER_ID=f"{self.prefix}-w{n}")
         self.workers.append(proc)
+        return proc
+
+    def start_beat(self) -> subprocess.Popen:
+        """Celery beat, as the run command starts it (its schedule file in the log folder)."""
+        proc = self._spawn("beat", [str(BIN / "celery"), "-A", "llm_platform", "beat", "-l",
+                                    "info", "-s", str(self.log_dir / "beat-schedule")])
+        self.others.append(proc)
         return proc
 
     def start(self, timeout_s: float = 180) -> Stack:
@@ -81,8 +102,45 @@ class Stack:
                                                   "worker", "-P", "solo", "-l", "info"]))
         for _ in range(self.num_workers):
             self.start_worker()
+        if self.beat:
+            self.start_beat()
         self.wait_ready(self.num_workers, timeout_s)
         return self
+
+    @property
+    def names(self) -> list[str]:
+        """The names of the processes started so far (``daphne``, ``celery``, ``worker0``, ...)."""
+        return list(self.processes)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL, wait_s: float = 20) -> int | None:
+        """Send ``sig`` to the process ``name`` and wait up to ``wait_s`` for it to exit (then
+        SIGKILL it); return its exit status (None if it could not be reaped)."""
+        proc = self.processes[name]
+        if proc.poll() is None:
+            proc.send_signal(sig)
+        try:
+            return proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            try:
+                return proc.wait(5)
+            except subprocess.TimeoutExpired:
+                return None
+
+    def restart(self, name: str, **env: str) -> subprocess.Popen:
+        """Start the process ``name`` again with the same command, port and worker id (killing
+        it first if it still runs); ``env`` overrides its environment from now on (e.g. a new
+        ``WORKER_ID``). It replaces the old one in :attr:`workers` or :attr:`others`."""
+        old = self.processes[name]
+        if old.poll() is None:
+            self.kill(name)
+        args, before = self._commands[name]
+        proc = self._spawn(name, args, **{**before, **env})
+        for group in (self.workers, self.others):
+            for i, member in enumerate(group):
+                if member is old:
+                    group[i] = proc
+        return proc
 
     def wait_ready(self, workers: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -153,7 +153,7 @@ def test_taken_requests_count_in_gate_one_until_admitted(queue_for, rclient, key
     assert queue.gate1() == 1
 
 
-def test_a_dead_workers_taken_request_goes_back_once_and_its_running_one_is_returned(
+def test_a_dead_workers_taken_request_goes_back_once_and_its_running_one_ends_with_its_count(
         queue_for, rclient, keys):
     dead, alive = queue_for("dead"), queue_for("alive")
     first, second, later = message("acme"), message("acme"), message("acme")
@@ -161,13 +161,23 @@ def test_a_dead_workers_taken_request_goes_back_once_and_its_running_one_is_retu
         dead.enqueue(m)
     rclient.zadd(keys.workers, {"dead": time.time(), "alive": time.time()})
     assert [q.request_id for q in dead.take(2)] == [first.request_id, second.request_id]
-    assert dead.write_events([token(first.request_id)], 60) == []  # first is running
+    tokens = [TokenEvent(request_id=first.request_id, seq=i, token_id=1, text="x")
+              for i in range(3)]
+    assert dead.write_events(tokens, 60, {first.request_id: 7}) == []  # first is running
 
     rclient.zadd(keys.workers, {"dead": time.time() - 60})  # its heartbeat lapsed
-    requeued, workers, running = alive.reclaim(time.time(), ttl_s=10)
-    assert (requeued, workers) == (1, ["dead"])
-    assert [q.request_id for q in running] == [first.request_id]
-    assert alive.reclaim(time.time(), ttl_s=10) == (0, [], [])  # exactly once
+    requeued, workers, ended = alive.reclaim(ttl_s=10, events_ttl_s=60)
+    assert (requeued, workers, ended) == (1, ["dead"], [first.request_id])
+    assert alive.reclaim(ttl_s=10, events_ttl_s=60) == (0, [], [])  # exactly once
+    # The running one ended with a retryable error that says how far it got, billed for that.
+    entries = [json.loads(f[b"data"]) for _, f in rclient.xrange(keys.events(first.request_id))]
+    assert [e["type"] for e in entries] == ["token"] * 3 + ["final"]
+    end = FinalEvent.model_validate(entries[-1])
+    assert end.error.code == "worker_lost" and end.error.retryable and end.seq == 3
+    assert end.error.details["completion_tokens"] == 3 and "after 3 token(s)" in end.error.message
+    ledger = json.loads(rclient.hget(keys.usage_pending, first.request_id))
+    assert FinalEvent.model_validate_json(ledger["final"]).usage.model_dump() == {
+        "prompt_tokens": 7, "cached_prompt_tokens": 0, "completion_tokens": 3}
     # The taken one is back at its place, before the later request.
     assert [q.request_id for q in alive.take(2)] == [second.request_id, later.request_id]
     # Whatever the dead worker still writes for them is dropped.
@@ -177,13 +187,38 @@ def test_a_dead_workers_taken_request_goes_back_once_and_its_running_one_is_retu
     assert not rclient.zscore(keys.workers, "dead")
 
 
-def test_a_waiting_request_past_its_deadline_is_withdrawn(queue_for):
+def test_an_event_written_again_after_a_lost_reply_is_not_doubled(queue_for, rclient, keys):
+    queue = queue_for()
+    request = message("acme")
+    queue.enqueue(request)
+    queue.take(1)
+    first = [TokenEvent(request_id=request.request_id, seq=i, token_id=1, text=str(i))
+             for i in range(2)]
+    queue.write_events(first, 60)
+    queue.write_events(first + [TokenEvent(request_id=request.request_id, seq=2, token_id=1,
+                                           text="2")], 60)  # the retry, and one more
+    texts = [json.loads(f[b"data"])["text"] for _, f in
+             rclient.xrange(keys.events(request.request_id))]
+    assert texts == ["0", "1", "2"]
+    end = FinalEvent(request_id=request.request_id, seq=3, finish_reason=FinishReason.LENGTH)
+    assert queue.write_events([end], 60) == []
+    assert queue.write_events([end], 60) == [request.request_id]  # ended: written once
+    assert rclient.xlen(keys.events(request.request_id)) == 4
+    assert rclient.hexists(keys.usage_pending, request.request_id)
+
+
+def test_a_waiting_request_past_its_deadline_ends_with_queue_timeout(queue_for, rclient, keys):
     queue = queue_for()
     late, patient = message("acme", deadline_s=0.01), message("acme")
     queue.enqueue(late)
     queue.enqueue(patient)
-    [expired] = queue.expire(time.time() + 1)
-    assert expired.request_id == late.request_id and expired.message == late
+    time.sleep(0.05)
+    assert queue.expire(60) == [late.request_id]
+    [(_, fields)] = rclient.xrange(keys.events(late.request_id))
+    end = FinalEvent.model_validate_json(fields[b"data"])
+    assert end.error.code == "queue_timeout" and end.error.retryable
+    assert end.error.details == {"max_queue_wait_s": 0.01}
+    assert rclient.hexists(keys.usage_pending, late.request_id)
     assert [q.request_id for q in queue.take(5)] == [patient.request_id]
 
 
@@ -239,7 +274,7 @@ def test_a_worker_that_finds_itself_reclaimed_stops_what_it_took(queue_for, rcli
     silent.queue.enqueue(request)
     assert silent.poll() == 1
     rclient.zadd(keys.workers, {"silent": time.time() - 60})
-    assert queue_for("live").reclaim(time.time(), ttl_s=10)[0] == 1  # back in the queue
+    assert queue_for("live").reclaim(ttl_s=10, events_ttl_s=60)[0] == 1  # back in the queue
 
     silent.publish_stats(60)  # its next heartbeat: it learns it was reclaimed
     silent.engine.step()

@@ -150,7 +150,7 @@ def settle_usage(worker: InProcessWorker, expected: int) -> None:
         time.sleep(0.02)
     assert len(worker.usage) == expected
     for report in worker.usage:
-        record_usage(report.model_dump(mode="json"))
+        record_usage(report.request_id)
     worker.usage.clear()
 
 

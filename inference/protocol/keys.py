@@ -1,0 +1,95 @@
+"""Redis key names, the shared queue's Lua scripts, and how a client rides out an outage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Events streams outlive their request briefly so a slow reader still gets the final event.
+EVENTS_TTL_S = 600
+ABORT_MARK_TTL_S = 600
+# The Celery task (by name: the worker does not import Django) that records a UsageReport.
+USAGE_TASK_NAME = "gateway.tasks.record_usage"
+
+_LUA = Path(__file__).resolve().parents[1] / "lua"
+# The shared queue's state changes, written once (see queue_script).
+FAIR_QUEUE_LUA = (_LUA / "fair_queue.lua").read_text()
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Redis key names under one prefix (the table in :mod:`inference.protocol`)."""
+
+    prefix: str = "llm"
+
+    def fq(self, *parts: str | int) -> str:
+        """A key of the shared request queue (``inference/lua/fair_queue.lua``)."""
+        return ":".join([self.prefix, "fq", *map(str, parts)])
+
+    @property
+    def control(self) -> str:
+        return f"{self.prefix}:control"
+
+    @property
+    def workers(self) -> str:
+        return f"{self.prefix}:workers"
+
+    def events(self, request_id: str) -> str:
+        return f"{self.prefix}:events:{request_id}"
+
+    def aborted(self, request_id: str) -> str:
+        return f"{self.prefix}:aborted:{request_id}"
+
+    def stats(self, worker_id: str) -> str:
+        return f"{self.prefix}:stats:{worker_id}"
+
+    @property
+    def usage_pending(self) -> str:
+        return f"{self.prefix}:usage:pending"
+
+    @property
+    def web(self) -> str:
+        return f"{self.prefix}:web"
+
+    @property
+    def epoch(self) -> str:
+        return f"{self.prefix}:epoch"
+
+
+# A Redis call that fails on a lost connection is retried with backoff for about this long
+# (seconds): a restart of Redis (or a failover) within it goes unnoticed by the callers.
+REDIS_RETRY_WINDOW_S = 5.0
+
+
+def redis_retry_options(asyncio: bool = False) -> dict[str, Any]:
+    """Keyword arguments for a Redis client that rides out a short outage: its calls are retried
+    on a lost or refused connection with exponential backoff (0.05 s doubling to 0.5 s) for about
+    :data:`REDIS_RETRY_WINDOW_S`. Every Redis call the platform repeats this way is idempotent
+    (an admission or an event write repeated after a lost reply changes nothing)."""
+    from redis.backoff import ExponentialBackoff
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    if asyncio:
+        from redis.asyncio.retry import Retry
+    else:
+        from redis.retry import Retry
+    return {"retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), 13,
+                           (RedisConnectionError, RedisTimeoutError)),
+            "retry_on_error": [RedisConnectionError, RedisTimeoutError]}
+
+
+def queue_script(name: str) -> str:
+    """The Lua source of the queue script ``inference/lua/{name}.lua``, after the queue library.
+
+    The web tier's admission script is built the same way from its own body.
+    """
+    return FAIR_QUEUE_LUA + "\n" + (_LUA / f"{name}.lua").read_text()
+
+
+def queue_library_with(body: str) -> str:
+    """The Lua source of a script that changes the queue: the library, then ``body``."""
+    return FAIR_QUEUE_LUA + "\n" + body
+
+

@@ -1,0 +1,91 @@
+"""The settings the web tier and the workers both read, and where the model lives."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from inference.protocol.keys import Keys
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# The default model's folder under the model cache (prepared by ``inference.model_store``).
+DEFAULT_MODEL_DIRNAME = "SmolLM2-135M-Instruct"
+
+
+class PlatformSettings(BaseSettings):
+    """The settings that the web tier and the workers both read, from environment variables.
+
+    Each field is read from the variable of the same name in upper case (``REDIS_URL``,
+    ``REDIS_PREFIX``, ``MAX_QUEUE_SIZE``, ...), or from a ``.env`` file in the working directory.
+    This is the one place their defaults are written: ``llm_platform.settings`` and the worker
+    both build their settings from it. Times in seconds.
+    """
+
+    model_config = SettingsConfigDict(case_sensitive=False, extra="ignore", frozen=True,
+                                      env_file=".env")
+
+    redis_url: str = Field("redis://127.0.0.1:6379/0", min_length=1)
+    # Web tiers and workers with the same Redis and prefix form one deployment.
+    redis_prefix: str = Field("llm", min_length=1)
+    # Gate 1: requests accepted and not yet admitted by any worker, over the whole deployment.
+    max_queue_size: int = Field(256, ge=1)
+    # A request not admitted this long after the web tier accepted it ends with queue_timeout,
+    # whether it still waits in Redis or in a worker's pending queue. 0 disables the deadline.
+    max_queue_wait_s: float = Field(120.0, ge=0)
+    # A worker whose heartbeat is older than this is dead.
+    worker_heartbeat_ttl_s: float = Field(10.0, gt=0)
+    # A web process whose heartbeat is older than this is dead: workers stop generating the
+    # answers it was streaming (their clients are gone with it).
+    web_heartbeat_ttl_s: float = Field(10.0, gt=0)
+    # Celery's broker (usage reports go through it); empty: REDIS_URL.
+    celery_broker_url: str = ""
+    # Celery's queue; empty: "{REDIS_PREFIX}-celery", so deployments sharing a Redis keep apart.
+    celery_task_default_queue: str = ""
+    # A local Hugging Face causal-LM folder; empty: the prepared default model. The worker loads
+    # it; the web tier reads its tokenizer unless TOKENIZER_PATH names another folder.
+    model_path: str = ""
+    # Where the default model is prepared; empty: .cache/models at the repository root.
+    llm_cache_dir: str = ""
+    log_level: str = "INFO"
+
+    @property
+    def broker_url(self) -> str:
+        """Celery's broker URL: ``CELERY_BROKER_URL``, else ``REDIS_URL``."""
+        return self.celery_broker_url or self.redis_url
+
+    @property
+    def celery_queue(self) -> str:
+        """Celery's queue: ``CELERY_TASK_DEFAULT_QUEUE``, else ``{REDIS_PREFIX}-celery``."""
+        return self.celery_task_default_queue or f"{self.redis_prefix}-celery"
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.redis_prefix)
+
+    @property
+    def model_folder(self) -> Path:
+        """The model's folder: ``MODEL_PATH``, else the default model's (prepared or not)."""
+        return model_folder(self.model_path, self.llm_cache_dir)
+
+    @property
+    def model_cache_dir(self) -> Path:
+        """The folder holding prepared models (``LLM_CACHE_DIR``)."""
+        return model_cache_dir(self.llm_cache_dir)
+
+
+def model_cache_dir(llm_cache_dir: str = "") -> Path:
+    """The folder holding prepared models: ``llm_cache_dir``, else ``<repo>/.cache/models``."""
+    if llm_cache_dir.strip():
+        return Path(llm_cache_dir.strip()).expanduser()
+    return REPO_ROOT / ".cache" / "models"
+
+
+def model_folder(model_path: str = "", llm_cache_dir: str = "") -> Path:
+    """The model's folder: ``model_path``, else the default model's under the model cache."""
+    if model_path.strip():
+        return Path(model_path.strip()).expanduser()
+    return model_cache_dir(llm_cache_dir) / DEFAULT_MODEL_DIRNAME
+
+

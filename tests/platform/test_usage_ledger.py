@@ -1,0 +1,123 @@
+"""Usage is recorded exactly once per request, whatever dies when (``gateway.usage``).
+
+A request's end writes its usage entry to the ledger in the same atomic step as its final event;
+the entry leaves the ledger only with the settlement of its reservations, after its row is
+written. These tests stop the recording at each point a process could die and check the bill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+import pytest
+
+from gateway import admission, usage
+from gateway.admission import Principal
+from gateway.tasks import record_usage
+from inference.fair_queue import FairQueue
+from inference.protocol import FinalEvent, FinishReason, RequestMessage, TokenEvent, Usage
+from tenants.models import UsageRecord
+
+pytestmark = pytest.mark.django_db
+
+
+def admitted(key, cost: int) -> RequestMessage:
+    """A request of ``key`` admitted (reserving ``cost`` tokens) and waiting in the queue."""
+    message = RequestMessage(request_id=uuid.uuid4().hex, tenant=key.tenant.slug,
+                             fairness_key=key.tenant.slug, prompt="hi",
+                             meta={"tenant_id": key.tenant.pk, "api_key_id": key.pk})
+    return asyncio.run(admission.admit(Principal.for_api_key(key), message, cost))
+
+
+def run_to_end(rclient, keys, message: RequestMessage, prompt: int, completion: int) -> None:
+    """A worker takes the request, streams ``completion`` tokens and ends it."""
+    queue = FairQueue(rclient, keys, "w1", "vtc")
+    [taken] = queue.take(1)
+    assert taken.request_id == message.request_id
+    tokens = [TokenEvent(request_id=message.request_id, seq=i, token_id=97, text="a")
+              for i in range(completion)]
+    end = FinalEvent(request_id=message.request_id, seq=completion,
+                     finish_reason=FinishReason.LENGTH,
+                     usage=Usage(prompt_tokens=prompt, completion_tokens=completion))
+    assert queue.write_events([*tokens, end], 60, {message.request_id: prompt}) == []
+
+
+@pytest.fixture
+def metered(make_tenant, live_worker):
+    """A tenant with a token budget of 1,000 and 500 tokens per minute, and its key."""
+    _, key, _ = make_tenant(token_budget=1000, tokens_per_minute=500)
+    return key
+
+
+def budget_used(rclient, message: RequestMessage) -> int:
+    return int(rclient.get(message.meta["admission"]["budgets"][0]["key"]))
+
+
+def test_a_request_is_billed_once_when_its_task_runs_twice(metered, rclient, keys):
+    message = admitted(metered, 300)  # reserves prompt + max_tokens
+    run_to_end(rclient, keys, message, prompt=4, completion=6)
+    assert budget_used(rclient, message) == 300  # still the reservation
+    assert record_usage(message.request_id) is True
+    assert record_usage(message.request_id) is False  # a redelivered task
+    record = UsageRecord.objects.get(request_id=message.request_id)
+    assert (record.prompt_tokens, record.completion_tokens, record.status) == (4, 6, 200)
+    assert budget_used(rclient, message) == 10  # settled to the real use, once
+    assert not rclient.hexists(keys.usage_pending, message.request_id)
+
+
+def test_a_recorder_that_died_after_writing_the_row_is_settled_once_by_the_next(
+        metered, rclient, keys):
+    message = admitted(metered, 300)
+    run_to_end(rclient, keys, message, prompt=4, completion=6)
+    raw = rclient.hget(keys.usage_pending, message.request_id)
+    usage.save(usage.report_from_entry(message.request_id, raw))  # ... then it died
+    assert budget_used(rclient, message) == 300
+    assert usage.record(message.request_id) is False  # the row was there already
+    assert UsageRecord.objects.filter(request_id=message.request_id).count() == 1
+    assert budget_used(rclient, message) == 10
+    assert usage.record(message.request_id) is False
+    assert budget_used(rclient, message) == 10
+
+
+def test_the_reconciliation_records_what_no_task_did_and_leaves_the_young(metered, rclient,
+                                                                         keys):
+    lost, young = admitted(metered, 100), admitted(metered, 100)
+    run_to_end(rclient, keys, lost, prompt=2, completion=3)
+    run_to_end(rclient, keys, young, prompt=2, completion=3)
+    # The task of `lost` never ran (its Celery worker died with it) and it ended 60 s ago.
+    entry = json.loads(rclient.hget(keys.usage_pending, lost.request_id))
+    entry["finished_at"] = time.time() - 60
+    rclient.hset(keys.usage_pending, lost.request_id, json.dumps(entry))
+    assert usage.reconcile(older_than_s=10) == 1
+    assert UsageRecord.objects.filter(request_id=lost.request_id).exists()
+    assert not UsageRecord.objects.filter(request_id=young.request_id).exists()
+    assert usage.pending() == 1  # its own task records it
+    assert usage.reconcile(older_than_s=0) == 1 and usage.pending() == 0
+
+
+@pytest.mark.django_db(transaction=True)  # the web tier records it on a thread of its own
+def test_a_request_withdrawn_while_waiting_is_billed_nothing_and_frees_its_slot(
+        make_tenant, live_worker, rclient, keys):
+    from asgiref.sync import sync_to_async
+    from django.db import connections
+
+    from gateway.events import abort
+
+    tenant, key, _ = make_tenant(max_concurrent_requests=1)
+    message = admitted(key, 50)
+    lease_key = message.meta["admission"]["concurrency_keys"][0]
+    assert rclient.zcard(lease_key) == 1
+
+    async def client_leaves() -> None:
+        await abort(message.request_id)
+        await sync_to_async(connections.close_all)()
+
+    asyncio.run(client_leaves())
+    assert rclient.zcard(lease_key) == 0  # the end of the request releases its slot
+    record = UsageRecord.objects.get(request_id=message.request_id)
+    assert record.finish_reason == "abort" and record.completion_tokens == 0
+    assert usage.pending() == 0
+    admitted(key, 50)  # the slot is free for the next one
