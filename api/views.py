@@ -252,7 +252,7 @@ async def _sse_events(
                     yield sse_data(responses.text_chunk(shape, event.text))
             else:
                 if event.error is not None:
-                    yield sse_data(worker_error(event.error).body())
+                    yield sse_data(worker_error(event.error).stream_body())
                     return
                 if event.text:
                     yield sse_data(responses.text_chunk(shape, event.text))
@@ -263,9 +263,9 @@ async def _sse_events(
                 return
             event = await anext(events, None)
     except APIError as exc:
-        yield sse_data(exc.body())
+        yield sse_data(exc.stream_body())
     except Exception as exc:  # noqa: BLE001 - the status is sent: end with an error event
-        yield sse_data(unexpected_error(exc).body())
+        yield sse_data(unexpected_error(exc).stream_body())
     finally:
         try:
             await generation.close()

@@ -31,6 +31,7 @@ STATUS_BY_CODE: dict[ErrorCode, int] = {
     ErrorCode.ENGINE_ERROR: 500,
     ErrorCode.WORKER_SHUTDOWN: 503,
     ErrorCode.WORKER_LOST: 503,
+    ErrorCode.STATE_LOST: 503,
 }
 # Recorded for a request whose client went away (nginx's convention).
 CLIENT_CLOSED_STATUS = 499
@@ -89,6 +90,16 @@ class APIError(Exception):
         if self.details:
             error["details"] = self.details
         return {"error": error}
+
+    def stream_body(self) -> dict[str, Any]:
+        """:meth:`body` for an error sent inside a stream (an SSE event, a websocket frame), where
+        no header can carry the retry hints: ``retryable``, and ``retry_after_ms`` when set."""
+        body = self.body()
+        body["error"]["retryable"] = self.should_retry is not False and (
+            self.retry_after_s is not None or self.status >= 500)
+        if self.retry_after_s is not None:
+            body["error"]["retry_after_ms"] = max(1, int(self.retry_after_s * 1000))
+        return body
 
     def headers(self) -> dict[str, str]:
         headers: dict[str, str] = dict(self.extra_headers)

@@ -25,7 +25,15 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from inference.protocol import EVENTS_TTL_S, FinalEvent, Keys, encode_event
+from inference.protocol import (
+    EVENTS_TTL_S,
+    ErrorCode,
+    ErrorInfo,
+    FinalEvent,
+    FinishReason,
+    Keys,
+    encode_event,
+)
 
 if TYPE_CHECKING:
     from inference.bridge import LiveRequest
@@ -143,11 +151,20 @@ class Recovery:
         self.epoch = self._read_epoch()
 
     def _write_unowned_final(self, event: FinalEvent, live: LiveRequest) -> None:
+        """End a request Redis lost: a retryable ``state_lost`` error (whatever the engine's own
+        end: it was stopped for this), billed for what the engine computed."""
+        lost = FinalEvent(
+            request_id=event.request_id, seq=event.seq, finish_reason=FinishReason.ERROR,
+            usage=event.usage, text=event.text, timings=event.timings,
+            error=ErrorInfo(code=ErrorCode.STATE_LOST, retryable=True,
+                            message="the server's request store restarted and lost this "
+                                    "request; retry it",
+                            details={"completion_tokens": event.usage.completion_tokens}))
         stream = self.keys.events(event.request_id)
-        entry = {"final": event.model_dump_json(), "body": live.message.to_json(),
+        entry = {"final": lost.model_dump_json(), "body": live.message.to_json(),
                  "first_at": None, "finished_at": time.time()}
         pipe = self.client.pipeline(transaction=False)
-        pipe.xadd(stream, encode_event(event))
+        pipe.xadd(stream, encode_event(lost))
         pipe.expire(stream, EVENTS_TTL_S)
         pipe.hset(self.keys.usage_pending, event.request_id, json.dumps(entry))
         pipe.execute()

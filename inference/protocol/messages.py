@@ -48,6 +48,7 @@ class ErrorCode(StrEnum):
     ENGINE_ERROR = "engine_error"
     WORKER_SHUTDOWN = "worker_shutdown"
     WORKER_LOST = "worker_lost"  # its worker died while running it
+    STATE_LOST = "state_lost"  # Redis lost its data (restarted without it) while it ran
 
 
 class ErrorInfo(Message):

@@ -180,6 +180,7 @@ class Stack:
         while time.monotonic() < deadline:
             busy = client.llen(queue) > 0
             busy = busy or int(client.eval(GATE1_LUA, 0, self.prefix)) > 0
+            busy = busy or client.hlen(f"{self.prefix}:usage:pending") > 0  # not yet recorded
             for raw in client.mget(list(client.scan_iter(f"{self.prefix}:stats:*"))) if not busy \
                     else []:
                 snap = json.loads(raw or "{}")

@@ -104,6 +104,7 @@ def test_a_killed_workers_streams_end_within_its_ttl_and_its_waiting_ones_are_se
     assert wait_for(lambda: all(s.ended_at for s in running), TTL_S + 4)
     for s in running:
         assert s.error["code"] == "worker_lost" and not s.done, s
+        assert s.error["retryable"] is True and s.error["retry_after_ms"] >= 1  # in the body
         assert s.ended_at - killed_at <= TTL_S + 2.5
         got = int(re.search(r"after (\d+) token", s.error["message"]).group(1))
         assert got == s.tokens  # it says how far the client got

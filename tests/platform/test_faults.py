@@ -227,7 +227,8 @@ def test_redis_losing_its_data_stops_the_workers_requests_and_bills_what_they_co
         entry = wait_for(lambda: client.hget(keys.usage_pending, message.request_id), 10)
         assert entry, "the lost request was never billed"
         end = FinalEvent.model_validate_json(json.loads(entry)["final"])
-        assert end.finish_reason == "abort" and 5 <= end.usage.completion_tokens < 1000
+        assert end.error.code == "state_lost" and end.error.retryable
+        assert 5 <= end.usage.completion_tokens < 1000
         after = request(5)  # the worker registered again and serves
         FairQueue(client, keys, "tool", "vtc").enqueue(after)
         served = wait_for(lambda: final_of(client, keys, after.request_id), 10)
