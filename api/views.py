@@ -31,7 +31,7 @@ from api.schemas import (
     validate,
 )
 from api.sse import DONE, KEEPALIVE, sse_data
-from gateway import lifecycle, ratelimits, workers
+from gateway import lifecycle, monitor, ratelimits, workers
 from gateway.admission import Principal
 from gateway.clients import aredis
 from gateway.conf import platform_settings, redis_keys
@@ -348,7 +348,8 @@ def _ping_database() -> None:
 
 @api_view("GET")
 async def readyz(request: HttpRequest) -> HttpResponse:
-    """``GET /readyz``: the database, Redis and at least one worker answer (else 503)."""
+    """``GET /readyz``: the database, Redis and at least one worker answer, and this web process is
+    not draining (else 503)."""
     checks: dict[str, Any] = {}
     try:
         await sync_to_async(_ping_database)()
@@ -363,6 +364,8 @@ async def readyz(request: HttpRequest) -> HttpResponse:
     except Exception as exc:  # noqa: BLE001
         checks["redis"] = f"error: {exc}"
         checks["workers"] = "unknown"
+    if monitor.DRAINING.is_set():
+        checks["web"] = "error: draining (shutting down)"
     ready = all(v == "ok" or isinstance(v, int) for v in checks.values())
     return JsonResponse({"status": "ok" if ready else "unavailable", "checks": checks},
                         status=200 if ready else 503)

@@ -30,7 +30,7 @@ from gateway import admission, monitor, workers
 from gateway.admission import Principal
 from gateway.clients import aredis
 from gateway.conf import platform_settings, redis_keys
-from gateway.events import Waiting, abort, abort_later, events
+from gateway.events import Waiting, abort_later, events
 from gateway.tokens import PromptCount, count_chat_tokens, count_text_tokens
 from inference.protocol import (
     ChatTurn,
@@ -112,8 +112,9 @@ class Generation:
             yield event
 
     async def abort(self) -> None:
-        """Ask the worker to stop generating; its final event (``abort``) follows."""
-        await abort(self.request_id)
+        """Ask the worker to stop generating; its final event (``abort``) follows. With Redis
+        unreachable, the web monitor sends the abort when it is back."""
+        await abort_later(self.request_id)
 
     async def close(self) -> None:
         """Abort the request if it has not finished, and release its lease (idempotent).

@@ -23,6 +23,7 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 import weakref
@@ -43,6 +44,8 @@ FORGET_WEB_AFTER_S = 3600.0
 ABORT_RETRY_S = 600.0
 
 WEB_ID = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+# Set while this web process drains (SIGTERM, llm_platform.serve): /readyz answers 503.
+DRAINING = threading.Event()
 
 
 class Monitor:

@@ -96,8 +96,10 @@ class Stack:
         return proc
 
     def start(self, timeout_s: float = 180) -> Stack:
-        self.others.append(self._spawn("daphne", [str(BIN / "daphne"), "-b", "127.0.0.1", "-p",
-                                                  str(self.port), "llm_platform.asgi:application"]))
+        # daphne with a drain on SIGTERM (llm_platform/serve.py), as the run command starts it.
+        self.others.append(self._spawn("daphne", [sys.executable, "-m", "llm_platform.serve",
+                                                  "-b", "127.0.0.1", "-p", str(self.port),
+                                                  "llm_platform.asgi:application"]))
         self.others.append(self._spawn("celery", [str(BIN / "celery"), "-A", "llm_platform",
                                                   "worker", "-P", "solo", "-l", "info"]))
         for _ in range(self.num_workers):

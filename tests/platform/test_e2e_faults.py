@@ -164,3 +164,15 @@ def test_sigterm_drains_a_worker_its_running_stream_finishes(stack, make_tenant,
     assert stream.done and stream.tokens == 40 and not stream.error, stream
     stack.restart("worker0")
     assert wait_for(lambda: ready(stack), 60)
+
+
+def test_sigterm_drains_the_web_process_its_streams_finish(stack, make_tenant,
+                                                           transactional_db):
+    _, _, raw = make_tenant()
+    stream = Stream(stack.url, raw, 60).start()  # 3 s of tokens
+    assert wait_for(lambda: stream.tokens >= 3, 20)
+    stack.kill("daphne", signal.SIGTERM, wait_s=20)  # returns once it exited
+    assert stream.done and stream.tokens == 60 and not stream.error, stream
+    assert not ready(stack)  # it stopped listening (and has exited)
+    stack.restart("daphne")
+    assert wait_for(lambda: ready(stack), 30)

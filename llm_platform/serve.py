@@ -1,0 +1,99 @@
+"""The web process: daphne, with a drain on SIGTERM. ``python -m llm_platform.serve [daphne's
+arguments]`` takes daphne's own command line (``-b``, ``-p``, the application, ...).
+
+Plain daphne stops at once on SIGTERM: every response in flight is cut (its generation is aborted,
+so nothing runs for nobody, but the client loses the answer). This one drains first: it stops
+accepting connections, reports itself not ready (``/readyz`` answers 503, so a proxy sends new
+requests elsewhere), lets the responses in flight finish for up to ``WEB_DRAIN_S`` seconds
+(default 10), then stops as daphne does, ending what is still open (a chat's websocket, a stream
+longer than the grace). A second SIGTERM or SIGINT stops it at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+from daphne.cli import CommandLineInterface
+from daphne.server import Server
+from twisted.internet import reactor
+
+log = logging.getLogger("llm_platform.serve")
+
+# How often the drain looks at the responses still open (seconds).
+DRAIN_POLL_S = 0.2
+
+
+class DrainingServer(Server):
+    """daphne's server, with :meth:`drain` on SIGTERM and SIGINT instead of an immediate stop."""
+
+    drain_s = float(os.environ.get("WEB_DRAIN_S", "10"))
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        kwargs["signal_handlers"] = False  # ours, installed in run()
+        super().__init__(*args, **kwargs)
+        self._ports: list[Any] = []
+        self._draining_since: float | None = None
+
+    def run(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        super().run()
+
+    def listen_success(self, port: Any) -> None:
+        self._ports.append(port)
+        super().listen_success(port)
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        if self._draining_since is not None:
+            log.warning("%s again: stopping now", signal.Signals(signum).name)
+            reactor.callFromThread(self.stop)
+            return
+        log.info("%s: draining (no new connections; up to %g s for the responses in flight)",
+                 signal.Signals(signum).name, self.drain_s)
+        reactor.callFromThread(self.drain)
+
+    def drain(self) -> None:
+        """Stop accepting, answer not ready, and stop once nothing is in flight (or at the
+        grace period's end)."""
+        from gateway import monitor
+
+        self._draining_since = time.monotonic()
+        monitor.DRAINING.set()
+        for port in self._ports:
+            port.stopListening()
+        self._stop_when_drained()
+
+    def in_flight(self) -> int:
+        """Connections whose application is still running (a response not yet ended)."""
+        return sum(1 for details in self.connections.values()
+                   if (app := details.get("application_instance")) is not None
+                   and not app.done())
+
+    def _stop_when_drained(self) -> None:
+        assert self._draining_since is not None
+        open_now = self.in_flight()
+        waited = time.monotonic() - self._draining_since
+        if open_now == 0 or waited >= self.drain_s:
+            log.info("drained after %.1f s (%d response(s) still open, ended now)", waited,
+                     open_now)
+            self.stop()
+            return
+        reactor.callLater(DRAIN_POLL_S, self._stop_when_drained)
+
+
+class DrainingCommandLine(CommandLineInterface):
+    server_class = DrainingServer
+
+
+def main(argv: list[str] | None = None) -> None:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llm_platform.settings")
+    DrainingCommandLine().run(sys.argv[1:] if argv is None else argv)
+
+
+if __name__ == "__main__":
+    main()
