@@ -146,6 +146,9 @@ async def events(
             await asyncio.sleep(OUTAGE_BACKOFF_S[min(failures, len(OUTAGE_BACKOFF_S) - 1)])
             failures += 1
             deadline += time.monotonic() - now  # an outage is not the worker's silence
+            if beat_at is not None and time.monotonic() >= beat_at:
+                beat_at = time.monotonic() + keepalive_s if keepalive_s else None
+                yield Waiting()  # the client's connection stays open through the outage
             continue
         _raise_if_cancelled()
         failures, failing_since = 0, None

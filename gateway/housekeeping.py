@@ -43,19 +43,22 @@ def _reclaimed(reply: list) -> list[str]:
     return ended
 
 
-def sweep(client: redis.Redis | None = None) -> list[str]:
-    """Reclaim dead workers and end expired requests; return the ids of the requests ended."""
+def sweep(client: redis.Redis | None = None, *, reclaim: bool = True) -> list[str]:
+    """Reclaim dead workers (unless ``reclaim`` is False: just after a Redis outage, when a
+    stale heartbeat may be a live worker's) and end expired requests; return the ids of the
+    requests ended."""
     client = client or sync_redis()
     prefix, ttl = redis_keys().prefix, platform_settings()["WORKER_HEARTBEAT_TTL_S"]
-    ended = _reclaimed(client.eval(RECLAIM_LUA, 0, prefix, ttl, EVENTS_TTL_S))
+    ended = _reclaimed(client.eval(RECLAIM_LUA, 0, prefix, ttl, EVENTS_TTL_S)) if reclaim else []
     return ended + _ids(client.eval(WITHDRAW_LUA, 0, prefix, EVENTS_TTL_S, "expired",
                                     EXPIRE_BATCH))
 
 
-async def asweep(client: aioredis.Redis) -> list[str]:
+async def asweep(client: aioredis.Redis, *, reclaim: bool = True) -> list[str]:
     """:func:`sweep` on an async client."""
     prefix, ttl = redis_keys().prefix, platform_settings()["WORKER_HEARTBEAT_TTL_S"]
-    ended = _reclaimed(await client.eval(RECLAIM_LUA, 0, prefix, ttl, EVENTS_TTL_S))
+    ended = (_reclaimed(await client.eval(RECLAIM_LUA, 0, prefix, ttl, EVENTS_TTL_S))
+             if reclaim else [])
     return ended + _ids(await client.eval(WITHDRAW_LUA, 0, prefix, EVENTS_TTL_S, "expired",
                                           EXPIRE_BATCH))
 

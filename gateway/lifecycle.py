@@ -18,9 +18,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -30,6 +32,7 @@ from gateway import admission, monitor, workers
 from gateway.admission import Principal
 from gateway.clients import aredis
 from gateway.conf import platform_settings, redis_keys
+from gateway.errors import APIError
 from gateway.events import Waiting, abort_later, events
 from gateway.tokens import PromptCount, count_chat_tokens, count_text_tokens
 from inference.protocol import (
@@ -62,6 +65,21 @@ def fairness_key(tenant: Tenant, *, api_key_id: int | None = None, user: str | N
     return tenant.slug
 
 
+# The generations of this process not yet closed (a draining web process stops them at its end).
+_live: weakref.WeakSet[Generation] = weakref.WeakSet()
+
+
+async def interrupt_all(timeout_s: float = 2.0) -> int:
+    """Stop every generation of this process not yet ended (the end of a web drain): each
+    reader then gets an ``interrupted`` error to send its client. Returns how many."""
+    pending = [g for g in list(_live) if g.final is None and not g._closed]
+    if pending:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(abort_later(g.request_id) for g in pending),
+                                                  return_exceptions=True), timeout_s)
+    return len(pending)
+
+
 class Generation:
     """A request admitted and dispatched: its events, and its end (see the module docstring).
 
@@ -76,6 +94,9 @@ class Generation:
         self.final: FinalEvent | None = None
         self._refusal = refusal
         self._closed = False
+        self._abort_requested = False
+        if refusal is None:
+            _live.add(self)
 
     @property
     def request_id(self) -> str:
@@ -108,12 +129,27 @@ class Generation:
                                   epoch=self.meta.get(admission.EPOCH_META_KEY),
                                   outage_tolerance_s=conf["REDIS_OUTAGE_TOLERANCE_S"]):
             if isinstance(event, FinalEvent):
+                event = self._unasked_abort(event)
                 self.final = event
             yield event
+
+    def _unasked_abort(self, event: FinalEvent) -> FinalEvent:
+        """A final ``abort`` this side never asked for is an error to its client, never a normal
+        end: the server stopped the request (a drain's end, or a worker that took this process
+        for gone during an outage)."""
+        if event.finish_reason is not FinishReason.ABORT or self._abort_requested:
+            return event
+        return event.model_copy(update={
+            "finish_reason": FinishReason.ERROR,
+            "error": ErrorInfo(code=ErrorCode.INTERRUPTED, retryable=True,
+                               message="the server stopped this request before it finished; "
+                                       "retry it",
+                               details={"completion_tokens": event.usage.completion_tokens})})
 
     async def abort(self) -> None:
         """Ask the worker to stop generating; its final event (``abort``) follows. With Redis
         unreachable, the web monitor sends the abort when it is back."""
+        self._abort_requested = True
         await abort_later(self.request_id)
 
     async def close(self) -> None:
@@ -129,7 +165,9 @@ class Generation:
         await asyncio.shield(self._end())
 
     async def _end(self) -> None:
+        _live.discard(self)
         if self.final is None:
+            self._abort_requested = True
             await abort_later(self.request_id)
         try:
             await admission.release(self.meta)
@@ -164,9 +202,13 @@ async def start(principal: Principal, *, sampling: Sampling, default_max_tokens:
         whose only event is the worker's ``context_length_exceeded`` final event.
 
     Raises:
-        APIError: 503 when no worker is alive (or the counting processes keep failing); 429
-            naming the limit that refused.
+        APIError: 503 when no worker is alive, this web process is draining, or the counting
+            processes keep failing; 429 naming the limit that refused.
     """
+    if monitor.DRAINING.is_set():
+        # Also for a request on a connection opened before the drain began (keep-alive).
+        raise APIError(503, "This server is shutting down; retry the request.",
+                       code="service_unavailable", retry_after_s=1)
     tenant = principal.tenant
     conf = platform_settings()
     message = RequestMessage(

@@ -33,7 +33,7 @@ from asgiref.sync import sync_to_async
 
 from gateway import housekeeping, usage
 from gateway.clients import aredis
-from gateway.conf import redis_keys
+from gateway.conf import platform_settings, redis_keys
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,7 @@ class Monitor:
         self.redis_ok_at = 0.0  # monotonic time of the last successful round
         self.pending_aborts: dict[str, float] = {}  # request id -> monotonic time of the failure
         self._task: asyncio.Task | None = None
+        self.back_since = float("-inf")  # monotonic time Redis answered again after an outage
         self._started = asyncio.Event()
 
     async def beat(self) -> None:
@@ -74,10 +75,17 @@ class Monitor:
         epoch = reply[3]
         self.epoch = epoch.decode() if isinstance(epoch, bytes) else epoch
         self.redis_ok_at = time.monotonic()
-        ended = await housekeeping.asweep(client)
+        # Just after an outage, a stale heartbeat may be a live worker's: judge them only once
+        # every process could have written its own for a whole TTL.
+        ended = await housekeeping.asweep(client, reclaim=not self.recovering())
         if ended:
             await sync_to_async(_record_all)(ended)
         await self._retry_aborts()
+
+    def recovering(self) -> bool:
+        """Whether Redis came back from an outage less than a heartbeat TTL ago."""
+        ttl = platform_settings()["WORKER_HEARTBEAT_TTL_S"]
+        return time.monotonic() - self.back_since < ttl
 
     async def _retry_aborts(self) -> None:
         from gateway.events import abort
@@ -93,8 +101,11 @@ class Monitor:
         failing_since: float | None = None
         while True:
             try:
+                if failing_since is not None:
+                    self.back_since = float("inf")  # set when the round below succeeds
                 await self.beat()
                 if failing_since is not None:
+                    self.back_since = time.monotonic()
                     log.warning("Redis is reachable again after %.1f s",
                                 time.monotonic() - failing_since)
                 failing_since = None

@@ -3,9 +3,13 @@ what no live process would (see :mod:`gateway.usage` and :mod:`gateway.housekeep
 
 from __future__ import annotations
 
+import time
+
+import redis.exceptions
 from celery import shared_task
 
 from gateway import housekeeping, usage
+from gateway.conf import platform_settings
 from inference.protocol import USAGE_TASK_NAME
 
 RECONCILE_TASK = "gateway.tasks.reconcile_usage"
@@ -25,11 +29,27 @@ def reconcile_usage() -> int:
     return usage.reconcile()
 
 
+# Monotonic time this process last saw Redis answer again after an outage.
+_back_since = float("-inf")
+
+
 @shared_task(name=SWEEP_TASK, ignore_result=True)
 def sweep_queue() -> int:
     """Reclaim dead workers' requests and end expired ones, also when no worker or web process
-    lives to do it (periodic); record their usage. Returns how many requests were ended."""
-    ended = housekeeping.sweep()
+    lives to do it (periodic); record their usage. Returns how many requests were ended.
+
+    Right after a Redis outage (this task failed on it) it reclaims nothing for a heartbeat
+    TTL: a stale heartbeat may then be a live worker's that could not beat.
+    """
+    global _back_since
+    try:
+        recovering = time.monotonic() - _back_since < platform_settings()["WORKER_HEARTBEAT_TTL_S"]
+        ended = housekeeping.sweep(reclaim=not recovering)
+    except redis.exceptions.RedisError:
+        _back_since = float("inf")
+        raise
+    if _back_since == float("inf"):
+        _back_since = time.monotonic()
     for request_id in ended:
         usage.record(request_id)
     return len(ended)

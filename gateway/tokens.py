@@ -37,6 +37,7 @@ import multiprocessing
 import os
 import sys
 import threading
+import time
 import types
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -63,8 +64,6 @@ ESTIMATE_TOKENS_PER_PROMPT = 3
 # Counting processes per web process (``LLM_PLATFORM["TOKENIZER_PROCESSES"]`` overrides it).
 POOL_PROCESSES = 2
 
-
-# -- bounds from bytes ------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class ByteBounds:
@@ -128,8 +127,6 @@ def utf8_length(text: str) -> int:
     """Bytes of ``text`` in UTF-8 (a lone surrogate counts as its 3 bytes)."""
     return len(text.encode("utf-8", "surrogatepass"))
 
-
-# -- counting in this process (the counting processes' side) ----------------------------------
 
 def tokenizer_folder() -> Path:
     """The folder whose tokenizer counts prompt tokens (see the module docstring)."""
@@ -269,17 +266,23 @@ def measure_here(messages: Sequence[dict[str, str]] | None, prompt: str | None,
 
 
 def _start_process(folder: str) -> None:
-    """Initializer of a counting process: load the tokenizer of ``folder`` once."""
+    """Initializer of a counting process: load the tokenizer of ``folder`` once; exit with the
+    web process (a ``kill -9`` of it leaves no orphan)."""
     global _process_folder
     _process_folder = folder
+    threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
     _load(folder)
+
+
+def _exit_with(parent: int) -> None:  # a counting process's watch on its web process
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)
 
 
 def _ready() -> int:
     return os.getpid()
 
-
-# -- the pool (the web process's side) --------------------------------------------------------
 
 _lock = threading.Lock()
 _pool: ProcessPoolExecutor | None = None

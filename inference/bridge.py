@@ -110,6 +110,10 @@ class WorkerBridge(Recovery):
         self._wiped: dict[str, LiveRequest] = {}
         # Origins (web processes) first seen without a heartbeat: origin -> monotonic time.
         self._origin_missing: dict[str, float] = {}
+        # Monotonic time since which Redis has answered without a break (the main loop sets it
+        # after an outage): heartbeats are judged only when every process could have written
+        # them for a whole TTL since, so an outage is never taken for deaths.
+        self.redis_ok_since = float("-inf")
         engine.event_sink = self.on_events
 
     # -- requests in (main thread) ----------------------------------------------------------
@@ -311,6 +315,8 @@ class WorkerBridge(Recovery):
         for request_id in self.queue.expire(EVENTS_TTL_S):
             self._count_ended(FinishReason.ERROR)
             self._ended.put(request_id)
+        if time.monotonic() - self.redis_ok_since < heartbeat_ttl_s:
+            return  # just after an outage: a stale heartbeat may be a live worker's
         requeued, workers, ended = self.queue.reclaim(heartbeat_ttl_s, EVENTS_TTL_S)
         if workers:
             log.warning("reclaimed dead worker(s) %s: %d request(s) back in the queue, %d ended",

@@ -53,6 +53,7 @@ class Recovery:
     worker_id: str
     queue: FairQueue
     web_ttl_s: float
+    redis_ok_since: float
     epoch: str | None
     _live: dict[str, LiveRequest]
     _live_lock: threading.Lock
@@ -100,8 +101,8 @@ class Recovery:
     def _origin_alive(self, origin: str) -> bool:
         """Whether the web process ``origin`` has a heartbeat younger than ``web_ttl_s`` (one
         never seen counts as alive for ``web_ttl_s`` from when it was first missed)."""
-        if not origin:
-            return True
+        if not origin or time.monotonic() - self.redis_ok_since < self.web_ttl_s:
+            return True  # (just after an outage, no web process could beat: not judged)
         beat = self.client.zscore(self.keys.web, origin)
         now = time.time()
         if beat is not None:
@@ -210,7 +211,9 @@ class Recovery:
         self.reconcile_queue()
         self.flush_events()
         self.flush_usage()
-        self.client.zrem(self.keys.workers, self.worker_id)
+        # Its heartbeat is left to age out rather than removed: requests sent meanwhile wait in
+        # the queue for the next worker (a restart of the only one) instead of being refused
+        # with no_worker_available; after the TTL it is reclaimed (nothing is left to take).
         self.client.delete(self.keys.stats(self.worker_id))
         self.client.hdel(self.keys.fq("held"), self.worker_id)
         return len(back)

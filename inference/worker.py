@@ -63,11 +63,14 @@ class Backoff:
         self.delay_s = min(self.most_s, max(self.first_s, self.delay_s * 2))
         stop.wait(self.delay_s)
 
-    def succeeded(self) -> None:
-        if self.failing_since is not None:
+    def succeeded(self) -> bool:
+        """Note a success; return whether it ends an outage."""
+        ended = self.failing_since is not None
+        if ended:
             log.warning("Redis reachable again after %.1f s",
                         time.monotonic() - self.failing_since)
         self.failing_since, self.delay_s = None, 0.0
+        return ended
 
 
 def main() -> int:
@@ -178,8 +181,10 @@ def serve(bridge: WorkerBridge, stop: threading.Event, *, heartbeat_ttl_s: float
                     bridge.housekeep(heartbeat_ttl_s)
                     bridge.audit()
                     next_beat = now + heartbeat_interval_s
-                backoff.succeeded()
+                if backoff.succeeded():
+                    bridge.redis_ok_since = time.monotonic()
             except redis.RedisError as exc:
+                bridge.redis_ok_since = float("inf")  # until it is back
                 backoff.failed(exc, stop if drain_until is None else threading.Event())
     finally:
         try:

@@ -3,14 +3,16 @@ arguments]`` takes daphne's own command line (``-b``, ``-p``, the application, .
 
 Plain daphne stops at once on SIGTERM: every response in flight is cut (its generation is aborted,
 so nothing runs for nobody, but the client loses the answer). This one drains first: it stops
-accepting connections, reports itself not ready (``/readyz`` answers 503, so a proxy sends new
-requests elsewhere), lets the responses in flight finish for up to ``WEB_DRAIN_S`` seconds
-(default 10), then stops as daphne does, ending what is still open (a chat's websocket, a stream
-longer than the grace). A second SIGTERM or SIGINT stops it at once.
+accepting connections, answers 503 to new requests on connections already open (and ``/readyz``
+with 503), lets the responses in flight finish for up to ``WEB_DRAIN_S`` seconds (default 10),
+then stops the generations still running (their clients get a retryable ``interrupted`` error)
+and stops as daphne does (a chat's websocket is closed). A second SIGTERM or SIGINT stops it at
+once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -26,6 +28,8 @@ log = logging.getLogger("llm_platform.serve")
 
 # How often the drain looks at the responses still open (seconds).
 DRAIN_POLL_S = 0.2
+# After the grace, how long the interrupted responses get to send their error (seconds).
+INTERRUPT_GRACE_S = 3.0
 
 
 class DrainingServer(Server):
@@ -38,6 +42,7 @@ class DrainingServer(Server):
         super().__init__(*args, **kwargs)
         self._ports: list[Any] = []
         self._draining_since: float | None = None
+        self._interrupted = False
 
     def run(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -78,9 +83,21 @@ class DrainingServer(Server):
         assert self._draining_since is not None
         open_now = self.in_flight()
         waited = time.monotonic() - self._draining_since
-        if open_now == 0 or waited >= self.drain_s:
-            log.info("drained after %.1f s (%d response(s) still open, ended now)", waited,
-                     open_now)
+        if open_now == 0:
+            log.info("drained after %.1f s", waited)
+            self.stop()
+            return
+        if waited >= self.drain_s and not self._interrupted:
+            # The grace is over: stop the generations still running, so that each response
+            # ends with an `interrupted` error its client can see, then stop.
+            self._interrupted = True
+            log.info("%d response(s) still open after %.1f s: interrupting them", open_now,
+                     waited)
+            from gateway.lifecycle import interrupt_all
+
+            asyncio.ensure_future(interrupt_all())
+        if waited >= self.drain_s + INTERRUPT_GRACE_S:
+            log.info("stopping with %d response(s) still open", open_now)
             self.stop()
             return
         reactor.callLater(DRAIN_POLL_S, self._stop_when_drained)

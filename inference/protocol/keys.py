@@ -65,8 +65,9 @@ REDIS_RETRY_WINDOW_S = 5.0
 def redis_retry_options(asyncio: bool = False) -> dict[str, Any]:
     """Keyword arguments for a Redis client that rides out a short outage: its calls are retried
     on a lost or refused connection with exponential backoff (0.05 s doubling to 0.5 s) for about
-    :data:`REDIS_RETRY_WINDOW_S`. Every Redis call the platform repeats this way is idempotent
-    (an admission or an event write repeated after a lost reply changes nothing)."""
+    :data:`REDIS_RETRY_WINDOW_S` (not on a timeout). Every Redis call the platform repeats this
+    way is idempotent (an admission or an event write repeated after a lost reply changes
+    nothing)."""
     from redis.backoff import ExponentialBackoff
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -75,9 +76,11 @@ def redis_retry_options(asyncio: bool = False) -> dict[str, Any]:
         from redis.asyncio.retry import Retry
     else:
         from redis.retry import Retry
-    return {"retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), 13,
-                           (RedisConnectionError, RedisTimeoutError)),
-            "retry_on_error": [RedisConnectionError, RedisTimeoutError]}
+    # A refused or reset connection is retried; a timeout is not: a Redis that hangs would make
+    # each retry wait a whole socket timeout, and the callers bound an outage themselves.
+    del RedisTimeoutError
+    return {"retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), 13, (RedisConnectionError,)),
+            "retry_on_error": [RedisConnectionError], "retry_on_timeout": False}
 
 
 def queue_script(name: str) -> str:

@@ -49,6 +49,7 @@ class ErrorCode(StrEnum):
     WORKER_SHUTDOWN = "worker_shutdown"
     WORKER_LOST = "worker_lost"  # its worker died while running it
     STATE_LOST = "state_lost"  # Redis lost its data (restarted without it) while it ran
+    INTERRUPTED = "interrupted"  # stopped by the server, not by its client (a drain's end)
 
 
 class ErrorInfo(Message):

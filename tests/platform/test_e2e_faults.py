@@ -24,6 +24,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 STEP_S = 0.05
 TTL_S = 3
+DRAIN_S = 5
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def stack(request, django_db_setup, django_db_blocker, tmp_path_factory):
                        REFERENCE_STEP_DELAY_S=STEP_S, MAX_BATCH_SIZE=2, WORKER_PREFETCH=1,
                        WORKER_HEARTBEAT_TTL_S=TTL_S, WEB_HEARTBEAT_TTL_S=TTL_S,
                        HEARTBEAT_INTERVAL_S=0.5, STREAM_DECISION_TIMEOUT_S=1,
-                       SSE_KEEPALIVE_S=1)
+                       SSE_KEEPALIVE_S=1, WEB_DRAIN_S=DRAIN_S)
 
 
 @dataclass
@@ -174,5 +175,20 @@ def test_sigterm_drains_the_web_process_its_streams_finish(stack, make_tenant,
     stack.kill("daphne", signal.SIGTERM, wait_s=20)  # returns once it exited
     assert stream.done and stream.tokens == 60 and not stream.error, stream
     assert not ready(stack)  # it stopped listening (and has exited)
+    stack.restart("daphne")
+    assert wait_for(lambda: ready(stack), 30)
+
+
+def test_a_stream_longer_than_the_web_drain_ends_with_a_clear_error_and_stops(
+        stack, make_tenant, transactional_db):
+    tenant, _, raw = make_tenant()
+    stream = Stream(stack.url, raw, 1000).start()  # 50 s of tokens: longer than the drain
+    assert wait_for(lambda: stream.tokens >= 3, 20)
+    stack.kill("daphne", signal.SIGTERM, wait_s=30)
+    # Not a cut connection, not a normal end: a retryable error event the client can act on.
+    assert stream.error.get("code") == "interrupted" and not stream.done, stream
+    assert stream.error["retryable"] is True
+    record = wait_for(lambda: UsageRecord.objects.filter(tenant=tenant).first(), 10)
+    assert record is not None and record.completion_tokens < 1000 / 2  # stopped, not run out
     stack.restart("daphne")
     assert wait_for(lambda: ready(stack), 30)

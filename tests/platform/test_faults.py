@@ -202,7 +202,9 @@ def test_a_stopping_worker_hands_back_what_waits_and_finishes_what_runs(private_
     assert client.hexists(keys.fq("wait"), waiting.request_id)
     assert client.xlen(keys.events(waiting.request_id)) == 0
     assert gate1(client, keys) == 1
-    assert not client.zscore(keys.workers, worker.bridge.worker_id)
+    # Its heartbeat ages out instead of vanishing: requests keep queueing for the next worker.
+    assert client.zscore(keys.workers, worker.bridge.worker_id)
+    assert not client.exists(keys.stats(worker.bridge.worker_id))
 
 
 @pytest.fixture
@@ -273,3 +275,23 @@ def test_a_reader_whose_request_redis_lost_ends_with_a_retryable_error(volatile_
     assert error.status == 503 and error.code == "service_unavailable"
     assert error.retry_after_s and "lost this request" in error.message
     assert waited < 5  # not REQUEST_IDLE_TIMEOUT_S
+
+
+@pytest.mark.django_db
+def test_a_draining_web_process_refuses_new_requests_on_open_connections(
+        make_tenant, live_worker, client):
+    from gateway import monitor
+
+    _, _, raw = make_tenant()
+    monitor.DRAINING.set()
+    try:
+        reply = client.post("/v1/completions", content_type="application/json",
+                            HTTP_AUTHORIZATION=f"Bearer {raw}",
+                            data={"model": "SmolLM2-135M-Instruct", "prompt": "hi",
+                                  "max_tokens": 3})
+        ready = client.get("/readyz")
+    finally:
+        monitor.DRAINING.clear()
+    assert reply.status_code == 503 and reply["Retry-After"]
+    assert reply.json()["error"]["code"] == "service_unavailable"
+    assert ready.status_code == 503 and "draining" in ready.json()["checks"]["web"]
