@@ -27,13 +27,18 @@ from tests.platform.e2e_fixtures import wait_for
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def private_redis(tmp_path) -> Iterator[PrivateRedis]:
-    """A redis-server of this test's own, with every write on disk before it is answered."""
-    server = PrivateRedis(tmp_path, tmp_path / "redis.log", "aof")
+def own_redis(tmp_path, persistence: str) -> Iterator[PrivateRedis]:
+    """A redis-server of the test's own (killed at its end)."""
+    server = PrivateRedis(tmp_path, tmp_path / "redis.log", persistence)
     server.start()
     yield server
     server.kill(signal.SIGKILL)
+
+
+@pytest.fixture
+def private_redis(tmp_path) -> Iterator[PrivateRedis]:
+    """A redis-server of this test's own, with every write on disk before it is answered."""
+    yield from own_redis(tmp_path, "aof")
 
 
 @pytest.fixture
@@ -210,10 +215,7 @@ def test_a_stopping_worker_hands_back_what_waits_and_finishes_what_runs(private_
 @pytest.fixture
 def volatile_redis(tmp_path) -> Iterator[PrivateRedis]:
     """A redis-server of this test's own that keeps nothing across a restart."""
-    server = PrivateRedis(tmp_path, tmp_path / "redis.log", "none")
-    server.start()
-    yield server
-    server.kill(signal.SIGKILL)
+    yield from own_redis(tmp_path, "none")
 
 
 def test_redis_losing_its_data_stops_the_workers_requests_and_bills_what_they_computed(
