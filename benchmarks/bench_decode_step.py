@@ -1,23 +1,29 @@
-"""One decode step of the transformers backend, with and without its CPU speed settings.
+"""One decode step of the transformers backend, with and without its CPU speed settings, in fp32
+and in bf16.
 
-The same rows (mixed context lengths, the KV pool filled with random values) are decoded under
-four settings, interleaved so that machine noise hits them alike:
+The same rows (mixed context lengths, each a prefix of one real text whose K/V are prefilled once)
+are decoded under four settings, interleaved so that machine noise hits them alike:
 
 * ``baseline``: ``F.linear`` projections, attention over all rows gathered to the longest one;
-* ``gemm``: projections as ``W @ x^T`` (``TransformersBackend.small_batch_gemm``);
+* ``gemm``: projections by ``_linear_cpu`` (``W @ x^T`` where that orientation is faster for the
+  dtype; ``TransformersBackend.small_batch_gemm``);
 * ``gemm+groups``: also attention over groups of similar-length rows
   (``TransformersBackend.attention_groups``);
-* ``gemm+native``: projections as ``W @ x^T`` and attention read in place from the KV pool by the
+* ``gemm+native``: projections as ``gemm`` and attention read in place from the KV pool by the
   native kernel (``TransformersBackend.native_attention``), the default.
 
-For each batch size it prints milliseconds per step (the fastest of ``--repeats`` rounds of
-``--steps`` steps each) and the ratio to the baseline, checks that the settings pick the same
-greedy token for every row, and saves the figures as JSON.
+``--dtype both`` (the default) loads the model twice, in fp32 and in bf16, and interleaves the two
+as well; it also counts the rows whose bf16 greedy token is fp32's.
+
+For each batch size and dtype it prints milliseconds per step (the fastest of ``--repeats``
+rounds of ``--steps`` steps each) and the ratio to that dtype's baseline, checks that the
+settings pick the same greedy token for every row, and with both dtypes the bf16/fp32 time ratio
+of each setting (below 1: bf16 is faster). It saves the figures as JSON.
 
 Usage::
 
-    python benchmarks/bench_decode_step.py                  # rows 2, 11, 24, 32; ~1 min
-    python benchmarks/bench_decode_step.py --rows 1,8,16 --max-context 1024
+    python benchmarks/bench_decode_step.py                  # rows 2, 11, 24, 32; both dtypes
+    python benchmarks/bench_decode_step.py --dtype float32 --rows 1,8,16 --max-context 1024
 """
 
 from __future__ import annotations
@@ -57,11 +63,17 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+DTYPES = {"float32": ("float32",), "bfloat16": ("bfloat16",), "both": ("float32", "bfloat16")}
+SHORT = {"float32": "fp32", "bfloat16": "bf16"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--rows", type=_int_list, default=[2, 11, 24, 32], metavar="LIST",
                         help="batch sizes (rows per decode step), comma-separated")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="both",
+                        help="the model's dtype; both: fp32 and bf16 side by side")
     parser.add_argument("--min-context", type=positive_int, default=16,
                         help="shortest row (tokens)")
     parser.add_argument("--max-context", type=positive_int, default=576,
@@ -79,20 +91,31 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from inference.backends.base import DecodeRow
+    from benchmarks.bf16_quality import TEXT
+    from inference.backends.base import DecodeRow, PrefillChunk
     from inference.backends.hf import TransformersBackend
     from inference.model_store import resolve_model_path
 
     rng = random.Random(args.seed)
     torch.manual_seed(args.seed)
-    backend = TransformersBackend.from_pretrained(resolve_model_path(""))
-    default_groups = backend.attention_groups
-    if args.max_context >= backend.max_model_len:
-        parser.error(f"--max-context must be below the model's {backend.max_model_len} tokens")
+    dtypes = DTYPES[args.dtype]
+    backends = {d: TransformersBackend.from_pretrained(resolve_model_path(""), device="cpu",
+                                                       dtype=d) for d in dtypes}
+    first = backends[dtypes[0]]
+    default_groups = first.attention_groups
+    if args.max_context >= first.max_model_len:
+        parser.error(f"--max-context must be below the model's {first.max_model_len} tokens")
     block = 16
     per_row = -(-(args.max_context + 1) // block)
-    backend.allocate_kv_pool(per_row * max(args.rows) + 1, block)
-    backend._kv.normal_()  # attention over non-trivial values
+    # Every row reads a prefix of one real text: its K/V prefilled once per dtype into the last
+    # blocks of the pool and copied into each row's blocks (random K/V would make the logits
+    # flat and the bf16 model unstable, unlike any real context).
+    text = first.tokenizer.encode(" ".join([TEXT] * (4 + args.max_context // 150)))
+    text = text[:args.max_context + 1]
+    source = list(range(per_row * max(args.rows) + 1, per_row * (max(args.rows) + 1) + 1))
+    for backend in backends.values():
+        backend.allocate_kv_pool(source[-1] + 1, block)
+        backend.prefill([PrefillChunk("text", text, 0, source)])
 
     def make_rows(count: int) -> list[DecodeRow]:
         rows, next_block = [], 1
@@ -101,49 +124,67 @@ def main(argv: list[str] | None = None) -> int:
             need = -(-(position + 1) // block)
             table = list(range(next_block, next_block + need))
             next_block += need
-            rows.append(DecodeRow(row_id=f"r{i}", token_id=rng.randrange(1000),
+            for backend in backends.values():
+                kv = backend._kv
+                kv[:, :, table] = kv[:, :, source[:need]]
+            rows.append(DecodeRow(row_id=f"r{i}", token_id=text[position],
                                   position=position, block_table=table))
         return rows
 
-    def use(name: str) -> None:
+    def use(backend: TransformersBackend, name: str) -> None:
         setting = SETTINGS[name]
         backend.small_batch_gemm = setting["small_batch_gemm"]
         backend.attention_groups = setting["attention_groups"] or default_groups
         backend.native_attention = setting["native_attention"]
 
     results = []
-    print(f"{'rows':>4} {'mean ctx':>8} " + " ".join(f"{n:>14}" for n in SETTINGS)
-          + "   same tokens")
+    print(f"{'rows':>4} {'mean ctx':>8} {'dtype':>5} "
+          + " ".join(f"{n:>14}" for n in SETTINGS) + "   same tokens")
     for count in args.rows:
         rows = make_rows(count)
-        times: dict[str, list[float]] = {name: [] for name in SETTINGS}
+        runs = [(d, n) for d in dtypes for n in SETTINGS]
+        times: dict[tuple[str, str], list[float]] = {run: [] for run in runs}
         tokens = {}
-        for name in SETTINGS:  # warm-up, and the greedy tokens of each setting
-            use(name)
-            tokens[name] = backend.decode(rows).argmax(-1).tolist()
+        for d, name in runs:  # warm-up, and the greedy tokens of each setting
+            use(backends[d], name)
+            tokens[d, name] = backends[d].decode(rows).argmax(-1).tolist()
         for _ in range(args.repeats):
-            for name in SETTINGS:
-                use(name)
+            for d, name in runs:
+                use(backends[d], name)
                 start = time.perf_counter()
                 for _ in range(args.steps):
-                    backend.decode(rows)
-                times[name].append((time.perf_counter() - start) / args.steps * 1000)
-        best = {name: min(values) for name, values in times.items()}
-        same = all(t == tokens["baseline"] for t in tokens.values())
+                    backends[d].decode(rows)
+                times[d, name].append((time.perf_counter() - start) / args.steps * 1000)
         mean_ctx = sum(r.position + 1 for r in rows) / count
-        cells = " ".join(f"{best[n]:7.1f} ms {best['baseline'] / best[n]:4.2f}x" for n in SETTINGS)
-        print(f"{count:>4} {mean_ctx:>8.0f} {cells}   {'yes' if same else 'NO'}")
-        results.append({"rows": count, "mean_context": mean_ctx, "ms_per_step": best,
-                        "all_rounds_ms": times, "speedup": {n: best["baseline"] / best[n]
-                                                            for n in SETTINGS},
-                        "same_greedy_tokens": same})
-    use("gemm+groups")
+        best = {run: min(values) for run, values in times.items()}
+        for d in dtypes:
+            base = best[d, "baseline"]
+            same = all(tokens[d, n] == tokens[d, "baseline"] for n in SETTINGS)
+            cells = " ".join(f"{best[d, n]:7.1f} ms {base / best[d, n]:4.2f}x" for n in SETTINGS)
+            print(f"{count:>4} {mean_ctx:>8.0f} {SHORT[d]:>5} {cells}   {'yes' if same else 'NO'}")
+            results.append({"rows": count, "dtype": d, "mean_context": mean_ctx,
+                            "ms_per_step": {n: best[d, n] for n in SETTINGS},
+                            "all_rounds_ms": {n: times[d, n] for n in SETTINGS},
+                            "speedup": {n: base / best[d, n] for n in SETTINGS},
+                            "same_greedy_tokens": same})
+        if len(dtypes) == 2:
+            ratio = {n: best["bfloat16", n] / best["float32", n] for n in SETTINGS}
+            agree = sum(a == b for a, b in zip(tokens["float32", "gemm+native"],
+                                               tokens["bfloat16", "gemm+native"], strict=True))
+            cells = " ".join(f"{ratio[n]:14.2f}" for n in SETTINGS)
+            print(f"{count:>4} {'':>8} {'ratio':>5} {cells}   bf16 top-1 = fp32's in "
+                  f"{agree}/{count} rows")
+            results.append({"rows": count, "bf16_over_fp32": ratio,
+                            "bf16_top1_equals_fp32_rows": agree})
+    for backend in backends.values():
+        use(backend, "gemm+native")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v
                                              for k, v in vars(args).items()},
                                     "torch_threads": torch.get_num_threads(),
                                     "results": results}, indent=2))
-    print(f"ms per decode step (fastest round); Nx: speed-up over baseline. saved {args.out}")
+    print("ms per decode step (fastest round); Nx: speed-up over that dtype's baseline; ratio: "
+          f"bf16 time / fp32 time (below 1: bf16 faster). saved {args.out}")
     return 0
 
 

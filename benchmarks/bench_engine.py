@@ -1,13 +1,22 @@
 """Throughput and latency of this engine against plain transformers, on the same model and prompts.
 
-Systems (each in its own subprocess, so peak RSS is per system and no two run at once):
+Systems (each in its own subprocess, so peak RSS is per system and no two run at once), named
+``KIND`` or ``KIND:DTYPE`` with ``DTYPE`` one of ``float32`` and ``bfloat16`` (``fp32``, ``bf16``):
 
 * ``engine``: :class:`inference.engine.LLMEngine` over the transformers backend, in-process,
-  ticked synchronously on the main thread (no web tier);
-* ``generate``: ``model.generate`` with static batching at the same batch size (what a user
-  would write instead): each batch is padded to its longest prompt and runs to its longest answer;
-* ``generate_batch``: transformers' own continuous batching manager (the engine behind
+  ticked synchronously on the main thread (no web tier); plain ``engine`` is ``dtype="auto"``,
+  what a user gets by default (the run prints what it resolved to), ``engine:float32`` forces it;
+* ``generate:DTYPE``: ``model.generate`` with static batching at the same batch size (what a user
+  would write instead), the model loaded with ``from_pretrained(..., dtype=DTYPE)``: each batch
+  is padded to its longest prompt and runs to its longest answer;
+* ``generate_batch:DTYPE``: transformers' own continuous batching manager (the engine behind
   ``model.generate_batch``), fed by the same closed-loop client.
+
+A peer named without a dtype is its ``float32`` run. The default set is ``engine`` and both
+peers in both dtypes (:data:`DEFAULT_SYSTEMS`). Each engine row's throughput is compared with
+``generate`` and ``generate_batch`` in the dtype the engine ran in, and with ``generate:float32``
+(``from_pretrained``'s default on the default model folder); a summary of the targets
+(:data:`TARGETS`) ends the table, printed only (PASS or MISS, never asserted).
 
 Workloads (greedy; every request generates exactly its ``max_tokens``: EOS is ignored):
 
@@ -19,10 +28,19 @@ A closed-loop client keeps ``concurrency`` requests in flight: a new one is subm
 one finishes. TTFT is from a request's submission to its first token; ITL is the gap between a
 request's consecutive tokens (seconds). Output tokens/s counts the tokens requested, not padding.
 
+Repeats: engine rows run ``--repeats`` times on every workload (3; 1 with ``--quick``), the
+peers ``--peer-repeats`` times on a and c (2; 1 with ``--quick``) and once on b, where one run
+takes minutes. Medians over the runs.
+
 Usage::
 
-    python benchmarks/bench_engine.py            # full: medians of 3 repeats, ~18 min on 2 cores
-    python benchmarks/bench_engine.py --quick    # smaller workloads, 1 repeat, ~4 min
+    python benchmarks/bench_engine.py            # full, 5 systems: ~27 min on 2 cores
+    python benchmarks/bench_engine.py --quick    # smaller workloads, 1 repeat: ~7 min
+    python benchmarks/bench_engine.py --systems engine,engine:float32,generate:float32
+
+The durations are estimates from the fp32 systems' speeds (the earlier 3-system run took 18 min):
+workload b's single runs of the four peers take about 13 of the 27 minutes. On a CPU without
+native bf16 (no AVX512_BF16 or AMX) the bf16 peers run slower and the run takes longer.
 
 The table is printed and saved as JSON under ``benchmarks/results/``.
 """
@@ -44,7 +62,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "benchmarks" / "results"
-SYSTEMS = ("engine", "generate", "generate_batch")
+KINDS = ("engine", "generate", "generate_batch")
+DTYPES = ("float32", "bfloat16")
+DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+DEFAULT_SYSTEMS = ("engine", "generate:float32", "generate:bfloat16", "generate_batch:float32",
+                   "generate_batch:bfloat16")
 WORKLOADS = ("a", "b", "c")
 KV_BLOCK_SIZE = 16
 SEED = 1234
@@ -62,6 +84,165 @@ CORPUS = (
     "let it rise, shape it and bake it until the crust is golden. The Python standard library "
     "has modules for files, dates, regular expressions, networking, JSON and CSV. "
 )
+
+
+@dataclass(frozen=True)
+class System:
+    """One system of the comparison: ``kind`` (engine, generate, generate_batch) and ``dtype``
+    (float32, bfloat16, or auto: the engine's default)."""
+
+    kind: str
+    dtype: str
+
+    @property
+    def label(self) -> str:
+        """The canonical name: ``engine`` for the engine's default dtype, else ``KIND:DTYPE``."""
+        return self.kind if self.dtype == "auto" else f"{self.kind}:{self.dtype}"
+
+
+def parse_system(text: str) -> System:
+    """``KIND`` or ``KIND:DTYPE`` as a :class:`System`.
+
+    ``engine`` alone is the engine's default dtype (``auto``); a peer alone is its ``float32``
+    run. Only the engine takes ``auto``.
+
+    Raises:
+        ValueError: for an unknown kind or dtype.
+    """
+    kind, sep, dtype = text.strip().partition(":")
+    kind, dtype = kind.strip(), dtype.strip().lower()
+    if kind not in KINDS:
+        raise ValueError(f"unknown {kind!r}; choose from {', '.join(KINDS)}")
+    if not sep:
+        return System(kind, "auto" if kind == "engine" else "float32")
+    if dtype == "auto" and kind == "engine":
+        return System(kind, "auto")
+    if dtype not in DTYPE_NAMES:
+        allowed = ", ".join([*(["auto"] if kind == "engine" else []), *DTYPES])
+        raise ValueError(f"unknown dtype {dtype!r} in {text.strip()!r}; choose from {allowed}")
+    return System(kind, DTYPE_NAMES[dtype])
+
+
+def system_list(text: str) -> list[System]:
+    """argparse ``type`` of ``--systems``: comma-separated :func:`parse_system` names (not
+    empty; duplicates merged, order kept)."""
+    systems: dict[str, System] = {}
+    for item in text.split(","):
+        if item.strip():
+            try:
+                system = parse_system(item)
+            except ValueError as exc:
+                raise argparse.ArgumentTypeError(str(exc)) from None
+            systems.setdefault(system.label, system)
+    if not systems:
+        raise argparse.ArgumentTypeError("empty list of systems")
+    return list(systems.values())
+
+
+system_list.__name__ = "system list"  # what argparse calls the type in its errors
+
+
+@dataclass(frozen=True)
+class Target:
+    """Engine throughput at least ``factor`` times ``peer``'s on workload ``workload``; ``peer``
+    is ``KIND:DTYPE``, or ``KIND:same`` for the peer in the dtype the engine ran in."""
+
+    workload: str
+    peer: str
+    factor: float
+
+
+TARGETS = (
+    Target("b", "generate:float32", 4.0),
+    Target("b", "generate:bfloat16", 2.5),
+    Target("b", "generate_batch:bfloat16", 3.0),
+    Target("a", "generate:same", 1.2),
+    Target("c", "generate:same", 1.2),
+)
+
+
+def _tok_s(row: dict | None) -> float | None:
+    value = ((row or {}).get("median") or {}).get("output_tok_s")
+    return value if value else None
+
+
+def peer_label(kind: str, dtype: str | None) -> str | None:
+    """The label of peer ``kind`` in ``dtype`` (a resolved dtype name); None without one."""
+    return f"{kind}:{dtype}" if dtype in DTYPES else None
+
+
+def ratios(rows: dict[str, dict]) -> dict[str, dict[str, float | None]]:
+    """Throughput ratios of every row of one workload.
+
+    Args:
+        rows: label -> ``{"dtype": resolved dtype name, "median": {"output_tok_s": ...}}``.
+
+    Returns:
+        label -> ``x_gen`` and ``x_gb`` (to ``generate`` and ``generate_batch`` in the row's own
+        dtype) and ``x_gen_fp32`` (to ``generate:float32``); None where that peer is missing or
+        failed.
+    """
+    out: dict[str, dict[str, float | None]] = {}
+    for label, row in rows.items():
+        mine, dtype = _tok_s(row), row.get("dtype")
+
+        def to(peer: str | None, mine: float | None = mine) -> float | None:
+            base = _tok_s(rows.get(peer)) if peer else None
+            return mine / base if mine and base else None
+
+        out[label] = {"x_gen": to(peer_label("generate", dtype)),
+                      "x_gb": to(peer_label("generate_batch", dtype)),
+                      "x_gen_fp32": to("generate:float32")}
+    return out
+
+
+def check_targets(results: dict[str, dict[str, dict]]) -> list[dict]:
+    """Each engine row's :data:`TARGETS` against the results (workload -> label -> row).
+
+    Returns:
+        One dict per engine row and target of a workload in the results: ``engine``,
+        ``workload``, ``peer`` (the label compared with), ``factor`` (needed), ``measured`` (the
+        ratio, None where either side is missing or failed) and ``verdict`` (``PASS``, ``MISS``,
+        or ``n/a`` without a measurement).
+    """
+    engines = list(dict.fromkeys(label for rows in results.values() for label in rows
+                                 if label.split(":")[0] == "engine"))
+    checks = []
+    for engine in engines:
+        for target in TARGETS:
+            if target.workload not in results:
+                continue
+            rows = results[target.workload]
+            dtype = (rows.get(engine) or {}).get("dtype")
+            kind, _, want = target.peer.partition(":")
+            peer = peer_label(kind, dtype) if want == "same" else target.peer
+            mine, base = _tok_s(rows.get(engine)), _tok_s(rows.get(peer)) if peer else None
+            measured = mine / base if mine and base else None
+            verdict = "n/a" if measured is None else (
+                "PASS" if measured >= target.factor else "MISS")
+            checks.append({"engine": engine, "workload": target.workload,
+                           "peer": peer or f"{kind} in {dtype or 'its dtype'}",
+                           "factor": target.factor, "measured": measured, "verdict": verdict})
+    return checks
+
+
+def format_targets(checks: list[dict]) -> str:
+    """The targets summary: one line per check, e.g.
+    ``b  engine >= 4.00x generate:float32: 4.31x  PASS``."""
+    lines = []
+    for c in checks:
+        got = "not measured" if c["measured"] is None else f"{c['measured']:.2f}x"
+        lines.append(f"{c['workload']}  {c['engine']} >= {c['factor']:.2f}x {c['peer']}: "
+                     f"{got}  {c['verdict']}")
+    return "\n".join(lines)
+
+
+def planned_runs(system: System, workload: str, repeats: int, peer_repeats: int) -> int:
+    """Runs of ``system`` on ``workload``: ``repeats`` for the engine, ``peer_repeats`` for a
+    peer, and one for a peer on workload b (several minutes a run)."""
+    if system.kind == "engine":
+        return repeats
+    return 1 if workload == "b" else peer_repeats
 
 
 @dataclass
@@ -139,12 +320,13 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
-def run_engine(model_path: str, wl: Workload) -> list[Trace]:
-    """The engine, ticked on this (the only torch) thread, fed by a closed-loop client."""
+def run_engine(model_path: str, dtype: str, wl: Workload) -> list[Trace]:
+    """The engine in ``dtype`` (``auto``: its default), ticked on this (the only torch) thread,
+    fed by a closed-loop client."""
     from inference.engine import LLMEngine
     from inference.request import FinalEvent, SamplingParams
 
-    backend = _engine_backend(model_path)
+    backend = _engine_backend(model_path, dtype)
     longest = max(len(s.prompt) + s.max_tokens for s in wl.requests)
     blocks = wl.concurrency * (-(-longest // KV_BLOCK_SIZE) + 1) + 16
     from inference.config import EngineConfig
@@ -160,7 +342,8 @@ def run_engine(model_path: str, wl: Workload) -> list[Trace]:
                 traces[event.request_id].token_times.append(now)
 
     engine = LLMEngine(EngineConfig(max_batch_size=wl.concurrency, kv_num_blocks=blocks,
-                                    kv_block_size=KV_BLOCK_SIZE, max_pending=10_000),
+                                    kv_block_size=KV_BLOCK_SIZE, max_pending=10_000,
+                                    **ENGINE_SETTINGS),
                        backend, event_sink=stamp)
     todo = list(enumerate(wl.requests))
     live = 0
@@ -188,12 +371,12 @@ def run_engine(model_path: str, wl: Workload) -> list[Trace]:
 _BACKEND = None
 
 
-def _engine_backend(model_path: str):
+def _engine_backend(model_path: str, dtype: str):
     global _BACKEND
     if _BACKEND is None:
         from inference.backends.hf import TransformersBackend
 
-        _BACKEND = TransformersBackend.from_pretrained(model_path)
+        _BACKEND = TransformersBackend.from_pretrained(model_path, dtype=dtype)
     return _BACKEND
 
 
@@ -201,24 +384,28 @@ _HF = None
 _GB = None  # the generate_batch manager of this process
 _GB_RUNS = 0
 _PLAN = None  # the workload this process measures (sizes long-lived state)
+# The engine's PREFILL_MODE and TARGET_ITL_MS (empty / None: its defaults), from the flags.
+ENGINE_SETTINGS: dict[str, object] = {}
 
 
-def _hf_model(model_path: str):
+def _hf_model(model_path: str, dtype: str):
+    """The transformers model of this process, loaded in ``dtype`` (float32 or bfloat16)."""
     global _HF
     if _HF is None:
         import torch
         from transformers import AutoModelForCausalLM
 
-        _HF = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        _HF = AutoModelForCausalLM.from_pretrained(model_path,
+                                                   dtype=getattr(torch, dtype)).eval()
     return _HF
 
 
-def run_generate(model_path: str, wl: Workload) -> list[Trace]:
+def run_generate(model_path: str, dtype: str, wl: Workload) -> list[Trace]:
     """Static batching: batches of ``concurrency`` requests, left-padded, run to the longest."""
     import torch
     from transformers import StoppingCriteria, StoppingCriteriaList
 
-    model = _hf_model(model_path)
+    model = _hf_model(model_path, dtype)
     pad = model.generation_config.pad_token_id
     pad = pad if pad is not None else model.config.eos_token_id
     traces: list[Trace] = []
@@ -276,10 +463,10 @@ def _gb_manager(model, wl: Workload):
     return _GB
 
 
-def run_generate_batch(model_path: str, wl: Workload) -> list[Trace]:
+def run_generate_batch(model_path: str, dtype: str, wl: Workload) -> list[Trace]:
     """transformers' continuous batching manager, fed by the closed-loop client."""
     global _GB_RUNS
-    manager = _gb_manager(_hf_model(model_path), _PLAN or wl)
+    manager = _gb_manager(_hf_model(model_path, dtype), _PLAN or wl)
     _GB_RUNS += 1
     tag = f"run{_GB_RUNS}-"
     traces: dict[str, Trace] = {}
@@ -316,7 +503,13 @@ def run_generate_batch(model_path: str, wl: Workload) -> list[Trace]:
 RUNNERS = {"engine": run_engine, "generate": run_generate, "generate_batch": run_generate_batch}
 
 
-def worker(system: str, workload: str, quick: bool, repeats: int, out: Path) -> None:
+def resolved_dtype() -> str:
+    """The dtype this process's model runs in (e.g. ``bfloat16``), once loaded; else ``""``."""
+    model = _BACKEND if _BACKEND is not None else _HF
+    return str(model.dtype).removeprefix("torch.") if model is not None else ""
+
+
+def worker(system: System, workload: str, quick: bool, repeats: int, out: Path) -> None:
     """Run one system on one workload ``repeats`` times (after a warm-up) and write JSON."""
     sys.path.insert(0, str(REPO))
     from inference.model_store import resolve_model_path
@@ -327,16 +520,16 @@ def worker(system: str, workload: str, quick: bool, repeats: int, out: Path) -> 
     model_path = str(resolve_model_path(shared.model_path, shared.model_cache_dir))
     corpus_ids = Tokenizer.from_folder(model_path).encode(CORPUS * 8)
     wl = build_workload(workload, quick, corpus_ids)
-    runner = RUNNERS[system]
+    runner = RUNNERS[system.kind]
     global _PLAN
     _PLAN = wl  # what the warm-up sizes a long-lived manager for
     warm = Workload("warm-up", "", [Spec(corpus_ids[:24], 4), Spec(corpus_ids[30:40], 4)], 2)
-    runner(model_path, warm)
+    runner(model_path, system.dtype, warm)
     runs = []
     for _ in range(repeats):
         cpu_before = _cpu_jiffies()
         started = time.perf_counter()
-        traces = runner(model_path, wl)
+        traces = runner(model_path, system.dtype, wl)
         ended = time.perf_counter()
         cpu_after = _cpu_jiffies()
         runs.append(summarize(traces, started, ended))
@@ -346,12 +539,12 @@ def worker(system: str, workload: str, quick: bool, repeats: int, out: Path) -> 
         expected = sum(s.max_tokens for s in wl.requests)
         got = runs[-1]["output_tokens"]
         if got != expected:
-            raise RuntimeError(f"{system} produced {got} tokens, expected {expected}")
+            raise RuntimeError(f"{system.label} produced {got} tokens, expected {expected}")
     if _GB is not None:
         _GB.stop(block=True, timeout=10)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     out.write_text(json.dumps({"runs": runs, "peak_rss_bytes": peak_rss,
-                               "description": wl.description}))
+                               "description": wl.description, "dtype": resolved_dtype()}))
 
 
 def _cpu_jiffies() -> tuple[int, int]:
@@ -372,13 +565,15 @@ def median_run(runs: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
-def run_one(system: str, workload: str, quick: bool, repeats: int) -> dict:
+def run_one(system: System, workload: str, quick: bool, repeats: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", system,
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", system.label,
                "--workload", workload, "--repeats", str(repeats), "--result", str(out)]
         if quick:
             cmd.append("--quick")
+        for key, value in ENGINE_SETTINGS.items():
+            cmd += [f"--{key.replace('_', '-')}", str(value)]
         started = time.monotonic()
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
                               timeout=WORKER_TIMEOUT_S)
@@ -390,29 +585,45 @@ def run_one(system: str, workload: str, quick: bool, repeats: int) -> dict:
     return result
 
 
+DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
 def format_table(results: dict[str, dict[str, dict]]) -> str:
-    head = (f"{'wl':<3}{'system':<16}{'tok/s':>8}{'x gen':>7}{'x gb':>7}{'TTFT p50':>10}"
-            f"{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}{'RSS MB':>8}{'runs':>5}{'busy':>6}")
+    """The results (workload -> system label -> row) as a table, with :func:`ratios`."""
+    head = (f"{'wl':<3}{'system':<24}{'dtype':>6}{'tok/s':>8}{'x gen':>7}{'x gb':>7}"
+            f"{'x gen32':>8}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}"
+            f"{'RSS MB':>8}{'runs':>5}{'busy':>6}")
     lines = [head, "-" * len(head)]
     for wl, systems in results.items():
-        base = {s: r.get("median", {}).get("output_tok_s") for s, r in systems.items()}
+        by_label = ratios(systems)
         for system, r in systems.items():
             if "error" in r:
-                lines.append(f"{wl:<3}{system:<16}  failed: {r['error'].splitlines()[-1][:80]}")
+                lines.append(f"{wl:<3}{system:<24}  failed: {r['error'].splitlines()[-1][:80]}")
                 continue
-            m = r["median"]
+            m, x = r["median"], by_label[system]
 
-            def ratio(other: str, m: dict = m, base: dict = base) -> str:
-                b = base.get(other)
-                return f"{m['output_tok_s'] / b:.2f}" if b else "-"
+            def fmt(value: float | None) -> str:
+                return "-" if value is None else f"{value:.2f}"
 
+            dtype = r.get("dtype", "")
             lines.append(
-                f"{wl:<3}{system:<16}{m['output_tok_s']:>8.1f}{ratio('generate'):>7}"
-                f"{ratio('generate_batch'):>7}{m['ttft_p50_s']:>9.2f}s{m['ttft_p99_s']:>9.2f}s"
+                f"{wl:<3}{system:<24}{DTYPE_SHORT.get(dtype, dtype):>6}"
+                f"{m['output_tok_s']:>8.1f}{fmt(x['x_gen']):>7}{fmt(x['x_gb']):>7}"
+                f"{fmt(x['x_gen_fp32']):>8}{m['ttft_p50_s']:>9.2f}s{m['ttft_p99_s']:>9.2f}s"
                 f"{m['itl_p50_s'] * 1000:>7.0f}ms{m['itl_p99_s'] * 1000:>7.0f}ms"
                 f"{r['peak_rss_bytes'] / 2**20:>8.0f}{len(r['runs']):>5}"
                 f"{m.get('foreign_cores', 0):>6.2f}")
     return "\n".join(lines)
+
+
+def engine_dtypes(results: dict[str, dict[str, dict]]) -> dict[str, str]:
+    """Engine label -> the dtype it ran in (what ``auto`` resolved to, for plain ``engine``)."""
+    found: dict[str, str] = {}
+    for rows in results.values():
+        for label, row in rows.items():
+            if label.split(":")[0] == "engine" and row.get("dtype"):
+                found.setdefault(label, row["dtype"])
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -422,29 +633,47 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=HelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller workloads, one repeat")
-    parser.add_argument("--systems", type=name_list(SYSTEMS), default=",".join(SYSTEMS),
+    parser.add_argument("--systems", type=system_list, default=",".join(DEFAULT_SYSTEMS),
                         metavar="LIST",
-                        help=f"comma-separated systems to run, out of {', '.join(SYSTEMS)}")
+                        help="comma-separated systems to run: KIND or KIND:DTYPE, KIND one of "
+                             f"{', '.join(KINDS)}, DTYPE one of {', '.join(DTYPES)} (fp32, "
+                             "bf16); engine alone is its default dtype (auto), a peer alone "
+                             "float32")
     parser.add_argument("--workloads", type=name_list(WORKLOADS), default=",".join(WORKLOADS),
                         metavar="LIST",
                         help=f"comma-separated workloads to run, out of {', '.join(WORKLOADS)}")
     parser.add_argument("--repeats", type=positive_int, default=None, metavar="N",
-                        help="repeats per system and workload, at least 1 (default: 1 with "
-                             "--quick, else 3; the peers run workload b once)")
+                        help="runs of each engine system per workload, at least 1 (default: 1 "
+                             "with --quick, else 3)")
+    parser.add_argument("--peer-repeats", type=positive_int, default=None, metavar="N",
+                        help="runs of each peer (generate, generate_batch) on workloads a and c, "
+                             "at least 1 (default: 1 with --quick, else 2); on workload b the "
+                             "peers run once")
     parser.add_argument("--out", type=out_file, default=None, metavar="FILE",
                         help="JSON file to write, rewritten after every run so that an "
                              "interrupted benchmark keeps the figures of the runs that finished; "
                              "missing folders are created (default: benchmarks/results/"
                              "bench-<quick|full>-<time>.json)")
-    parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
+    parser.add_argument("--prefill-mode", default="", choices=["", "monolithic", "chunked",
+                                                               "mixed_batch"],
+                        help="the engine's PREFILL_MODE (default: the engine's default)")
+    parser.add_argument("--target-itl-ms", type=float, default=None, metavar="MS",
+                        help="the engine's TARGET_ITL_MS (default: the engine's default)")
+    parser.add_argument("--worker", type=parse_system, help=argparse.SUPPRESS)
     parser.add_argument("--workload", choices=WORKLOADS, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    ENGINE_SETTINGS.clear()
+    if args.prefill_mode:
+        ENGINE_SETTINGS["prefill_mode"] = args.prefill_mode
+    if args.target_itl_ms is not None:
+        ENGINE_SETTINGS["target_itl_ms"] = args.target_itl_ms
     if args.worker:
         worker(args.worker, args.workload, args.quick, args.repeats or 1, args.result)
         return 0
 
     repeats = args.repeats or (1 if args.quick else 3)
+    peer_repeats = args.peer_repeats or (1 if args.quick else 2)
     systems, workloads = args.systems, args.workloads
     results: dict[str, dict[str, dict]] = {}
     descriptions: dict[str, str] = {}
@@ -452,7 +681,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or RESULTS_DIR / f"bench-{'quick' if args.quick else 'full'}-" \
                                     f"{time.strftime('%Y%m%d-%H%M%S')}.json"
     try:
-        run_all(systems, workloads, repeats, args.quick, out, results, descriptions, started)
+        run_all(systems, workloads, (repeats, peer_repeats), args.quick, out, results,
+                descriptions, started)
     except KeyboardInterrupt:
         kept = f"the finished runs' figures are in {out}" if out.exists() else "no run finished"
         print(f"\ninterrupted: {kept}", file=sys.stderr)
@@ -461,10 +691,17 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for wl, text in descriptions.items():
         print(f"workload {wl}: {text}")
+    for label, dtype in engine_dtypes(results).items():
+        how = "dtype auto resolved to" if label == "engine" else "ran in"
+        print(f"{label}: {how} {dtype}")
     print(table)
     print(f"\ntotal {time.monotonic() - started:.0f} s; medians over runs; x gen / x gb: "
-          "throughput ratio to generate / generate_batch; busy: cores other processes kept "
-          "busy meanwhile (noise)")
+          "throughput ratio to generate / generate_batch in the row's own dtype; x gen32: to "
+          "generate:float32; busy: cores other processes kept busy meanwhile (noise)")
+    checks = check_targets(results)
+    if checks:
+        print("\ntargets (throughput ratios; printed, not asserted):")
+        print(format_targets(checks))
     save(out, args.quick, descriptions, results)
     print(f"saved {out}")
     failed = [f"{system} on {wl}" for wl, by_system in results.items()
@@ -490,28 +727,30 @@ def out_file(text: str) -> Path:
     return path
 
 
-def run_all(systems: list[str], workloads: list[str], repeats: int, quick: bool, out: Path,
-            results: dict[str, dict[str, dict]], descriptions: dict[str, str],
+def run_all(systems: list[System], workloads: list[str], repeats: tuple[int, int], quick: bool,
+            out: Path, results: dict[str, dict[str, dict]], descriptions: dict[str, str],
             started: float) -> None:
-    """Run every system on every workload ``repeats`` times, saving ``out`` after each run."""
+    """Run every system on every workload (``repeats``: the engine's and the peers' runs, see
+    :func:`planned_runs`), saving ``out`` after each run."""
     # Systems take turns, one run per process, so a slow spell of a shared machine hits them
     # alike rather than all the runs of one system.
     for wl in workloads:
         results[wl] = {}
-        for rep in range(repeats):
+        plan = {s.label: planned_runs(s, wl, *repeats) for s in systems}
+        for rep in range(max(plan.values())):
             for system in systems:
-                if rep and wl == "b" and system != "engine":
-                    continue  # the peers take minutes on the mixed workload: one run
-                if "error" in results[wl].get(system, {}):
+                label = system.label
+                if rep >= plan[label] or "error" in results[wl].get(label, {}):
                     continue
-                print(f"[{time.monotonic() - started:6.0f}s] {system} on workload {wl}, "
-                      f"run {rep + 1} ...", flush=True)
+                print(f"[{time.monotonic() - started:6.0f}s] {label} on workload {wl}, "
+                      f"run {rep + 1} of {plan[label]} ...", flush=True)
                 one = run_one(system, wl, quick, 1)
                 descriptions[wl] = one.pop("description", descriptions.get(wl, ""))
-                merged = results[wl].setdefault(system, {"runs": [], "peak_rss_bytes": 0})
+                merged = results[wl].setdefault(label, {"runs": [], "peak_rss_bytes": 0})
                 if "error" in one:
                     merged["error"] = one["error"]
                     continue
+                merged["dtype"] = one.get("dtype", "")
                 merged["runs"] += one["runs"]
                 merged["peak_rss_bytes"] = max(merged["peak_rss_bytes"], one["peak_rss_bytes"])
                 merged["median"] = median_run(merged["runs"])
@@ -520,13 +759,16 @@ def run_all(systems: list[str], workloads: list[str], repeats: int, quick: bool,
 
 def save(out: Path, quick: bool, descriptions: dict[str, str],
          results: dict[str, dict[str, dict]]) -> None:
-    """Write the figures so far, with their table, as JSON."""
+    """Write the figures so far, with their ratios, targets and table, as JSON."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "mode": "quick" if quick else "full",
         "machine": {"cpus": os.cpu_count(), "platform": sys.platform},
         "workloads": descriptions,
+        "engine_dtypes": engine_dtypes(results),
         "results": results,
+        "ratios": {wl: ratios(rows) for wl, rows in results.items()},
+        "targets": check_targets(results),
         "table": format_table(results),
     }, indent=2, default=lambda o: asdict(o)))
 

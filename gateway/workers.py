@@ -42,9 +42,12 @@ FIELD_RULES: dict[str, Rule] = {
         "admissions_hard_rejected", "requests_finished"), Rule.SUM),
     **dict.fromkeys(("published_at", "uptime_s", "last_tick_s"), Rule.MAX),
     "max_model_len": Rule.MIN,
-    **dict.fromkeys(("policy", "prefill_mode", "kv_block_size", "max_batch_size", "max_pending"),
-                    Rule.SAME),
+    **dict.fromkeys(("policy", "prefill_mode", "kv_block_size", "max_batch_size", "max_pending",
+                     "dtype"), Rule.SAME),
 }
+# Fields that only mean something for one worker (its own cost model and last pass): shown in
+# each worker's snapshot, left out of the deployment's total.
+PER_WORKER_ONLY = frozenset({"tick_budget"})
 # Per fairness key: served tokens add up; each worker keeps its own VTC counter (the largest is
 # shown: the most any worker has charged the key).
 PER_KEY_RULES: dict[str, Rule] = {

@@ -18,12 +18,15 @@ class PrefillMode(StrEnum):
 
     MONOLITHIC = "monolithic"
     CHUNKED = "chunked"
-    # Reserved names: accepted by the parser so the error can say they are not implemented.
+    # Decode rows ride in the prefill pass: one forward pass per tick, sized to TARGET_ITL_MS.
     MIXED_BATCH = "mixed_batch"
+    # Reserved: accepted by the parser so the error can say it is not implemented.
     DISAGGREGATED = "disaggregated"
 
 
-IMPLEMENTED_PREFILL_MODES = (PrefillMode.MONOLITHIC, PrefillMode.CHUNKED)
+IMPLEMENTED_PREFILL_MODES = (PrefillMode.MONOLITHIC, PrefillMode.CHUNKED, PrefillMode.MIXED_BATCH)
+# The mode an empty PREFILL_MODE means when PREFILL_CHUNK_SIZE > 0.
+DEFAULT_CHUNKING_MODE = PrefillMode.MIXED_BATCH
 
 
 class SchedulingPolicyName(StrEnum):
@@ -55,7 +58,13 @@ class EngineConfig(BaseModel):
     # 0 means monolithic prefill when PREFILL_MODE is empty.
     prefill_chunk_size: int = Field(256, ge=0, description="Prompt tokens per prefill chunk.")
     prefill_mode: PrefillMode | None = Field(
-        None, description="monolithic or chunked; empty derives it from PREFILL_CHUNK_SIZE."
+        None, description="monolithic, chunked or mixed_batch; empty derives it from "
+        "PREFILL_CHUNK_SIZE."
+    )
+    # mixed_batch: the tick a running stream waits for is sized to this (0: no target, every
+    # tick takes PREFILL_CHUNK_SIZE prompt tokens).
+    target_itl_ms: float = Field(
+        500.0, ge=0, description="Target tick duration while streams run (ms), mixed_batch."
     )
     kv_block_size: int = Field(16, ge=1, description="Tokens per KV block.")
     kv_num_blocks: int = Field(
@@ -98,8 +107,8 @@ class EngineConfig(BaseModel):
                 f"PREFILL_MODE={mode.value!r} is reserved but not implemented; "
                 f"use one of {[m.value for m in IMPLEMENTED_PREFILL_MODES]}"
             )
-        if mode is PrefillMode.CHUNKED and self.prefill_chunk_size < 1:
-            raise ValueError("PREFILL_MODE=chunked needs PREFILL_CHUNK_SIZE >= 1")
+        if mode in (PrefillMode.CHUNKED, PrefillMode.MIXED_BATCH) and self.prefill_chunk_size < 1:
+            raise ValueError(f"PREFILL_MODE={mode.value} needs PREFILL_CHUNK_SIZE >= 1")
         if self.kv_num_blocks == 0 and self.kv_cache_bytes == 0:
             raise ValueError("set KV_NUM_BLOCKS or KV_CACHE_BYTES (both are 0)")
         if self.kv_num_blocks and self.active_kv_budget:
@@ -111,7 +120,7 @@ class EngineConfig(BaseModel):
         """The prefill mode in force: ``PREFILL_MODE``, or derived from ``PREFILL_CHUNK_SIZE``."""
         if self.prefill_mode is not None:
             return self.prefill_mode
-        return PrefillMode.CHUNKED if self.prefill_chunk_size > 0 else PrefillMode.MONOLITHIC
+        return DEFAULT_CHUNKING_MODE if self.prefill_chunk_size > 0 else PrefillMode.MONOLITHIC
 
     def max_blocks_for_budget(self, budget_tokens: int) -> int:
         """Blocks that rows summing to ``budget_tokens`` can hold at most (tokens -> blocks).

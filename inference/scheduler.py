@@ -11,6 +11,10 @@ batch). One tick runs four phases in a fixed order:
    final event;
 4. ``_decode_step``: one batched forward pass, one token per active row.
 
+With ``PREFILL_MODE=mixed_batch`` phases 2 and 4 are one forward pass after eviction
+(:mod:`inference.mixed_tick`), its prompt tokens sized to ``TARGET_ITL_MS``
+(:mod:`inference.tick_budget`).
+
 Admit comes before evict, so a row promoted in this tick streams its first token in this tick and
 that token is never lost. The scheduler is single-threaded: :class:`inference.engine.LLMEngine`
 feeds it from a thread-safe inbox and runs :meth:`Scheduler.step` on its worker thread.
@@ -34,6 +38,7 @@ from inference.config import EngineConfig, PrefillMode
 from inference.detokenizer import IncrementalDetokenizer
 from inference.gates import never_fits
 from inference.kv_cache import KVCacheManager
+from inference.mixed_tick import MixedTick
 from inference.outputs import RowFault, append_token, final_event, pass_failed, queue_timeout
 from inference.policy import make_policy
 from inference.request import (
@@ -44,13 +49,14 @@ from inference.request import (
     RequestPhase,
 )
 from inference.sampling import sample
+from inference.scheduler_stats import SchedulerStats
 
 log = logging.getLogger(__name__)
 
 GATES = (1, 2, 3)
 
 
-class Scheduler:
+class Scheduler(SchedulerStats, MixedTick):
     """Queues, the four-phase tick, the gates and the reservation accounting.
 
     Args:
@@ -91,6 +97,7 @@ class Scheduler:
         self.left_pending = 0  # requests that left _pending (admitted or ended); read by the engine
         self._events: list[Event] = []
         self._clock: Callable[[], float] = time.monotonic
+        self._init_mixed()
 
     # -- entry points (called on the worker thread) --------------------------------------------
 
@@ -130,12 +137,20 @@ class Scheduler:
         """
         self._expire_pending()
         self._admit_pending()
-        self._advance_prefill_chunk()
-        self._evict_finished()
+        mixed = self.prefill_mode is PrefillMode.MIXED_BATCH
+        if not mixed:
+            self._advance_prefill_chunk()
+            self._evict_finished()
         if on_prefill_events is not None and self._events:
             early, self._events = self._events, []
             on_prefill_events(early)
-        self._decode_step()
+        if mixed:
+            # One pass; rows that stopped in it leave at once (their blocks are reused from the
+            # next tick's admission on).
+            self._mixed_pass()
+            self._evict_finished()
+        else:
+            self._decode_step()
         self.tick_count += 1
         events, self._events = self._events, []
         return events
@@ -226,8 +241,12 @@ class Scheduler:
             chunks.append(PrefillChunk(request.request_id, request.prompt_token_ids[start:end],
                                        start, tuple(request.block_table)))
         logits = self._forward("prefill", rows, lambda: self.backend.prefill(chunks))
-        if logits is None:
-            return
+        if logits is not None:
+            self._apply_prefill(rows, chunks, logits)
+
+    def _apply_prefill(self, rows: list[Request], chunks: list[PrefillChunk],
+                       logits: torch.Tensor) -> None:
+        """Account the chunks a pass computed; a row whose prompt is done gets its first token."""
         for i, (request, chunk) in enumerate(zip(rows, chunks, strict=True)):
             computed = len(chunk.token_ids)
             request.num_computed_tokens += computed
@@ -268,7 +287,12 @@ class Scheduler:
             batch.append(DecodeRow(request.request_id, request.output_token_ids[-1], position,
                                    tuple(request.block_table)))
         logits = self._forward("decode", rows, lambda: self.backend.decode(batch))
-        if logits is None:
+        if logits is not None:
+            self._apply_decode(rows, logits)
+
+    def _apply_decode(self, rows: list[Request], logits: torch.Tensor) -> None:
+        """Sample each decode row's next token from its logits and append it."""
+        if not rows:
             return
         tokens = sample(logits, rows, self.eos_token_ids)
         for request, token in zip(rows, tokens, strict=True):
@@ -356,41 +380,3 @@ class Scheduler:
             if request.request_id == request_id:
                 return request
         return None
-
-    # -- observation -------------------------------------------------------------------------
-
-    def stats(self) -> dict[str, Any]:
-        """A JSON-able stats snapshot (the field names of ``docs/design.md``, backpressure)."""
-        snapshot: dict[str, Any] = {
-            "policy": self.policy.name,
-            "prefill_mode": self.prefill_mode.value,
-            "max_batch_size": self.max_batch_size,
-            "max_pending": self.config.max_pending,
-            "num_pending": len(self._pending),
-            "num_prefilling": len(self._prefilling),
-            "num_active": len(self._active),
-            "active_kv_reserved": self.active_kv_reserved,
-            "active_kv_budget": self.active_kv_budget,
-            "kv_admit_blocked": self.kv_admit_blocked,
-            "tick_count": self.tick_count,
-            "tokens_generated": self.tokens_generated,
-            "prompt_tokens_computed": self.prompt_tokens_computed,
-            "admissions_soft_held": {str(g): n for g, n in self.soft_held.items()},
-            "admissions_hard_rejected": {str(g): n for g, n in self.hard_rejected.items()},
-            "requests_finished": dict(self.finished),
-            "per_key": {key: s.to_dict() for key, s in self.policy.keys.items()},
-        }
-        snapshot.update(self.kv.snapshot())
-        return snapshot
-
-    def debug_snapshot(self) -> dict[str, Any]:
-        """Queue membership and per-row reservations, for invariant checks."""
-        head = self.policy.peek_next()
-        return {
-            "pending": [r.debug_row() for r in self._pending.values()],
-            "pending_head": head.request_id if head is not None else None,
-            "prefilling": [r.debug_row() for r in self._prefilling],
-            "active": [r.debug_row() for r in self._active],
-            "active_kv_reserved": self.active_kv_reserved,
-            **self.kv.snapshot(),
-        }

@@ -66,6 +66,9 @@ class ModelBackend(ABC):
     tokenizer: Tokenizer
     vocab_size: int
     max_model_len: int
+    # A backend whose every pass takes the same time whatever it holds (a test backend) gives
+    # it here (seconds); None: the engine measures the backend's pass cost at start-up.
+    fixed_pass_seconds: float | None = None
 
     @abstractmethod
     def kv_bytes_per_token(self) -> int:
@@ -96,3 +99,21 @@ class ModelBackend(ABC):
         Returns:
             ``[len(rows), vocab_size]`` float logits for each row's next token.
         """
+
+    def prefill_and_decode(self, chunks: Sequence[PrefillChunk],
+                           rows: Sequence[DecodeRow]) -> torch.Tensor:
+        """Prompt chunks and decode rows of one tick (``PREFILL_MODE=mixed_batch``).
+
+        A backend that can run both in one forward pass overrides this; this default runs
+        :meth:`prefill` and then :meth:`decode`.
+
+        Returns:
+            ``[len(chunks) + len(rows), vocab_size]`` float logits: each chunk's last token,
+            then each decode row's next token.
+        """
+        parts = []
+        if chunks:
+            parts.append(self.prefill(chunks))
+        if rows:
+            parts.append(self.decode(rows))
+        return torch.cat(parts) if parts else torch.empty(0, self.vocab_size)

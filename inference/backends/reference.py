@@ -61,6 +61,7 @@ class ReferenceBackend(ModelBackend):
         self.max_model_len = max_model_len
         self.eos_every = eos_every
         self.step_delay_s = step_delay_s
+        self.fixed_pass_seconds = step_delay_s
         self._pool: torch.Tensor | None = None
         self._block_size = 0
         positions = torch.arange(max_model_len, dtype=torch.int64)
@@ -126,3 +127,21 @@ class ReferenceBackend(ModelBackend):
             self._write(row.block_table, row.position, [row.token_id])
             out.append(self._logits(row.block_table, row.position + 1))
         return torch.stack(out)
+
+    def prefill_and_decode(self, chunks: Sequence[PrefillChunk],
+                           rows: Sequence[DecodeRow]) -> torch.Tensor:
+        """Chunks and decode rows as one pass: :meth:`prefill` then :meth:`decode` (so a
+        subclass that changes either changes this too), paying ``step_delay_s`` once."""
+        self._forward()
+        delay, self.step_delay_s = self.step_delay_s, 0.0
+        calls = self.forward_calls
+        try:
+            parts = []
+            if chunks:
+                parts.append(self.prefill(chunks))
+            if rows:
+                parts.append(self.decode(rows))
+        finally:
+            self.step_delay_s = delay
+            self.forward_calls = calls
+        return torch.cat(parts) if parts else torch.empty(0, self.vocab_size)

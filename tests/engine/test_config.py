@@ -55,8 +55,9 @@ def test_a_misspelt_engine_setting_is_refused():
 
 
 @pytest.mark.parametrize(("chunk", "mode", "expected"), [
-    (256, "", PrefillMode.CHUNKED), (0, "", PrefillMode.MONOLITHIC),
-    (256, "monolithic", PrefillMode.MONOLITHIC), (16, "chunked", PrefillMode.CHUNKED)])
+    (256, "", PrefillMode.MIXED_BATCH), (0, "", PrefillMode.MONOLITHIC),
+    (256, "monolithic", PrefillMode.MONOLITHIC), (16, "chunked", PrefillMode.CHUNKED),
+    (16, "mixed_batch", PrefillMode.MIXED_BATCH)])
 def test_an_empty_prefill_mode_is_derived_from_the_chunk_size(monkeypatch, chunk, mode, expected):
     assert EngineConfig(prefill_chunk_size=chunk, prefill_mode=mode).effective_prefill_mode \
         is expected
@@ -65,10 +66,22 @@ def test_an_empty_prefill_mode_is_derived_from_the_chunk_size(monkeypatch, chunk
     assert WorkerSettings().engine_config().effective_prefill_mode is expected
 
 
-@pytest.mark.parametrize("mode", ["mixed_batch", "disaggregated"])
-def test_a_reserved_prefill_mode_fails_at_construction(mode):
+def test_a_reserved_prefill_mode_fails_at_construction():
     with pytest.raises(ValidationError, match="reserved but not implemented"):
-        EngineConfig(prefill_mode=mode)
+        EngineConfig(prefill_mode="disaggregated")
+
+
+@pytest.mark.parametrize("mode", ["chunked", "mixed_batch"])
+def test_a_chunking_mode_without_a_chunk_size_is_refused(mode):
+    with pytest.raises(ValidationError, match=f"PREFILL_MODE={mode} needs PREFILL_CHUNK_SIZE"):
+        EngineConfig(prefill_mode=mode, prefill_chunk_size=0)
+
+
+def test_the_itl_target_is_read_from_the_environment_and_must_not_be_negative(monkeypatch):
+    monkeypatch.setenv("TARGET_ITL_MS", "80")
+    assert WorkerSettings().engine_config().target_itl_ms == 80
+    with pytest.raises(ValidationError, match="target_itl_ms"):
+        EngineConfig(target_itl_ms=-1)
 
 
 def test_an_unknown_prefill_mode_fails_at_construction(monkeypatch):

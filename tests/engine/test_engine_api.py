@@ -38,7 +38,7 @@ def call_in_thread(fn):
 
 def test_submit_abort_and_stats_never_wait_for_a_tick():
     backend = GatedBackend()
-    engine = make_engine(backend)
+    engine = make_engine(backend, prefill_mode="chunked")  # the first tick has a decode pass
     engine.start()
     first = engine.submit(prompt="hello", sampling=SamplingParams(max_tokens=50))
     assert backend.in_decode.wait(5)
@@ -209,7 +209,7 @@ def test_a_first_token_reaches_its_client_before_the_ticks_decode_step():
     # it is delivered as soon as the prefill that produced it ends.
     backend = GatedBackend()
     sunk: list[list] = []
-    engine = make_engine(backend, prefill_chunk_size=64)
+    engine = make_engine(backend, prefill_chunk_size=64, prefill_mode="chunked")
     engine.event_sink = sunk.append
     engine.start()
     handle = engine.submit(prompt="hello there", sampling=SamplingParams(max_tokens=5))

@@ -39,16 +39,18 @@ def test_a_row_promoted_in_a_tick_streams_its_first_token_in_that_tick(mode):
     assert [e.seq for e in events if isinstance(e, TokenEvent)] == [0, 1]
 
 
+@pytest.mark.parametrize("mode", ["chunked", "mixed_batch"])
 @pytest.mark.parametrize("chunk", [1, 7, 16, 64, 203, 204])
-def test_chunked_prefill_equals_monolithic(chunk):
+def test_chunked_prefill_equals_monolithic(chunk, mode):
     expected, _ = generate(make_engine(prefill_mode="monolithic"), PROMPT)
-    got, final = generate(make_engine(prefill_chunk_size=chunk), PROMPT)
+    got, final = generate(make_engine(prefill_chunk_size=chunk, prefill_mode=mode), PROMPT)
     assert got == expected
     assert final.usage.prompt_tokens == len(PROMPT)
 
 
 def test_every_active_row_gets_one_token_per_tick_while_a_long_prompt_is_prefilled():
-    engine = make_engine(prefill_chunk_size=8, max_batch_size=8, kv_num_blocks=1024)
+    engine = make_engine(prefill_chunk_size=8, max_batch_size=8, kv_num_blocks=1024,
+                         prefill_mode="chunked")
     log = EventLog()
     for i in range(3):
         engine.submit(prompt_token_ids=[i + 1] * 5, request_id=f"short{i}",

@@ -164,7 +164,8 @@ def test_a_token_whose_text_fails_ends_that_row_only_and_is_not_counted():
 @pytest.mark.parametrize("end", ["length", "abort"])
 def test_held_back_text_that_fails_to_flush_ends_that_row_only(end):
     backend = BadTokenBackend(POISON, only_when_armed=True)
-    engine, log = make_engine(backend), EventLog()
+    # Chunked: the final event comes a tick after the last token, leaving time to arm.
+    engine, log = make_engine(backend, prefill_mode="chunked"), EventLog()
     submit_neighbours(engine)
     engine.submit(prompt="the hostile prompt", request_id=POISON,
                   sampling=SamplingParams(max_tokens=3 if end == "length" else 10))
@@ -221,7 +222,8 @@ class BrokenPassBackend(ReferenceBackend):
 def test_a_failed_forward_pass_ends_its_rows_once_and_the_engine_keeps_serving(
         phase, fail_at, short):
     backend = BrokenPassBackend(phase, fail_at, short)
-    engine = make_engine(backend, prefill_chunk_size=4)
+    # Chunked: prefill and decode are separate passes (a mixed pass: tests/engine/test_mixed_batch).
+    engine = make_engine(backend, prefill_chunk_size=4, prefill_mode="chunked")
     log = EventLog()  # checks: nothing after a final event, seq without gaps
     prompts = {"p1": "first prompt here", "p2": "second one", "p3": "third prompt, longer still"}
     for rid, prompt in prompts.items():

@@ -33,7 +33,8 @@ PASSAGES = [
 def backend() -> TransformersBackend:
     """The default model on CPU in fp32 (the KV pool is re-allocated by each engine)."""
     torch.manual_seed(0)
-    return TransformersBackend.from_pretrained(resolve_model_path(""), device="cpu")
+    return TransformersBackend.from_pretrained(resolve_model_path(""), device="cpu",
+                                               dtype="float32")
 
 
 @pytest.fixture(scope="session")

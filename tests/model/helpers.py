@@ -34,11 +34,15 @@ class RecordingBackend(ModelBackend):
         self.tokenizer = inner.tokenizer
         self.vocab_size = inner.vocab_size
         self.max_model_len = inner.max_model_len
+        self.fixed_pass_seconds = inner.fixed_pass_seconds
+        self.cost_model_key = inner  # its pass cost is the inner backend's: calibrated once
         self.gaps: dict[str, list[float]] = defaultdict(list)
         self._last_prefill_gap: dict[str, float] = {}
         self.prefill_calls: list[list[tuple[str, int, int]]] = []
         # (position, blocks in the table) of each row of each decode call
         self.decode_calls: list[list[tuple[int, int]]] = []
+        # (chunks as in prefill_calls, decode rows) of each mixed pass
+        self.mixed_calls: list[tuple[list[tuple[str, int, int]], int]] = []
 
     def kv_bytes_per_token(self) -> int:
         return self.inner.kv_bytes_per_token()
@@ -67,6 +71,25 @@ class RecordingBackend(ModelBackend):
             if not self.gaps[row.row_id]:
                 self.gaps[row.row_id].append(self._last_prefill_gap.pop(row.row_id))
             self.gaps[row.row_id].append(gap)
+        return logits
+
+
+    def prefill_and_decode(self, chunks: Sequence[PrefillChunk],
+                           rows: Sequence[DecodeRow]) -> torch.Tensor:
+        logits = self.inner.prefill_and_decode(chunks, rows)
+        self.mixed_calls.append(([(c.row_id, c.start_pos, len(c.token_ids)) for c in chunks],
+                                 len(rows)))
+        if chunks:
+            self.prefill_calls.append([(c.row_id, c.start_pos, len(c.token_ids)) for c in chunks])
+        gaps = _gaps(logits)
+        for chunk, gap in zip(chunks, gaps[:len(chunks)], strict=True):
+            self._last_prefill_gap[chunk.row_id] = gap
+        for row, gap in zip(rows, gaps[len(chunks):], strict=True):
+            if not self.gaps[row.row_id]:
+                self.gaps[row.row_id].append(self._last_prefill_gap.pop(row.row_id))
+            self.gaps[row.row_id].append(gap)
+        if rows:
+            self.decode_calls.append([(r.position, len(r.block_table)) for r in rows])
         return logits
 
 

@@ -34,7 +34,8 @@ def test_a_prompt_batched_with_a_neighbour_equals_it_alone(
 
 def test_a_prompt_batched_with_seven_copies_of_itself_equals_it_alone(
         backend, chat_prompt, alone):
-    engine, recorder = make_engine(backend, enable_prefix_caching=False)
+    # A cap that holds all eight prompts: one pass in either chunking mode.
+    engine, recorder = make_engine(backend, enable_prefix_caching=False, prefill_chunk_size=1024)
     prompts = {f"copy{i}": chat_prompt for i in range(8)}
     runs = run_requests(engine, recorder, prompts, GREEDY)
     assert max(len(call) for call in recorder.prefill_calls) == 8  # one batched prefill
@@ -42,18 +43,19 @@ def test_a_prompt_batched_with_seven_copies_of_itself_equals_it_alone(
         assert_same_greedy(alone, run.tokens, rid)
 
 
+@pytest.mark.parametrize("mode", ["chunked", "mixed_batch"])
 @pytest.mark.parametrize("chunk, lengths", [
     (64, [64, 65, 128, 48, 49]),   # multiples of the chunk, chunk + 1, 3 blocks, 3 blocks + 1
     (16, [16, 17, 32, 33, 40]),
     (1, [1, 2, 16, 17]),
 ])
 def test_chunked_prefill_equals_monolithic_while_another_row_decodes(
-        backend, corpus_ids, chunk, lengths):
+        backend, corpus_ids, chunk, lengths, mode):
     sampling = SamplingParams(max_tokens=12, ignore_eos=True)
     prompts = {f"len{n}": corpus_ids[200:200 + n] for n in lengths}
     references = {rid: run_alone(backend, p, sampling) for rid, p in prompts.items()}
 
-    engine, recorder = make_engine(backend, prefill_mode="chunked", prefill_chunk_size=chunk,
+    engine, recorder = make_engine(backend, prefill_mode=mode, prefill_chunk_size=chunk,
                                    enable_prefix_caching=False)
     # A long-running row decodes throughout; the prompts arrive staggered.
     background = {"background": corpus_ids[:30]}
@@ -64,7 +66,9 @@ def test_chunked_prefill_equals_monolithic_while_another_row_decodes(
     for rid, reference in references.items():
         chunk_sizes = {n for call in recorder.prefill_calls for r, _, n in call if r == rid}
         assert max(chunk_sizes) <= chunk
-        assert_same_greedy(reference, runs[rid].tokens, f"chunk {chunk}, {rid}")
+        assert_same_greedy(reference, runs[rid].tokens, f"{mode} {chunk}, {rid}")
+    if mode == "mixed_batch":  # decode rows rode in the prompt chunks' passes
+        assert any(chunks and rows for chunks, rows in recorder.mixed_calls)
 
 
 def test_a_prefix_hit_equals_a_miss_and_survives_eviction(backend, corpus_ids):

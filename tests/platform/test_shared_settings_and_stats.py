@@ -13,7 +13,7 @@ import pytest
 
 from gateway import admission
 from gateway.admission import Principal
-from gateway.workers import FIELD_RULES, PER_KEY_RULES, RATIOS, aggregate
+from gateway.workers import FIELD_RULES, PER_KEY_RULES, PER_WORKER_ONLY, RATIOS, aggregate
 from inference.bridge import WorkerBridge
 from inference.protocol import PlatformSettings, RequestMessage
 from tests.engine.helpers import make_engine
@@ -71,7 +71,8 @@ def published_snapshot(bridge: WorkerBridge, rclient, keys) -> dict:
 def test_every_field_of_a_workers_snapshot_has_an_aggregation_rule(rclient, keys):
     bridge = WorkerBridge(make_engine(), rclient, keys, "w-rules", prefetch=4)
     snapshot = published_snapshot(bridge, rclient, keys)
-    unruled = set(snapshot) - set(FIELD_RULES) - set(RATIOS) - {"per_key", "worker_id"}
+    unruled = (set(snapshot) - set(FIELD_RULES) - set(RATIOS) - PER_WORKER_ONLY
+               - {"per_key", "worker_id"})
     assert not unruled, f"fields the aggregate would drop: {sorted(unruled)}"
     engine = bridge.engine
     engine.submit(prompt_token_ids=[1, 2, 3], tenant="acme")

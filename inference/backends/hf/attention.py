@@ -21,25 +21,25 @@ import torch
 import torch.nn.functional as F
 
 from inference.backends import native as native_kernels
-from inference.backends.hf.batch import _Batch
+from inference.backends.hf.batch import _AttnPart, _Batch
 
 
-def _paged_attention(lib: Any, b: _Batch, q: torch.Tensor, pool: torch.Tensor, n_heads: int,
+def _paged_attention(lib: Any, b: _AttnPart, q: torch.Tensor, pool: torch.Tensor, n_heads: int,
                      kv_heads: int, group: int, dim: int, scale: float) -> torch.Tensor:
-    """Decode attention of ``q [R, H, D]`` (one new token per row) by the native kernel ``lib``,
-    K/V read in place from one layer's ``pool`` along the batch's block tables; returns
-    ``[R, H * D]``."""
+    """Decode attention of ``q [R, H, D]`` (one new token per row of part ``b``) by the native
+    kernel ``lib``, K/V read in place from one layer's ``pool`` along the part's block tables;
+    returns ``[R, H * D]``."""
     rows = b.rows
     return native_kernels.paged_decode_attention(
         lib, q.reshape(rows, kv_heads, group, dim).contiguous(), pool,
         b.tables, b.lengths, scale).view(rows, n_heads * dim)
 
 
-def _gathered_attention(b: _Batch, q: torch.Tensor, pool: torch.Tensor, n_heads: int,
+def _gathered_attention(b: _AttnPart, q: torch.Tensor, pool: torch.Tensor, n_heads: int,
                         kv_heads: int, group: int, dim: int, block_size: int,
                         scale: float) -> torch.Tensor:
-    """Attention of ``q [N, H, D]`` over K/V gathered from one layer's ``pool`` by block
-    table, per group of rows, with the batch's masks; returns ``[N, H * D]``."""
+    """Attention of part ``b``'s queries ``q [N, H, D]`` over K/V gathered from one layer's
+    ``pool`` by block table, per group of rows, with the part's masks; returns ``[N, H * D]``."""
     rows, t_max = b.rows, b.max_new
     q_width = n_heads * dim
     block_rows = pool.numel() // (block_size * dim)
@@ -63,3 +63,21 @@ def _gathered_attention(b: _Batch, q: torch.Tensor, pool: torch.Tensor, n_heads:
     if b.unpad_index is not None:
         o = o.index_select(0, b.unpad_index)
     return o
+
+
+def _attend(lib: Any, b: _Batch, q: torch.Tensor, pool: torch.Tensor, n_heads: int,
+            kv_heads: int, group: int, dim: int, block_size: int, scale: float) -> torch.Tensor:
+    """Attention of the pass's packed queries ``q [N, H, D]`` over one layer's ``pool``, part by
+    part (a mixed pass: its prefill rows' part gathered, its decode rows' part through the
+    native kernel); returns ``[N, H * D]``."""
+    outs = []
+    for part in b.parts:
+        q_part = q if len(b.parts) == 1 else q[part.token_start:part.token_end]
+        if part.tables is not None:
+            # Decode through the native kernel: K/V read in place from the pool.
+            outs.append(_paged_attention(lib, part, q_part, pool, n_heads, kv_heads, group, dim,
+                                         scale))
+        else:
+            outs.append(_gathered_attention(part, q_part, pool, n_heads, kv_heads, group, dim,
+                                            block_size, scale))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)

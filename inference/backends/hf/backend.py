@@ -51,7 +51,8 @@ class TransformersBackend(_Forward, ModelBackend):
             default on CPU, off elsewhere (``F.linear``).
         native_attention: run decode attention with the native paged kernel
             (:mod:`inference.backends.native`), reading K/V straight from the pool; on by default
-            for fp32 on CPU, and off by itself where the kernel cannot be built (no C compiler).
+            for fp32 and bf16 on CPU, and off by itself where the kernel cannot be built (no C
+            compiler).
     """
 
     def __init__(
@@ -93,7 +94,7 @@ class TransformersBackend(_Forward, ModelBackend):
         # Speed settings, both on by default (``benchmarks/bench_decode_step.py`` compares them).
         self.attention_groups = MAX_ATTENTION_GROUPS
         self.small_batch_gemm = self.device.type == "cpu"
-        self.native_attention = self.device.type == "cpu" and self.dtype == torch.float32
+        self.native_attention = self.device.type == "cpu" and self.dtype in native_kernels.SYMBOLS
         # The kernel library (built now, before serving; False: unavailable; None: not tried).
         self._native: Any = None
         self._kernel_dir = kernel_dir
@@ -210,7 +211,8 @@ class TransformersBackend(_Forward, ModelBackend):
         if not chunks:
             return torch.empty(0, self.vocab_size)
         rows = [(list(c.token_ids), c.start_pos, c.block_table) for c in chunks]
-        return self._run(rows)
+        # A pass of one-token chunks is a decode pass (the decode attention paths).
+        return self._run(rows, 0 if all(len(t) == 1 for t, _, _ in rows) else len(rows))
 
     def decode(self, rows: Sequence[DecodeRow]) -> torch.Tensor:
         """One decode step for every row in one forward pass (rows may differ in length).
@@ -223,19 +225,47 @@ class TransformersBackend(_Forward, ModelBackend):
         """
         if not rows:
             return torch.empty(0, self.vocab_size)
-        return self._run([([r.token_id], r.position, r.block_table) for r in rows])
+        return self._run([([r.token_id], r.position, r.block_table) for r in rows], 0)
 
-    def _run(self, rows: list[tuple[list[int], int, Sequence[int]]]) -> torch.Tensor:
+    def prefill_and_decode(self, chunks: Sequence[PrefillChunk],
+                           rows: Sequence[DecodeRow]) -> torch.Tensor:
+        """Prompt chunks and decode rows in ONE forward pass (``PREFILL_MODE=mixed_batch``).
+
+        The projections and MLPs run once over all the pass's tokens; attention runs per part:
+        the chunks' queries over K/V gathered by block table (causal within each chunk), the
+        decode rows' through the native kernel (or gathered per group of similar lengths).
+
+        Returns:
+            ``[len(chunks) + len(rows), vocab_size]`` fp32 logits: each chunk's last token,
+            then each decode row's next token.
+
+        Raises:
+            ValueError: as :meth:`prefill`.
+        """
+        if not rows:
+            return self.prefill(chunks)
+        if not chunks:
+            return self.decode(rows)
+        prefill = [(list(c.token_ids), c.start_pos, c.block_table) for c in chunks]
+        decode = [([r.token_id], r.position, r.block_table) for r in rows]
+        return self._run(prefill + decode, len(prefill))
+
+    def _run(self, rows: list[tuple[list[int], int, Sequence[int]]],
+             decode_from: int) -> torch.Tensor:
+        """One pass over ``rows``: rows ``[0, decode_from)`` prefill chunks, the rest decode
+        rows (one token each); ``[len(rows), vocab]`` logits in ``rows``' order."""
         if self._kv is None:
             raise RuntimeError("allocate_kv_pool() must be called before prefill or decode")
         order = None
-        native = self.native_attention and all(len(t) == 1 for t, _, _ in rows)
+        decoding = decode_from < len(rows)
+        native = self.native_attention and decoding
         if native and self._native is None:  # switched on after start-up: build it now
             self._load_native()
         native = native and bool(self._native)
-        if not native and len(rows) > 1 and all(len(t) == 1 for t, _, _ in rows):
-            # Decode: rows sorted by length, so attention can run over groups of similar length.
-            order = sorted(range(len(rows)), key=lambda r: rows[r][1])
+        if not native and len(rows) - decode_from > 1:
+            # Decode rows sorted by length, so attention can run over groups of similar length.
+            order = [*range(decode_from),
+                     *sorted(range(decode_from, len(rows)), key=lambda r: rows[r][1])]
             rows = [rows[r] for r in order]
         with torch.inference_mode():
             batch = _make_batch(
@@ -243,6 +273,7 @@ class TransformersBackend(_Forward, ModelBackend):
                 num_kv_heads=self.num_kv_heads, group=self.group,
                 max_model_len=self.max_model_len, max_groups=self.attention_groups,
                 device=self.device, grouped=order is not None, native=native,
+                decode_from=decode_from,
             )
             logits = self._forward(batch)
             if order is not None:

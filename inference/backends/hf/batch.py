@@ -27,24 +27,35 @@ class _AttnGroup:
 
 
 @dataclass
-class _Batch:
-    """Index tensors of one forward pass over ``R`` rows and ``N`` new tokens (packed).
+class _AttnPart:
+    """The attention of one run of rows of a pass: packed tokens ``[token_start, token_end)``.
 
-    ``T`` is the most new tokens of any row. Attention runs per group of rows (see
-    :func:`_attention_groups`); a prefill pass has one group.
+    A pass has one part, or two in a mixed pass (prefill rows first, then decode rows). ``T`` is
+    the most new tokens of any row of the part; attention runs per group of rows (see
+    :func:`_attention_groups`), or through the native kernel from block tables.
     """
+
+    token_start: int
+    token_end: int
+    rows: int
+    max_new: int
+    groups: list[_AttnGroup]
+    tables: torch.Tensor | None  # [rows, max blocks] int64: decode through the native kernel
+    lengths: torch.Tensor | None  # [rows] int64 tokens each row attends to (native kernel)
+    pad_index: torch.Tensor | None  # [rows * T] part-packed index of each padded query
+    unpad_index: torch.Tensor | None  # [tokens] padded index of each part-packed token
+
+
+@dataclass
+class _Batch:
+    """Index tensors of one forward pass over ``R`` rows and ``N`` new tokens (packed)."""
 
     tokens: torch.Tensor  # [N] token ids
     positions: torch.Tensor  # [N] absolute positions
     write_index: torch.Tensor  # [2 KV * N] rows of the layer's [2 KV * blocks * bs, D] view
-    groups: list[_AttnGroup]
-    tables: torch.Tensor | None  # [R, max blocks] int64: decode through the native kernel
-    lengths: torch.Tensor | None  # [R] int64 tokens each row attends to (native kernel)
-    pad_index: torch.Tensor | None  # [R * T] packed index of each padded query (None: no pad)
-    unpad_index: torch.Tensor | None  # [N] padded index of each packed token
+    parts: list[_AttnPart]
     last_index: torch.Tensor  # [R] packed index of each row's last new token
     rows: int
-    max_new: int
 
 
 # A further attention group costs about as much as gathering this many more K/V slots per row
@@ -98,18 +109,22 @@ def _attention_groups(blocks: Sequence[int], block_size: int,
 def _make_batch(rows: list[tuple[list[int], int, Sequence[int]]], *, block_size: int,
                 num_blocks: int, num_kv_heads: int, group: int, max_model_len: int,
                 max_groups: int, device: torch.device, grouped: bool = False,
-                native: bool = False) -> _Batch:
+                native: bool = False, decode_from: int | None = None) -> _Batch:
     """Index tensors for ``rows``.
 
-    ``grouped``: rows are sorted by length (decode through gathers); ``native``: a decode
-    pass whose attention the native kernel runs from block tables (no gather groups).
+    Rows ``[0, decode_from)`` are prefill rows: their attention is gathered in one group, each
+    query attending causally to its own row. Rows ``[decode_from, R)`` are decode rows (one new
+    token each): ``native``, their attention is the native kernel's, read from block tables;
+    ``grouped``, gathered per group of similar-length rows (the caller sorted them by length);
+    else gathered in one group. ``decode_from`` None: every row is a prefill row unless all have
+    one token and ``native`` or ``grouped`` is set (a decode pass).
 
     Args:
         rows: ``(new token ids, position of the first, block table)`` of each row.
         block_size, num_blocks: the KV pool's tokens per block and blocks per layer.
         num_kv_heads, group: KV heads, and query heads per KV head.
         max_model_len: the first position no row may reach.
-        max_groups: most attention groups of a ``grouped`` pass.
+        max_groups: most attention groups of a ``grouped`` decode part.
         device: where the index tensors go.
 
     Raises:
@@ -117,20 +132,14 @@ def _make_batch(rows: list[tuple[list[int], int, Sequence[int]]], *, block_size:
             position at or past ``max_model_len``.
     """
     bs = block_size
-    num_rows = len(rows)
-    max_new = max(len(t) for t, _, _ in rows)
+    if decode_from is None:
+        decode_from = len(rows) if not (native or grouped) else 0
     tokens: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
-    tables: list[Sequence[int]] = []
     need_blocks: list[int] = []
     last: list[int] = []
-    starts: list[int] = []
-    lengths: list[int] = []
-    uneven = any(len(t) != max_new for t, _, _ in rows)
-    pad_index: list[int] = []
-    unpad_index: list[int] = []
-    for r, (toks, start, table) in enumerate(rows):
+    for toks, start, table in rows:
         n = len(toks)
         end = start + n
         if n == 0:
@@ -140,39 +149,74 @@ def _make_batch(rows: list[tuple[list[int], int, Sequence[int]]], *, block_size:
         need = -(-end // bs)
         if len(table) < need:
             raise ValueError(f"block table of {len(table)} blocks cannot hold {end} tokens")
-        base = len(tokens)
         tokens.extend(toks)
         positions.extend(range(start, end))
         slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-        tables.append(table)
         need_blocks.append(need)
-        last.append(base + n - 1)
-        starts.append(start)
-        lengths.append(end)
-        if uneven:
+        last.append(len(tokens) - 1)
+    dev = device
+    heads = torch.arange(2 * num_kv_heads)[:, None]
+    parts = []
+    token_start = 0
+    for r0, r1, kind in ((0, decode_from, "prefill"), (decode_from, len(rows), "decode")):
+        if r1 <= r0:
+            continue
+        if kind == "decode" and any(len(rows[r][0]) != 1 for r in range(r0, r1)):
+            raise ValueError("a decode row has more than one new token")
+        token_end = token_start + sum(len(rows[r][0]) for r in range(r0, r1))
+        parts.append(_make_part(
+            rows[r0:r1], need_blocks[r0:r1], token_start, token_end, bs=bs,
+            num_blocks=num_blocks, heads=heads, group=group, device=dev,
+            native=native and kind == "decode",
+            max_groups=max_groups if grouped and kind == "decode" else 1))
+        token_start = token_end
+    write_index = heads * (num_blocks * bs) + torch.tensor(slots)[None, :]
+    return _Batch(
+        tokens=torch.tensor(tokens, device=dev),
+        positions=torch.tensor(positions, device=dev),
+        write_index=write_index.reshape(-1).to(dev),
+        parts=parts,
+        last_index=torch.tensor(last, device=dev),
+        rows=len(rows),
+    )
+
+
+def _make_part(rows: list[tuple[list[int], int, Sequence[int]]], need_blocks: list[int],
+               token_start: int, token_end: int, *, bs: int, num_blocks: int,
+               heads: torch.Tensor, group: int, device: torch.device, native: bool,
+               max_groups: int) -> _AttnPart:
+    """The :class:`_AttnPart` of ``rows`` (checked by :func:`_make_batch`)."""
+    num_rows = len(rows)
+    max_new = max(len(t) for t, _, _ in rows)
+    starts = [start for _, start, _ in rows]
+    lengths = [start + len(t) for t, start, _ in rows]
+    uneven = any(len(t) != max_new for t, _, _ in rows)
+    pad_index: list[int] = []
+    unpad_index: list[int] = []
+    if uneven:
+        base = 0
+        for r, (toks, _, _) in enumerate(rows):
+            n = len(toks)
             pad_index.extend(base + min(i, n - 1) for i in range(max_new))
             unpad_index.extend(r * max_new + i for i in range(n))
-
-    dev = device
-    # Dim-0 gathers and writes over flat views (a gather along an inner dim is ~2x slower):
-    # K/V head h of block b is row h * num_blocks + b of the [2 KV * blocks, bs * D] view.
-    heads = torch.arange(2 * num_kv_heads)[:, None]
-    ranges = (_attention_groups(need_blocks, bs, max_groups) if grouped
-              else [(0, num_rows)])
+            base += n
     groups = []
     table_t = length_t = None
     if native:
-        ranges = []
+        ranges: list[tuple[int, int]] = []
         width = max(need_blocks)
         table_t = torch.tensor([list(t[:n]) + [0] * (width - n)
-                                for t, n in zip(tables, need_blocks, strict=True)],
+                                for (_, _, t), n in zip(rows, need_blocks, strict=True)],
                                dtype=torch.int64)
         length_t = torch.tensor(lengths, dtype=torch.int64)
+    else:
+        ranges = (_attention_groups(need_blocks, bs, max_groups) if max_groups > 1
+                  else [(0, num_rows)])
     for g_start, g_end in ranges:
         max_blocks = max(need_blocks[g_start:g_end])
         block_ids: list[int] = []
         for r in range(g_start, g_end):
-            block_ids.extend(tables[r][:need_blocks[r]])
+            block_ids.extend(rows[r][2][:need_blocks[r]])
             block_ids.extend([0] * (max_blocks - need_blocks[r]))
         g_rows = g_end - g_start
         ctx_len = max_blocks * bs
@@ -187,21 +231,15 @@ def _make_batch(rows: list[tuple[list[int], int, Sequence[int]]], *, block_size:
             mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [R, T, L]
             mask = mask[:, None].expand(g_rows, group, max_new, ctx_len)
             mask = mask.reshape(1, g_rows, group * max_new, ctx_len)
+        # Dim-0 gathers over flat views (a gather along an inner dim is ~2x slower): K/V head
+        # h of block b is row h * num_blocks + b of the [2 KV * blocks, bs * D] view.
         gather_index = heads * num_blocks + torch.tensor(block_ids)[None, :]
         groups.append(_AttnGroup(start=g_start, end=g_end,
-                                 gather_index=gather_index.reshape(-1).to(dev),
-                                 mask=mask.to(dev), ctx_len=ctx_len))
-    write_index = heads * (num_blocks * bs) + torch.tensor(slots)[None, :]
-    return _Batch(
-        tokens=torch.tensor(tokens, device=dev),
-        positions=torch.tensor(positions, device=dev),
-        write_index=write_index.reshape(-1).to(dev),
-        groups=groups,
-        tables=table_t,
-        lengths=length_t,
-        pad_index=torch.tensor(pad_index, device=dev) if uneven else None,
-        unpad_index=torch.tensor(unpad_index, device=dev) if uneven else None,
-        last_index=torch.tensor(last, device=dev),
-        rows=num_rows,
-        max_new=max_new,
+                                 gather_index=gather_index.reshape(-1).to(device),
+                                 mask=mask.to(device), ctx_len=ctx_len))
+    return _AttnPart(
+        token_start=token_start, token_end=token_end, rows=num_rows, max_new=max_new,
+        groups=groups, tables=table_t, lengths=length_t,
+        pad_index=torch.tensor(pad_index, device=device) if uneven else None,
+        unpad_index=torch.tensor(unpad_index, device=device) if uneven else None,
     )

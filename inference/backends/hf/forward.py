@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from inference.backends.hf.attention import _gathered_attention, _paged_attention
+from inference.backends.hf.attention import _attend
 from inference.backends.hf.batch import _Batch
 from inference.backends.hf.loading import _Layer
 
@@ -24,23 +24,30 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-# Rows (tokens in a pass) above which ``F.linear`` beats ``W @ x^T`` (crossover measured at 512).
-LARGE_GEMM_ROWS = 512
+# Rows (tokens in a pass) up to which ``W @ x^T`` beats ``F.linear``, per dtype; a dtype not
+# named here always takes ``F.linear``. fp32: crossover measured at 512 (see _linear_cpu).
+# bf16: none. Each projection of the default model (qkv 960x576, o 576x576, gate_up 3072x576,
+# down 576x1536, lm_head 49152x576), fastest of 21 interleaved rounds, 2 threads, on an AVX-512
+# CPU without native bf16 (oneDNN converts): ``W @ x^T`` takes 0.95 to 1.11 of ``F.linear``'s
+# time at every M of 1, 16, 32, ..., 1024 rows, 1.4 to 1.7 at 8 rows and 4 to 5 at 2 rows.
+SMALL_GEMM_MAX_ROWS = {torch.float32: 512}
 
 
 def _linear_cpu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, w, b)`` for ``x [M, K]``, ``w [N, K]``, computed as ``(w @ x^T)^T``.
+    """``F.linear(x, w, b)`` for ``x [M, K]``, ``w [N, K]``, in the orientation that runs faster
+    on CPU for ``M`` rows in ``x``'s dtype (:data:`SMALL_GEMM_MAX_ROWS`).
 
-    Returns a contiguous ``[M, N]`` tensor. On CPU (MKL's SGEMM) this orientation runs markedly
-    faster when ``M`` (tokens in the pass) is small, as in decode. ``M`` of 8 or more is padded
-    to a multiple of 8 rows (the GEMM kernels' register-block width); padded rows are dropped.
-    Above ``LARGE_GEMM_ROWS`` rows plain ``F.linear`` is faster again and is used.
-    Measured on a 2-core x86 CPU with the default model (the four projections of 30 layers):
-    2 rows take about 1/3 of the time they take with ``F.linear``, 24 to 256 rows 0.73 to 0.85
-    of it; at 1,024 rows ``F.linear`` takes 0.83 of this orientation's time, at 4,096 rows 0.75.
+    Returns a contiguous ``[M, N]`` tensor. In fp32 up to 512 rows it computes ``(w @ x^T)^T``:
+    on CPU (MKL's SGEMM) this orientation runs markedly faster when ``M`` (tokens in the pass) is
+    small, as in decode. ``M`` of 8 or more is padded to a multiple of 8 rows (the GEMM kernels'
+    register-block width); padded rows are dropped. Above 512 rows, and in bf16 at any ``M``,
+    plain ``F.linear`` is used. Measured on a 2-core x86 CPU with the default model in fp32 (the
+    four projections of 30 layers): 2 rows take about 1/3 of the time they take with
+    ``F.linear``, 24 to 256 rows 0.73 to 0.85 of it; at 1,024 rows ``F.linear`` takes 0.83 of
+    this orientation's time, at 4,096 rows 0.75.
     """
     m = x.shape[0]
-    if m > LARGE_GEMM_ROWS:
+    if m > SMALL_GEMM_MAX_ROWS.get(x.dtype, 0):
         return F.linear(x, w, b)
     padded = m if m < 8 else -(-m // 8) * 8
     if padded != m:
@@ -74,10 +81,13 @@ class _Forward:
     _norm: tuple[torch.Tensor, float]
     _lm_head_w: torch.Tensor
     _lm_head_b: torch.Tensor | None
+    # (final norm weight, eps, LM head weight, bias) in fp32 for a bf16/fp16 model on CPU
+    _head_fp32: tuple[torch.Tensor, float, torch.Tensor, torch.Tensor | None] | None = None
 
     def _forward(self, b: _Batch) -> torch.Tensor:
         """Run the decoder over batch ``b``: write its new tokens' K/V into the pool and return
-        ``[R, vocab]`` logits of each row's last new token (in the model's dtype)."""
+        ``[R, vocab]`` logits of each row's last new token (fp32 on CPU, see :meth:`_logits`;
+        the model's dtype elsewhere)."""
         assert self._kv is not None
         n_heads, kv_heads, dim, group = self.num_heads, self.num_kv_heads, self.head_dim, self.group
         num_tokens = b.tokens.shape[0]
@@ -111,12 +121,8 @@ class _Forward:
             kv_new = kv_new.transpose(0, 1).reshape(-1, dim)  # [2 KV * N, D]
             pool.view(slot_rows, dim).index_copy_(0, b.write_index, kv_new)
 
-            if b.tables is not None:
-                # Decode through the native kernel: K/V read in place from the pool.
-                o = _paged_attention(native_lib, b, q, pool, n_heads, kv_heads, group, dim, scale)
-            else:
-                o = _gathered_attention(b, q, pool, n_heads, kv_heads, group, dim, block_size,
-                                        scale)
+            o = _attend(native_lib, b, q, pool, n_heads, kv_heads, group, dim, block_size,
+                        scale)  # [N, H * D]
             h = h + linear(o, layer.w_o, layer.b_o)
 
             x = _rms_norm(h, layer.ln2_w, layer.ln2_eps)
@@ -124,5 +130,23 @@ class _Forward:
             gate, up = gate_up.chunk(2, dim=-1)
             h = h + linear(self._act(gate) * up, layer.w_down, layer.b_down)
 
-        h = _rms_norm(h.index_select(0, b.last_index), *self._norm)
-        return linear(h, self._lm_head_w, self._lm_head_b)  # [R, vocab]
+        return self._logits(h.index_select(0, b.last_index), linear)  # [R, vocab]
+
+    def _logits(self, h: torch.Tensor, linear: Any) -> torch.Tensor:
+        """``[R, vocab]`` logits of the hidden states ``h [R, hidden]``: final norm and LM head.
+
+        On CPU a model in bf16 (or fp16) gets fp32 logits: the final norm and the LM head run in
+        fp32 over ``h`` widened exactly to fp32, with an fp32 copy of the head's weight (made on
+        first use; ``vocab * hidden * 4`` bytes). A bf16 matmul would round every logit to bf16
+        (8 significant bits: up to 0.06 off at a logit of 16, and many exact ties), and PyTorch
+        2.13 has no CPU matmul of bf16 inputs with an fp32 output. Elsewhere (fp32, or CUDA and
+        MPS) they run in the model's dtype.
+        """
+        if h.dtype == torch.float32 or h.device.type != "cpu":
+            return linear(_rms_norm(h, *self._norm), self._lm_head_w, self._lm_head_b)
+        if self._head_fp32 is None:
+            norm_w, eps = self._norm
+            bias = None if self._lm_head_b is None else self._lm_head_b.float()
+            self._head_fp32 = (norm_w.float(), eps, self._lm_head_w.float(), bias)
+        norm_w, eps, w, bias = self._head_fp32
+        return linear(_rms_norm(h.float(), norm_w, eps), w, bias)

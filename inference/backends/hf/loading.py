@@ -1,9 +1,10 @@
 """Loading a model for the backend: device and dtype, config and weights, fused per-layer weights.
 
 :func:`resolve_device` and :func:`resolve_dtype` turn the ``DEVICE`` and ``DTYPE`` settings into
-torch values; :func:`check_architecture` and :func:`load_model` read a local Hugging Face model
-folder offline; :func:`_fuse_layer` turns each decoder layer into a :class:`_Layer` of fused
-weights, with its norms' epsilons (:func:`_eps`) and the MLP activation (:func:`_activation`).
+torch values (:func:`cpu_has_native_bf16`: whether ``auto`` picks bf16 on this CPU);
+:func:`check_architecture` and :func:`load_model` read a local Hugging Face model folder offline;
+:func:`_fuse_layer` turns each decoder layer into a :class:`_Layer` of fused weights, with its
+norms' epsilons (:func:`_eps`) and the MLP activation (:func:`_activation`).
 
 Supported architectures: Llama, Mistral, Qwen2 and Qwen3 style decoders (``q/k/v/o_proj``,
 ``gate/up/down_proj``, RMSNorm, rotary embedding with a position-only table).
@@ -11,6 +12,8 @@ Supported architectures: Llama, Mistral, Qwen2 and Qwen3 style decoders (``q/k/v
 
 from __future__ import annotations
 
+import logging
+import platform
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from inference.model_store import ModelLoadError
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 # Rope variants whose tables depend on the sequence length, not on the position alone.
@@ -54,8 +59,55 @@ def resolve_device(name: str = "auto") -> torch.device:
     return device
 
 
+# CPU feature flags (``/proc/cpuinfo``) that give native bf16 dot products: x86 AVX512-BF16
+# (VDPBF16PS) and AMX-BF16 (TDPBF16PS tiles); Arm FEAT_BF16 (``bf16``: BFDOT and BFMMLA).
+_NATIVE_BF16_FLAGS = {"x86": ("avx512_bf16", "amx_bf16"), "arm": ("bf16",)}
+
+
+def _cpu_flags() -> tuple[str, frozenset[str]]:
+    """``(family, flags)``: ``"x86"``, ``"arm"`` or the machine name, and the first CPU's
+    feature flags (``flags`` on x86, ``Features`` on Arm) from ``/proc/cpuinfo``; no flags where
+    that file is missing (not Linux)."""
+    machine = platform.machine().lower()
+    family = ("x86" if machine in ("x86_64", "amd64", "i686", "i386")
+              else "arm" if machine in ("aarch64", "arm64") else machine)
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return family, frozenset(value.split())
+    except OSError:
+        pass
+    return family, frozenset()
+
+
+def cpu_has_native_bf16() -> tuple[bool, str]:
+    """Whether this CPU computes bf16 dot products natively, and why: ``(True, "CPU has
+    avx512_bf16, amx_bf16")`` or ``(False, "CPU has neither avx512_bf16 nor amx_bf16")``.
+
+    Reads the feature flags of ``/proc/cpuinfo``: on x86 ``avx512_bf16`` (AVX512-BF16) or
+    ``amx_bf16`` (AMX-BF16); on 64-bit Arm ``bf16`` (FEAT_BF16, the BFDOT/BFMMLA instructions
+    that oneDNN's Arm kernels use). PyTorch's own test
+    (``torch.ops.mkldnn._is_mkldnn_bf16_supported``) is not used: it is true on any AVX512-BW
+    CPU, where oneDNN emulates bf16 with conversions and a bf16 matmul runs no faster than fp32.
+    Never raises.
+    """
+    family, flags = _cpu_flags()
+    wanted = _NATIVE_BF16_FLAGS.get(family, ())
+    if not wanted:
+        return False, f"no native bf16 flag is known for {family or 'this'} CPUs"
+    found = [flag for flag in wanted if flag in flags]
+    if found:
+        return True, f"CPU has {', '.join(found)}"
+    names = " nor ".join(wanted) if len(wanted) > 1 else wanted[0]
+    return False, f"CPU has {'neither ' if len(wanted) > 1 else 'no '}{names}"
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto``: fp32 on CPU, bf16 on CUDA when supported (else fp16), fp16 on MPS.
+    """``auto``: on CPU bf16 where it has native bf16 dot products (:func:`cpu_has_native_bf16`),
+    else fp32; bf16 on CUDA when supported (else fp16); fp16 on MPS. The CPU's choice and its
+    reason are logged at INFO.
 
     Raises:
         ModelLoadError: for an unknown dtype name.
@@ -66,7 +118,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         if device.type == "mps":
             return torch.float16
-        return torch.float32
+        native, reason = cpu_has_native_bf16()
+        dtype = torch.bfloat16 if native else torch.float32
+        logger.info("DTYPE=auto: %s (%s)", str(dtype).removeprefix("torch."), reason)
+        return dtype
     if name not in _DTYPES:
         raise ModelLoadError(f"unknown DTYPE={name!r}; use auto, float32, float16 or bfloat16")
     return _DTYPES[name]

@@ -1,7 +1,9 @@
 """Native CPU kernels of the transformers backend, compiled once per machine.
 
 One kernel so far, :func:`paged_decode_attention` (``paged_attention.c``): decode attention read
-straight from the paged KV pool, without first gathering each row's K/V into a padded tensor.
+straight from the paged KV pool, without first gathering each row's K/V into a padded tensor, in
+fp32 or in bf16 (two C symbols, ``paged_decode_attention`` and ``paged_decode_attention_bf16``;
+the bf16 one widens K/V to fp32 exactly and accumulates in fp32).
 
 The C source is compiled with the system C compiler (``$CC``, else ``cc`` or ``gcc``) for this
 CPU (:data:`CFLAGS`: ``-O3 -march=native -ffast-math -fopenmp``; linked without ``-ffast-math``,
@@ -49,6 +51,9 @@ _ERRORS = {
     2: "out of memory for the attention scores",
     3: "a block table names a block outside the pool",
 }
+
+# The kernel's C symbol per dtype of q, pool and out (one dtype for all three).
+SYMBOLS = {torch.float32: "paged_decode_attention", torch.bfloat16: "paged_decode_attention_bf16"}
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
@@ -172,18 +177,19 @@ def _build_and_load(folder: Path) -> ctypes.CDLL | None:
         if not _compile(cc, target, stamp):
             return None
     lib = ctypes.CDLL(str(target))
-    fn = lib.paged_decode_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7 + [ctypes.c_float]
+    for symbol in SYMBOLS.values():
+        fn = getattr(lib, symbol)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7 + [ctypes.c_float]
     logger.info("native paged attention loaded from %s", target)
     return lib
 
 
 def _looks_built(path: Path) -> bool:
-    """A shared object with the kernel's symbol in it (a compiler that wrote nothing or garbage
+    """A shared object with the kernels' symbols in it (a compiler that wrote nothing or garbage
     must not leave a checksummed entry that is then mapped)."""
     data = path.read_bytes()
-    return data[:4] == b"\x7fELF" and b"paged_decode_attention" in data
+    return data[:4] == b"\x7fELF" and all(s.encode() in data for s in SYMBOLS.values())
 
 
 def _compile(cc: list[str], target: Path, stamp: Path) -> bool:
@@ -225,31 +231,42 @@ def paged_decode_attention(lib: ctypes.CDLL, q: torch.Tensor, pool: torch.Tensor
                            tables: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Decode attention of one new token per row over the paged KV pool of one layer.
 
+    ``q`` and ``pool`` are both fp32 or both bf16; the output has their dtype. In bf16 the kernel
+    widens K, V and q to fp32 exactly, computes scores, softmax and the weighted sum of V in fp32,
+    and rounds the output once to bf16 (to nearest even).
+
     Args:
         lib: the library :func:`load` returned.
-        q: ``[rows, kv_heads, group, head_dim]`` fp32 queries (CPU, contiguous).
-        pool: ``[2 * kv_heads, num_blocks, block_size, head_dim]`` fp32, K heads then V heads,
-            the new tokens' K/V already written.
+        q: ``[rows, kv_heads, group, head_dim]`` fp32 or bf16 queries (CPU, contiguous).
+        pool: ``[2 * kv_heads, num_blocks, block_size, head_dim]`` in ``q``'s dtype, K heads then
+            V heads, the new tokens' K/V already written.
         tables: ``[rows, max_blocks]`` int64 block ids (unused tail entries ignored).
         lens: ``[rows]`` int64 tokens each row attends to, its new token included.
         scale: the softmax scale (``head_dim ** -0.5``).
 
     Returns:
-        ``[rows, kv_heads, group, head_dim]`` attention output.
+        ``[rows, kv_heads, group, head_dim]`` attention output in ``q``'s dtype.
 
     Raises:
-        ValueError: for tensors of another dtype, device, rank or layout than above, or a
-            length or block id that does not fit the pool.
+        ValueError: for tensors of another dtype, device, rank or layout than above (``q`` and
+            ``pool`` of different dtypes included), or a length or block id that does not fit
+            the pool.
         MemoryError: if the kernel cannot allocate its score buffer.
     """
-    for name, tensor, dtype, dims in (("q", q, torch.float32, 4), ("pool", pool, torch.float32, 4),
-                                      ("tables", tables, torch.int64, 2),
-                                      ("lens", lens, torch.int64, 1)):
-        if (tensor.dtype != dtype or tensor.device.type != "cpu" or tensor.dim() != dims
+    floats = tuple(SYMBOLS)
+    names = " or ".join(str(d) for d in floats)
+    for name, tensor, dtypes, dims in (("q", q, floats, 4), ("pool", pool, floats, 4),
+                                       ("tables", tables, (torch.int64,), 2),
+                                       ("lens", lens, (torch.int64,), 1)):
+        if (tensor.dtype not in dtypes or tensor.device.type != "cpu" or tensor.dim() != dims
                 or not tensor.is_contiguous()):
+            kind = names if dtypes is floats else str(dtypes[0])
             raise ValueError(f"paged decode attention: {name} must be a contiguous {dims}-d "
-                             f"{dtype} CPU tensor, got {tuple(tensor.shape)} {tensor.dtype} "
+                             f"{kind} CPU tensor, got {tuple(tensor.shape)} {tensor.dtype} "
                              f"on {tensor.device}")
+    if q.dtype != pool.dtype:
+        raise ValueError(f"paged decode attention: q and pool must have one dtype, got q "
+                         f"{q.dtype} and pool {pool.dtype}")
     rows, kv_heads, group, head_dim = q.shape
     if (pool.shape[0] != 2 * kv_heads or pool.shape[3] != head_dim or tables.shape[0] != rows
             or lens.shape[0] != rows):
@@ -263,7 +280,8 @@ def paged_decode_attention(lib: ctypes.CDLL, q: torch.Tensor, pool: torch.Tensor
     out = torch.empty_like(q)
     if rows == 0:
         return out
-    rc = lib.paged_decode_attention(
+    kernel = getattr(lib, SYMBOLS[q.dtype])
+    rc = kernel(
         q.data_ptr(), pool.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
         rows, kv_heads, group, head_dim, num_blocks, block_size, tables.shape[1], scale,
     )

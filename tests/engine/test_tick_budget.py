@@ -1,0 +1,79 @@
+"""The prompt budget of a mixed tick and the pass cost model (pure functions)."""
+
+from __future__ import annotations
+
+import pytest
+
+from inference.tick_budget import (
+    PassCostModel,
+    PassShape,
+    _nonnegative_fit,
+    chunk_attention,
+    plan_prefill,
+)
+
+STREAMS = PassShape(decode_rows=4, decode_context=400)
+# 10 ms a pass, 2 ms a decode row, 1 ms per prompt token, 0.5 ms per 1,000 attention pairs.
+MODEL = PassCostModel([0.010, 0.002, 0.0, 0.001, 0.5])
+
+
+def test_no_stream_running_gives_the_prompt_the_whole_cap():
+    assert plan_prefill([(0, 1000)], PassShape(), MODEL, 0.030, cap=256) == [256]
+
+
+def test_the_budget_is_the_most_tokens_whose_predicted_pass_fits_the_target():
+    take = plan_prefill([(0, 1000)], STREAMS, MODEL, 0.060, cap=256)
+    fits = MODEL.predict(PassShape(4, 400, take[0], chunk_attention(0, take[0])))
+    over = MODEL.predict(PassShape(4, 400, take[0] + 1, chunk_attention(0, take[0] + 1)))
+    assert fits <= 0.060 < over
+
+
+def test_a_prompt_deep_into_its_context_gets_fewer_tokens_for_the_same_target():
+    early = plan_prefill([(0, 4000)], STREAMS, MODEL, 0.060, cap=256)[0]
+    late = plan_prefill([(3000, 1000)], STREAMS, MODEL, 0.060, cap=256)[0]
+    assert late < early
+
+
+def test_streams_that_fill_the_target_still_give_the_prompt_as_much_as_they_take():
+    decode_only = MODEL.predict(STREAMS)  # 18 ms, over a 1 ms target
+    [take] = plan_prefill([(0, 1000)], STREAMS, MODEL, 0.001, cap=256, floor=16)
+    tick = MODEL.predict(PassShape(4, 400, take, chunk_attention(0, take)))
+    assert take > 16 and tick <= 2 * decode_only + 1e-12
+    assert MODEL.predict(PassShape(4, 400, take + 1, chunk_attention(0, take + 1))) > \
+        2 * decode_only
+    assert plan_prefill([(0, 5)], STREAMS, MODEL, 0.001, cap=256, floor=16) == [5]
+
+
+def test_a_small_budget_is_not_all_given_to_the_oldest_prompt():
+    # 16 tokens: a quarter to the oldest (4), the rest shortest first.
+    take = plan_prefill([(0, 3000), (0, 8), (0, 30)], PassShape(), None, 0, cap=16)
+    assert take == [4, 8, 4]
+
+
+def test_short_prompts_go_first_but_the_oldest_always_progresses():
+    take = plan_prefill([(0, 3000), (0, 30), (0, 10)], PassShape(), None, 0, cap=64, floor=16)
+    assert take == [16 + 8, 30, 10]  # the floor, the short ones, the rest to the oldest
+    take = plan_prefill([(0, 3000), (0, 30)], PassShape(), None, 0, cap=256, floor=16)
+    assert take == [226, 30]
+
+
+def test_a_model_fitted_from_measured_passes_predicts_them():
+    truth = [0.02, 0.003, 0.004, 0.0008, 0.3]
+    shapes = [PassShape(1, 16, 0, 0), PassShape(16, 256, 0, 0), PassShape(16, 4096, 0, 0),
+              PassShape(0, 0, 32, chunk_attention(0, 32)), PassShape(0, 0, 128, 8256),
+              PassShape(0, 0, 128, chunk_attention(1024, 128)), PassShape(8, 128, 64, 2080)]
+    xs = [s.features() for s in shapes]
+    ys = [sum(c * f for c, f in zip(truth, x, strict=True)) for x in xs]
+    assert _nonnegative_fit(xs, ys) == pytest.approx(truth, rel=1e-6, abs=1e-9)
+
+
+def test_a_fit_never_gives_a_negative_cost():
+    xs = [[1.0, 1.0, 0.0, 0.0, 0.0], [1.0, 2.0, 0.0, 0.0, 0.0], [1.0, 3.0, 0.0, 0.0, 0.0]]
+    coefficients = _nonnegative_fit(xs, [0.03, 0.02, 0.01])  # falls with more rows: noise
+    assert all(c >= 0 for c in coefficients)
+
+
+def test_chunk_attention_counts_causal_pairs():
+    assert chunk_attention(0, 1) == 1
+    assert chunk_attention(0, 4) == 1 + 2 + 3 + 4
+    assert chunk_attention(10, 2) == 11 + 12
