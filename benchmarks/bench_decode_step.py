@@ -18,7 +18,9 @@ as well; it also counts the rows whose bf16 greedy token is fp32's.
 For each batch size and dtype it prints milliseconds per step (the fastest of ``--repeats``
 rounds of ``--steps`` steps each) and the ratio to that dtype's baseline, checks that the
 settings pick the same greedy token for every row, and with both dtypes the bf16/fp32 time ratio
-of each setting (below 1: bf16 is faster). It saves the figures as JSON.
+of each setting (below 1: bf16 is faster). It saves the figures as JSON. Last, per dtype, the
+mixed tick's pass cost model: its start-up fit and its error on passes it never saw
+(:mod:`benchmarks.pass_cost_fit`).
 
 Usage::
 
@@ -185,6 +187,11 @@ def main(argv: list[str] | None = None) -> int:
                                     "results": results}, indent=2))
     print("ms per decode step (fastest round); Nx: speed-up over that dtype's baseline; ratio: "
           f"bf16 time / fp32 time (below 1: bf16 faster). saved {args.out}")
+    # The mixed tick's pass cost model: its start-up fit against passes it never saw.
+    from benchmarks.pass_cost_fit import measure, print_fit
+
+    for d in dtypes:
+        print_fit(d, measure(backends[d], repeats=3))
     return 0
 
 

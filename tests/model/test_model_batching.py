@@ -101,7 +101,9 @@ def test_a_prompt_decoding_among_rows_of_very_different_lengths_equals_it_alone(
     # The native kernel reads each row's K/V in place; the gather path runs decode attention
     # over groups of rows of similar length, so rows of 1 to 1,000 tokens decoding together are
     # split into several groups. Either way the answer must not change.
-    engine, recorder = make_engine(backend, max_batch_size=8)
+    # Every prompt prefilled in the first pass, so that all six rows decode together.
+    engine, recorder = make_engine(backend, max_batch_size=8, prefill_chunk_size=2048,
+                                   target_itl_ms=0)
     prompts = {f"n{n}": corpus_ids[:n] for n in (1, 30, 250, 600, 1000)}
     prompts["prompt"] = chat_prompt
     before = backend.native_attention
