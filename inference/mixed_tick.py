@@ -19,9 +19,15 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from inference.backends.base import DecodeRow, ModelBackend, PrefillChunk
+from inference.backends.base import ModelBackend, PrefillChunk
 from inference.config import PrefillMode
-from inference.tick_budget import PassCostModel, PassShape, calibrate, plan_prefill
+from inference.tick_budget import (
+    PassCostModel,
+    PassShape,
+    calibrate,
+    chunk_attention,
+    plan_prefill,
+)
 
 if TYPE_CHECKING:
     from inference.scheduler import Scheduler
@@ -98,17 +104,11 @@ class MixedTick:
             chunks.append(PrefillChunk(request.request_id,
                                        request.prompt_token_ids[start:start + n], start,
                                        tuple(request.block_table)))
-        batch = []
-        for request in decode_rows:
-            position = request.num_tokens - 1
-            self.kv.ensure_slots(request, position + 1)
-            batch.append(DecodeRow(request.request_id, request.output_token_ids[-1], position,
-                                   tuple(request.block_table)))
+        batch = self._decode_rows(decode_rows)
         if not chunks and not batch:
             return
-        shape = PassShape(decode_shape.decode_rows, decode_shape.decode_context,
-                          sum(take), sum(n * c.start_pos + n * (n + 1) // 2
-                                         for c in chunks for n in (len(c.token_ids),)))
+        shape = PassShape(decode_shape.decode_rows, decode_shape.decode_context, sum(take),
+                          sum(chunk_attention(c.start_pos, len(c.token_ids)) for c in chunks))
         started = time.perf_counter()
         logits = self._forward("mixed", prefill_rows + decode_rows,
                                lambda: self.backend.prefill_and_decode(chunks, batch))

@@ -280,15 +280,20 @@ class Scheduler(SchedulerStats, MixedTick):
         rows = list(self._active)
         if not rows:
             return
+        batch = self._decode_rows(rows)
+        logits = self._forward("decode", rows, lambda: self.backend.decode(batch))
+        if logits is not None:
+            self._apply_decode(rows, logits)
+
+    def _decode_rows(self, rows: list[Request]) -> list[DecodeRow]:
+        """Each row's next decode input (its last token), with a KV slot ensured for it."""
         batch = []
         for request in rows:
             position = request.num_tokens - 1
             self.kv.ensure_slots(request, position + 1)
             batch.append(DecodeRow(request.request_id, request.output_token_ids[-1], position,
                                    tuple(request.block_table)))
-        logits = self._forward("decode", rows, lambda: self.backend.decode(batch))
-        if logits is not None:
-            self._apply_decode(rows, logits)
+        return batch
 
     def _apply_decode(self, rows: list[Request], logits: torch.Tensor) -> None:
         """Sample each decode row's next token from its logits and append it."""
