@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from inference.protocol import FinalEvent, Usage
+from api.logprobs import CompletionLogprobs, chat_logprobs
+from inference.protocol import Event, FinalEvent, PositionLogprobs, TokenEvent, Usage
 
 
 @dataclass(frozen=True)
 class ResponseShape:
-    """What every body of one response shares: ``kind`` is ``chat`` or ``text``."""
+    """What every body of one response shares: ``kind`` is ``chat`` or ``text``.
+
+    ``logprobs``: the choices carry log-probabilities. ``echo``: a text completion's prompt,
+    sent back before the answer (None: not asked).
+    """
 
     kind: str
     id: str
     model: str
     created: int
     include_usage: bool = False
+    logprobs: bool = False
+    echo: str | None = None
 
     @property
     def object(self) -> str:
@@ -37,14 +44,15 @@ def usage_body(usage: Usage) -> dict[str, Any]:
     }
 
 
-def full_response(shape: ResponseShape, text: str, final: FinalEvent) -> dict[str, Any]:
+def full_response(shape: ResponseShape, text: str, final: FinalEvent,
+                  logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """A non-streaming response for the answer ``text`` and the worker's final event."""
     if shape.kind == "chat":
         choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "finish_reason": final.finish_reason.value, "logprobs": None}
+                  "finish_reason": final.finish_reason.value, "logprobs": logprobs}
     else:
         choice = {"index": 0, "text": text, "finish_reason": final.finish_reason.value,
-                  "logprobs": None}
+                  "logprobs": logprobs}
     return {"id": shape.id, "object": shape.object, "created": shape.created,
             "model": shape.model, "choices": [choice], "usage": usage_body(final.usage)}
 
@@ -65,12 +73,69 @@ def opening_chunk(shape: ResponseShape) -> dict[str, Any] | None:
                           "finish_reason": None, "logprobs": None})
 
 
-def text_chunk(shape: ResponseShape, text: str) -> dict[str, Any]:
-    """A chunk adding ``text`` to the answer."""
+def text_chunk(shape: ResponseShape, text: str,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A chunk adding ``text`` (and the ``logprobs`` of its tokens) to the answer."""
     if shape.kind == "chat":
         return _chunk(shape, {"index": 0, "delta": {"content": text}, "finish_reason": None,
-                              "logprobs": None})
-    return _chunk(shape, {"index": 0, "text": text, "finish_reason": None, "logprobs": None})
+                              "logprobs": logprobs})
+    return _chunk(shape, {"index": 0, "text": text, "finish_reason": None, "logprobs": logprobs})
+
+
+@dataclass
+class Answer:
+    """One choice's text and log-probabilities, built from the worker's events as they come:
+    the chunks of a stream (:meth:`chunks`), or the whole body (:meth:`add`, then :meth:`body`).
+
+    An echoed prompt comes first, with the prompt's logprobs (the worker sends them on the
+    request's first event); then each token's text with its logprobs. A token whose text is
+    held back (a possible stop string) still brings its logprobs, in a chunk of empty text.
+    """
+
+    shape: ResponseShape
+    _echo_pending: bool = field(init=False)
+    _texts: list[str] = field(init=False, default_factory=list)
+    _entries: list[PositionLogprobs] = field(init=False, default_factory=list)
+    _offsets: CompletionLogprobs = field(init=False, default_factory=CompletionLogprobs)
+
+    def __post_init__(self) -> None:
+        self._echo_pending = self.shape.echo is not None
+
+    def _pieces(self, event: Event) -> list[tuple[str, list[PositionLogprobs]]]:
+        """The ``(text, logprob entries)`` pieces ``event`` adds to the answer, in order."""
+        pieces = []
+        if self._echo_pending:
+            self._echo_pending = False
+            prompt = list(event.prompt_logprobs or ()) if self.shape.logprobs else []
+            pieces.append((self.shape.echo or "", prompt))
+        entries = []
+        if isinstance(event, TokenEvent) and self.shape.logprobs and event.logprobs is not None:
+            entries = [event.logprobs]
+        if event.text or entries:
+            pieces.append((event.text, entries))
+        return pieces
+
+    def _logprobs(self, entries: list[PositionLogprobs]) -> dict[str, Any] | None:
+        if not self.shape.logprobs:
+            return None
+        return chat_logprobs(entries) if self.shape.kind == "chat" else self._offsets.render(
+            entries)
+
+    def chunks(self, event: Event) -> list[dict[str, Any]]:
+        """The stream chunks of ``event`` (a final event's: before its finish chunk)."""
+        return [text_chunk(self.shape, text, self._logprobs(entries))
+                for text, entries in self._pieces(event)]
+
+    def add(self, event: Event) -> None:
+        """Take ``event`` into the whole body."""
+        for text, entries in self._pieces(event):
+            self._texts.append(text)
+            self._entries.extend(entries)
+
+    def body(self, final: FinalEvent) -> dict[str, Any]:
+        """The non-streaming response, once every event (``final`` the last) was added."""
+        return full_response(self.shape, "".join(self._texts), final,
+                             self._logprobs(self._entries))
 
 
 def finish_chunk(shape: ResponseShape, finish_reason: str) -> dict[str, Any]:

@@ -3,8 +3,13 @@
 The rules every body object follows (strict JSON types, valid Unicode text, unknown fields
 ignored, ``null`` as the default) are :mod:`api.fields`'; how an error is told to the client,
 :mod:`api.field_errors`'. Known fields that would change the answer and that this server does not
-offer (``tools``, ``response_format`` other than text, ``logprobs``, ...) are refused with a 400
+offer (``tools``, ``response_format`` other than text, ``logit_bias``, ...) are refused with a 400
 naming the field.
+
+Log-probabilities, as the OpenAI API bounds them: chat ``logprobs`` (a boolean) and
+``top_logprobs`` (0 to 20, only with ``logprobs``); completions ``logprobs`` (0 to 5 likeliest
+tokens besides the chosen one) and ``echo`` (the prompt comes back before the answer, with its
+logprobs when ``logprobs`` is given).
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ MAX_STOP_SEQUENCES = 4
 MAX_TOKENS_LIMIT = 2**31 - 1
 # A sampling seed seeds a ``torch.Generator``, which takes this range.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# The OpenAI API's bounds: chat ``top_logprobs``, completions ``logprobs``.
+MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
 
 
 class StreamOptions(BodyObject):
@@ -123,6 +131,21 @@ class GenerationRequest(BodyObject):
         """The field that carries the prompt."""
         raise NotImplementedError
 
+    @property
+    def token_logprobs(self) -> int | None:
+        """Likeliest tokens to report with each generated token's logprob (None: no logprobs)."""
+        return None
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """The same for each prompt token (None: none)."""
+        return None
+
+    @property
+    def echoed_prompt(self) -> str | None:
+        """The prompt text to send back before the answer (None: not asked)."""
+        return None
+
     def sampling(self, max_tokens: int | None) -> dict[str, Any]:
         """Fields of ``inference.request.SamplingParams``; a None max_tokens: the worker decides."""
         return {
@@ -134,12 +157,27 @@ class GenerationRequest(BodyObject):
             "stop": list(self.stop or []),
             "min_tokens": self.min_tokens,
             "ignore_eos": self.ignore_eos,
+            "logprobs": self.token_logprobs,
+            "prompt_logprobs": self.prompt_logprobs,
         }
 
 
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _only_with_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("'logprobs' must be true when 'top_logprobs' is more than 0")
+        return value
+
+    @property
+    def token_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -158,6 +196,14 @@ class ChatCompletionRequest(GenerationRequest):
 
 class CompletionRequest(GenerationRequest):
     prompt: Text
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool = False
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _false_is_none(cls, value: Any) -> Any:
+        """``false``, which some clients send for "no logprobs", is the default."""
+        return None if value is False else value
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -182,6 +228,18 @@ class CompletionRequest(GenerationRequest):
     def prompt_param(self) -> str:
         return "prompt"
 
+    @property
+    def token_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
+
+    @property
+    def echoed_prompt(self) -> str | None:
+        return self.prompt if self.echo else None
+
 
 # Fields that would change the answer; refused unless absent or at their neutral value.
 UNSUPPORTED_CHAT_FIELDS = {
@@ -189,8 +247,6 @@ UNSUPPORTED_CHAT_FIELDS = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "logit_bias": (None, {}),
     "audio": (None,),
     "modalities": (None, ["text"]),
@@ -199,8 +255,6 @@ UNSUPPORTED_CHAT_FIELDS = {
     "frequency_penalty": (None, 0, 0.0),
 }
 UNSUPPORTED_COMPLETION_FIELDS = {
-    "logprobs": (None, 0, False),
-    "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
     "logit_bias": (None, {}),

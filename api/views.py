@@ -154,6 +154,7 @@ async def _generate(
     shape = responses.ResponseShape(
         kind=kind, id=f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id}",
         model=model, created=int(time.time()), include_usage=req.include_usage,
+        logprobs=req.token_logprobs is not None, echo=req.echoed_prompt,
     )
     generation = await lifecycle.start(
         Principal.for_api_key(key), request_id=request_id, messages=messages, prompt=prompt,
@@ -192,11 +193,10 @@ WorkerError = Callable[[ErrorInfo], APIError]
 
 async def _complete(generation: Generation, shape: responses.ResponseShape,
                     worker_error: WorkerError) -> HttpResponse:
-    parts: list[str] = []
+    answer = responses.Answer(shape)
     try:
         async for event in generation.events():
-            if isinstance(event, TokenEvent):
-                parts.append(event.text)
+            answer.add(event)
     finally:
         # Also runs when the client disconnects: the view is cancelled and the worker aborts.
         await generation.close()
@@ -204,7 +204,7 @@ async def _complete(generation: Generation, shape: responses.ResponseShape,
     assert final is not None
     if final.error is not None:
         raise worker_error(final.error)
-    return JsonResponse(responses.full_response(shape, "".join(parts) + final.text, final))
+    return JsonResponse(answer.body(final))
 
 
 async def _stream(generation: Generation, shape: responses.ResponseShape,
@@ -239,6 +239,7 @@ async def _sse_events(
     events: AsyncIterator[Event | Waiting],
     worker_error: WorkerError,
 ) -> AsyncIterator[str]:
+    answer = responses.Answer(shape)
     try:
         opening = responses.opening_chunk(shape)
         if opening is not None:
@@ -248,14 +249,14 @@ async def _sse_events(
             if isinstance(event, Waiting):
                 yield KEEPALIVE
             elif isinstance(event, TokenEvent):
-                if event.text:
-                    yield sse_data(responses.text_chunk(shape, event.text))
+                for chunk in answer.chunks(event):
+                    yield sse_data(chunk)
             else:
                 if event.error is not None:
                     yield sse_data(worker_error(event.error).stream_body())
                     return
-                if event.text:
-                    yield sse_data(responses.text_chunk(shape, event.text))
+                for chunk in answer.chunks(event):
+                    yield sse_data(chunk)
                 yield sse_data(responses.finish_chunk(shape, event.finish_reason))
                 if shape.include_usage:
                     yield sse_data(responses.usage_chunk(shape, event))

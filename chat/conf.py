@@ -26,9 +26,22 @@ DEFAULTS: dict[str, Any] = {
     # How often an open chat socket re-checks, between frames, that its session, user and tenant
     # still allow it to chat (seconds; 0: only when a frame comes); every frame is checked.
     "REAUTHORIZE_INTERVAL_S": 10.0,
+    # How long an answer goes on after its page went away (a dropped connection, a reload, a
+    # web process restarted), waiting for the page to come back and take it up again (seconds;
+    # 0: a closed page stops its answer at once). At most MAX_RESUME_GRACE_S.
+    "RESUME_GRACE_S": 30.0,
 }
+# The events of an answer stay in Redis EVENTS_TTL_S (600 s) after its last one: a page coming
+# back within its grace period must still find them all.
+MAX_RESUME_GRACE_S = 300.0
 
 
 def chat_settings() -> dict[str, Any]:
     """The chat settings: ``settings.CHAT`` over :data:`DEFAULTS`."""
     return {**DEFAULTS, **getattr(settings, "CHAT", {})}
+
+
+def resume_grace_s() -> float:
+    """``RESUME_GRACE_S``, within 0 and :data:`MAX_RESUME_GRACE_S` (the system check
+    ``chat.E001`` reports a value outside)."""
+    return min(max(float(chat_settings()["RESUME_GRACE_S"]), 0.0), MAX_RESUME_GRACE_S)

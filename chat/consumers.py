@@ -3,18 +3,26 @@
 Frames from the page (text frames, each one JSON object):
     ``{"type": "send", "conversation_id": <id or null>, "content": "..."}``: a new user turn
     (a null or missing id starts a conversation); ``{"type": "stop"}``: stop the answer this
-    socket is writing (other fields are ignored: a socket only ever stops its own answer).
+    socket is writing (other fields are ignored: a socket only ever stops its own answer);
+    ``{"type": "resume", "conversation_id": <id>, "message_id": <id or null>,
+    "after_seq": <int or null>}``: a page that came back (reconnected, reloaded) takes up the
+    answer of its conversation that it was showing, after the last ``seq`` it has
+    (:mod:`chat.resume`).
 Frames to the page:
     ``conversation`` (id, title, created), ``user_message``, ``start`` (the answer's message id),
-    ``token`` (text), ``done`` (status ``complete``, ``stopped`` or ``error``, with a readable
-    ``error``), ``error`` (a frame that could not be acted on, with a readable ``message``; the
+    ``token`` (message id, ``seq``, text), ``done`` (status ``complete``, ``stopped`` or
+    ``error``, with a readable ``error``), ``resume`` (message id, ``after_seq``: the tokens
+    after it follow), ``answer`` (an answer that ended while the page was away, as stored, or
+    null), ``error`` (a frame that could not be acted on, with a readable ``message``; the
     socket keeps working, unless the frame says ``"closing": true``: then the socket closes with
     one of the application close codes below).
 
 The answer streams from its own task, so Stop and a closed page are handled while tokens flow:
-Stop aborts the request in the worker at once (its answer is kept and marked stopped), closing
-the socket does the same. Anonymous sockets are refused; a socket reaches only its own user's
-conversations under the user's tenant, and only the requests it made.
+Stop aborts the request in the worker at once (its answer is kept and marked stopped). Closing
+the socket does not stop the answer: it goes on for ``RESUME_GRACE_S`` (:mod:`chat.conf`), for
+the page to come back; then it is aborted and stored as ``stopped`` (:mod:`chat.generation`).
+Anonymous sockets are refused; a socket reaches only its own user's conversations under the
+user's tenant, and only the requests it made or resumed.
 
 Authorization holds at every use, not only at connect: before each frame is acted on, and every
 ``REAUTHORIZE_INTERVAL_S`` while the socket is open (:mod:`chat.conf`), :func:`authorize` checks
@@ -51,11 +59,13 @@ from django.contrib.auth import (
 from django.contrib.auth.models import AbstractBaseUser
 from django.utils.crypto import constant_time_compare
 
-from chat import generation, selectors, services
-from chat.conf import chat_settings
+from chat import generation, resume, selectors, services
+from chat.conf import chat_settings, resume_grace_s
 from chat.context import ContextOverflowError
 from chat.models import Conversation
+from gateway import monitor
 from gateway.errors import APIError
+from gateway.events import abort_later
 from tenants.models import Tenant
 
 log = logging.getLogger(__name__)
@@ -200,6 +210,33 @@ def turn_fields(frame: dict[str, Any]) -> tuple[int | None, str]:
     return pk, text
 
 
+def _is_id(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and 0 < value <= MAX_ID
+
+
+def resume_fields(frame: dict[str, Any]) -> tuple[int, int | None, int | None]:
+    """A ``resume`` frame's conversation id, answer id (None: the conversation's last) and the
+    last ``seq`` the page has (None: none).
+
+    Raises:
+        FrameError: a conversation id that is not a positive integer, an answer id that is
+            neither that nor null, an ``after_seq`` that is neither an integer from -1 nor null.
+    """
+    conversation_id = frame.get("conversation_id")
+    if not _is_id(conversation_id):
+        raise FrameError('"conversation_id" must be the number of one of your conversations.')
+    message_id = frame.get("message_id")
+    if message_id is not None and not _is_id(message_id):
+        raise FrameError('"message_id" must be the number of an answer of that conversation, '
+                         "or null for its last one.")
+    after_seq = frame.get("after_seq")
+    if after_seq is not None and (isinstance(after_seq, bool) or not isinstance(after_seq, int)
+                                  or not -1 <= after_seq <= MAX_ID):
+        raise FrameError('"after_seq" must be the last "seq" the page has (-1: none), or '
+                         "null.")
+    return conversation_id, message_id, after_seq
+
+
 class ChatConsumer(AsyncJsonWebsocketConsumer):
     """``ws/chat/``: see the module docstring for the frames."""
 
@@ -221,6 +258,9 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
             return
         self.user, self.tenant = granted
         await self.accept()
+        # This process's monitor sweeps the grace periods of every web process's answers (a
+        # page coming back to a restarted process may be the first thing it serves).
+        await monitor.ensure_started()
         if chat_settings()["REAUTHORIZE_INTERVAL_S"] > 0:
             self.watchdog = asyncio.create_task(self._watch())
 
@@ -231,8 +271,15 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
             watchdog.cancel()
         task = getattr(self, "task", None)
         if task is not None and not task.done():
-            # The page is gone: relay's cleanup aborts the request and stores the text so far.
-            self.answer.give_up.set()
+            if self.answer.stop_requested:
+                pass  # Stop was pressed: the relay ends with its final event (or gives up)
+            elif resume_grace_s() > 0:
+                # The page is gone: the answer goes on for its grace period, for the page to
+                # come back (chat.resume); the grace sweep ends and stores it otherwise.
+                self.answer.detach.set()
+            else:
+                # No grace period: relay's cleanup aborts the request and stores the text.
+                self.answer.give_up.set()
             await asyncio.wait({task}, timeout=chat_settings()["STOP_GRACE_S"])
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None,
@@ -250,8 +297,10 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
                 await self._send_turn(*turn_fields(frame))
             elif kind == "stop":
                 await self._stop()
+            elif kind == "resume":
+                await self._resume(*resume_fields(frame))
             else:
-                raise FrameError('Unknown request: "type" must be "send" or "stop".')
+                raise FrameError('Unknown request: "type" must be "send", "stop" or "resume".')
         except FrameError as exc:
             await self._error(str(exc))
         except Exception:
@@ -308,6 +357,10 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
             if conversation is None:
                 await self._error("That conversation does not exist.")
                 return
+            if await resume.in_progress(conversation):
+                await self._error("An answer is still being written in this conversation: "
+                                  "wait for it or press Stop.")
+                return
         conversation, user_message, created = await sync_to_async(services.add_user_message)(
             self.user, self.tenant, conversation, text)
         await self._safe_send({"type": "conversation", "id": conversation.pk,
@@ -324,20 +377,42 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
             log.exception("could not start a chat answer for user %s", self.user.pk)
             reason = "The server could not start the answer. Try again in a moment."
         else:
-            self.answer = answer
             await self._safe_send({"type": "start", "message_id": answer.message_id})
-            self.task = asyncio.create_task(generation.relay(answer, self._safe_send))
-            if self.ending or self.closed:  # denied meanwhile (the watchdog): stop at once
-                answer.give_up.set()
+            self._relay(answer)
             return
         failed = await sync_to_async(services.fail_answer)(conversation, reason)
         await self._error(reason, message_id=failed.pk)
+
+    def _relay(self, answer: generation.Answer) -> None:
+        self.answer = answer
+        self.task = asyncio.create_task(generation.relay(answer, self._safe_send))
+        if self.ending:  # denied meanwhile (the watchdog): stop at once
+            answer.give_up.set()
+        elif self.closed:  # the page went away meanwhile: its grace period starts
+            (answer.detach if resume_grace_s() > 0 else answer.give_up).set()
+
+    async def _resume(self, conversation_id: int, message_id: int | None,
+                      after_seq: int | None) -> None:
+        """Take up the answer the page was showing (see :mod:`chat.resume`)."""
+        if self.task is not None and not self.task.done():
+            await self._error("An answer is still being written: wait for it or press Stop.")
+            return
+        try:
+            taken = await resume.take_up(self.user, self.tenant, conversation_id, message_id,
+                                         after_seq)
+        except resume.NotFound as exc:
+            await self._error(str(exc))
+            return
+        await self._safe_send(taken.frame)
+        if taken.answer is not None:
+            self._relay(taken.answer)
 
     async def _stop(self) -> None:
         answer, task = self.answer, self.task
         if answer is None or task is None or task.done():
             return
-        await answer.generation.abort()
+        answer.stop_requested = True
+        await abort_later(answer.request_id)
         # The worker ends the request within a tick or two (a final "abort" event ends the
         # relay); if it does not confirm in time, stop relaying anyway.
         asyncio.get_running_loop().call_later(chat_settings()["STOP_GRACE_S"],

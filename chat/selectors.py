@@ -42,3 +42,18 @@ def conversation_of(user: AbstractBaseUser, tenant: Tenant, pk: int | str | None
 def history(conversation: Conversation) -> list[Message]:
     """The conversation's messages in order."""
     return list(conversation.messages.all())
+
+
+def answer_to_resume(conversation: Conversation, message_id: int | None) -> Message | None:
+    """The answer a page coming back asks for: the conversation's assistant message
+    ``message_id``, or (None) the conversation's last message if it is an answer."""
+    if message_id is not None:
+        return conversation.messages.filter(pk=message_id, role=Message.Role.ASSISTANT).first()
+    last = conversation.messages.order_by("-created_at", "-pk").first()
+    return last if last is not None and last.role == Message.Role.ASSISTANT else None
+
+
+def streaming_answers(conversation: Conversation) -> list[Message]:
+    """The conversation's answers still marked ``streaming``."""
+    return list(conversation.messages.filter(role=Message.Role.ASSISTANT,
+                                             status=Message.Status.STREAMING))

@@ -48,14 +48,29 @@ def fail_answer(conversation: Conversation, error: str) -> Message:
                                   status=Message.Status.ERROR, error=error)
 
 
-def finish_answer(message_id: int, *, content: str, status: str, finish_reason: str = "",
-                  error: str = "", completion_tokens: int = 0) -> None:
-    """Store how an answer ended: its text so far, ``status`` and the reason."""
-    Message.objects.filter(pk=message_id).update(
-        content=content, status=status, finish_reason=finish_reason, error=error,
-        completion_tokens=completion_tokens)
-    conversation_id = Message.objects.filter(pk=message_id).values("conversation_id")
-    Conversation.objects.filter(pk__in=conversation_id).update(updated_at=timezone.now())
+def finish_answer(message_id: int | None = None, *, request_id: str | None = None,
+                  content: str, status: str, finish_reason: str = "", error: str = "",
+                  completion_tokens: int = 0) -> Message | None:
+    """Store how an answer ended (its text so far, ``status`` and the reason), once.
+
+    The answer is named by its id or its request's id. Only an answer still ``streaming`` is
+    changed, in one conditional update: when two parties end the same answer at once (a page
+    that came back and the grace sweep), the first one's store stands.
+
+    Returns:
+        The answer as stored (by this call or an earlier one); None when there is none.
+    """
+    answers = Message.objects.filter(role=Message.Role.ASSISTANT)
+    answers = (answers.filter(pk=message_id) if message_id is not None
+               else answers.filter(request_id=request_id or "-"))
+    with transaction.atomic():
+        stored = answers.filter(status=Message.Status.STREAMING).update(
+            content=content, status=status, finish_reason=finish_reason, error=error,
+            completion_tokens=completion_tokens)
+        if stored:
+            Conversation.objects.filter(pk__in=answers.values("conversation_id")).update(
+                updated_at=timezone.now())
+    return answers.first()
 
 
 def rename_conversation(conversation: Conversation, title: str) -> None:

@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import redis
 import redis.exceptions
 from asgiref.sync import sync_to_async
 
@@ -66,6 +67,22 @@ async def abort(request_id: str) -> None:
     pipe.set(keys.aborted(request_id), 1, ex=ABORT_MARK_TTL_S)
     pipe.publish(keys.control, ControlMessage(type="abort", request_id=request_id).to_json())
     await pipe.execute()
+
+
+def abort_sync(request_id: str, client: redis.Redis) -> None:
+    """:func:`abort` on a blocking client (Celery tasks, sweeps run in a thread).
+
+    Raises:
+        redis.RedisError: Redis is unreachable.
+    """
+    keys = redis_keys()
+    if client.eval(WITHDRAW_LUA, 0, keys.prefix, EVENTS_TTL_S, "ids", request_id):
+        usage.record(request_id, client)
+        return
+    pipe = client.pipeline(transaction=False)
+    pipe.set(keys.aborted(request_id), 1, ex=ABORT_MARK_TTL_S)
+    pipe.publish(keys.control, ControlMessage(type="abort", request_id=request_id).to_json())
+    pipe.execute()
 
 
 async def abort_later(request_id: str) -> None:

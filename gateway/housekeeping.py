@@ -4,7 +4,8 @@
 requests of workers whose heartbeat lapsed and ends the waiting requests past their admission
 deadline. The workers run the same Lua scripts; the web tiers and a Celery beat task run them too,
 so that a dead worker's streams end within its heartbeat TTL even when no worker lives. Each
-script is atomic: whoever runs it first does the work, once.
+script is atomic: whoever runs it first does the work, once. The same rounds end the generations
+whose grace period without a reader ran out (:mod:`gateway.grace`, the chat's answers).
 
 :func:`trim_redis` deletes an events stream whose expiry was never set (a writer that died
 between its two commands).
@@ -17,7 +18,9 @@ import time
 
 import redis
 import redis.asyncio as aioredis
+from asgiref.sync import sync_to_async
 
+from gateway import grace
 from gateway.clients import sync_redis
 from gateway.conf import platform_settings, redis_keys
 from inference.protocol import EVENTS_TTL_S, queue_script
@@ -55,12 +58,28 @@ def sweep(client: redis.Redis | None = None, *, reclaim: bool = True) -> list[st
 
 
 async def asweep(client: aioredis.Redis, *, reclaim: bool = True) -> list[str]:
-    """:func:`sweep` on an async client."""
+    """:func:`sweep` on an async client; then :func:`end_unattended`."""
     prefix, ttl = redis_keys().prefix, platform_settings()["WORKER_HEARTBEAT_TTL_S"]
     ended = (_reclaimed(await client.eval(RECLAIM_LUA, 0, prefix, ttl, EVENTS_TTL_S))
              if reclaim else [])
-    return ended + _ids(await client.eval(WITHDRAW_LUA, 0, prefix, EVENTS_TTL_S, "expired",
-                                          EXPIRE_BATCH))
+    ended += _ids(await client.eval(WITHDRAW_LUA, 0, prefix, EVENTS_TTL_S, "expired",
+                                    EXPIRE_BATCH))
+    await end_unattended(client)
+    return ended
+
+
+async def end_unattended(client: aioredis.Redis) -> int:
+    """End the generations whose grace period without a reader ran out (:func:`grace.sweep`,
+    in a thread: their owners store them in the database). Never raises: a failure is logged
+    and the next round goes on. Returns how many were stored."""
+    try:
+        if not await grace.due(client):
+            return 0
+        return await sync_to_async(grace.sweep)()
+    except Exception:  # noqa: BLE001 - the next round retries; the monitor's duties go on
+        log.warning("could not end the generations whose grace period ran out",
+                    exc_info=True)
+        return 0
 
 
 def _stream_id_ms(entry_id: bytes | str) -> int:

@@ -10,7 +10,10 @@
    the context is refused from its size in bytes, without being tokenized.
 2. :meth:`Generation.events` reads the worker's events (tokens, then one final event).
 3. :meth:`Generation.close`, always called (also when the client went away), aborts the request in
-   its worker if it has not finished and releases its concurrency lease.
+   its worker if it has not finished and releases its concurrency lease. A *detachable*
+   generation (the chat's) may instead outlive its reader for a grace period
+   (:mod:`gateway.grace`): no web process's heartbeat guards it, a drain does not stop it, and
+   its reader ends it with :func:`end_request` (or the grace sweep does).
 4. The worker reports the request's usage when it ends; the Celery task
    :func:`gateway.tasks.record_usage` records it and settles the token reservations.
 """
@@ -72,7 +75,8 @@ _live: weakref.WeakSet[Generation] = weakref.WeakSet()
 async def interrupt_all(timeout_s: float = 2.0) -> int:
     """Stop every generation of this process not yet ended (the end of a web drain): each
     reader then gets an ``interrupted`` error to send its client. Returns how many."""
-    pending = [g for g in list(_live) if g.final is None and not g._closed]
+    pending = [g for g in list(_live) if g.final is None and not g._closed
+               and not g.detachable]
     if pending:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.gather(*(abort_later(g.request_id) for g in pending),
@@ -87,10 +91,13 @@ class Generation:
         message: the request as dispatched.
         refusal: the final (error) event of a request refused before it was queued; its
             :meth:`events` is that event alone.
+        detachable: it may outlive its reader (see the module docstring).
     """
 
-    def __init__(self, message: RequestMessage, refusal: FinalEvent | None = None):
+    def __init__(self, message: RequestMessage, refusal: FinalEvent | None = None, *,
+                 detachable: bool = False):
         self.message = message
+        self.detachable = detachable
         self.final: FinalEvent | None = None
         self._refusal = refusal
         self._closed = False
@@ -168,19 +175,28 @@ class Generation:
         _live.discard(self)
         if self.final is None:
             self._abort_requested = True
-            await abort_later(self.request_id)
-        try:
-            await admission.release(self.meta)
-        except redis.exceptions.RedisError:
-            # Released when the request ends in the queue (its final event releases its
-            # leases), or when the lease expires.
-            log.warning("could not release the leases of %s now", self.request_id)
+        await end_request(self.request_id, self.meta, finished=self.final is not None)
+
+
+async def end_request(request_id: str, meta: dict[str, Any], *, finished: bool) -> None:
+    """Abort ``request_id`` unless it ``finished`` (its final event was read), and release its
+    concurrency leases (``meta`` holds what it reserved: ``meta["admission"]``). Idempotent;
+    an abort that cannot reach Redis is retried by the web monitor."""
+    if not finished:
+        await abort_later(request_id)
+    try:
+        await admission.release(meta)
+    except redis.exceptions.RedisError:
+        # Released when the request ends in the queue (its final event releases its
+        # leases), or when the lease expires.
+        log.warning("could not release the leases of %s now", request_id)
 
 
 async def start(principal: Principal, *, sampling: Sampling, default_max_tokens: int,
                 messages: Sequence[dict[str, str]] | None = None, prompt: str | None = None,
                 user: str | None = None, meta: dict[str, Any] | None = None,
-                prompt_tokens: int | None = None, request_id: str | None = None) -> Generation:
+                prompt_tokens: int | None = None, request_id: str | None = None,
+                detachable: bool = False) -> Generation:
     """Admit a request of ``principal`` and dispatch it to the workers.
 
     Exactly one of ``messages`` (chat) and ``prompt`` (completion) is given. A ``sampling``
@@ -196,6 +212,8 @@ async def start(principal: Principal, *, sampling: Sampling, default_max_tokens:
             process, and a prompt no live worker can hold is refused: see
             :func:`context_refusal`).
         request_id: the request's id (else a new one).
+        detachable: no web process's heartbeat guards the request: it goes on when its reader
+            leaves, until it ends or is aborted (its owner holds it in :mod:`gateway.grace`).
 
     Returns:
         The generation; for a prompt refused for its length, one that was never queued and
@@ -211,6 +229,8 @@ async def start(principal: Principal, *, sampling: Sampling, default_max_tokens:
                        code="service_unavailable", retry_after_s=1)
     tenant = principal.tenant
     conf = platform_settings()
+    # Started in any case: the heartbeat, the epoch and the sweeps (grace periods included).
+    web_id = (await monitor.ensure_started()).web_id
     message = RequestMessage(
         request_id=request_id or uuid.uuid4().hex,
         tenant=tenant.slug,
@@ -222,7 +242,7 @@ async def start(principal: Principal, *, sampling: Sampling, default_max_tokens:
         sampling=sampling,
         default_max_tokens=default_max_tokens,
         queue_deadline_s=conf["MAX_QUEUE_WAIT_S"],
-        origin=(await monitor.ensure_started()).web_id,
+        origin="" if detachable else web_id,
         meta={"tenant_id": tenant.pk, "api_key_id": principal.api_key_id, **(meta or {})},
     )
     if prompt_tokens is None:
@@ -243,7 +263,8 @@ async def start(principal: Principal, *, sampling: Sampling, default_max_tokens:
         if cap != default_max_tokens:
             message = message.model_copy(update={"default_max_tokens": cap})
     token_cost = prompt_tokens + (sampling.max_tokens or message.default_max_tokens)
-    return Generation(await admission.admit(principal, message, token_cost))
+    return Generation(await admission.admit(principal, message, token_cost),
+                      detachable=detachable)
 
 
 def answer_cap(principal: Principal, prompt_tokens: int, default_max_tokens: int) -> int:

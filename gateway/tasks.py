@@ -8,7 +8,7 @@ import time
 import redis.exceptions
 from celery import shared_task
 
-from gateway import housekeeping, usage
+from gateway import grace, housekeeping, usage
 from gateway.conf import platform_settings
 from inference.protocol import USAGE_TASK_NAME
 
@@ -36,7 +36,8 @@ _back_since = float("-inf")
 @shared_task(name=SWEEP_TASK, ignore_result=True)
 def sweep_queue() -> int:
     """Reclaim dead workers' requests and end expired ones, also when no worker or web process
-    lives to do it (periodic); record their usage. Returns how many requests were ended.
+    lives to do it (periodic); record their usage; end the generations whose grace period
+    without a reader ran out (:mod:`gateway.grace`). Returns how many requests were ended.
 
     Right after a Redis outage (this task failed on it) it reclaims nothing for a heartbeat
     TTL: a stale heartbeat may then be a live worker's that could not beat.
@@ -52,4 +53,7 @@ def sweep_queue() -> int:
         _back_since = time.monotonic()
     for request_id in ended:
         usage.record(request_id)
+    # Generations whose grace period without a reader ran out (the chat's answers), also when
+    # no web process lives to end them.
+    grace.sweep()
     return len(ended)

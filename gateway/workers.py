@@ -39,15 +39,16 @@ FIELD_RULES: dict[str, Rule] = {
         "tokens_generated", "prompt_tokens_computed", "kv_blocks_total", "kv_blocks_held",
         "kv_blocks_free", "kv_blocks_evictable", "kv_blocks_reserved", "prefix_hit_tokens",
         "prefix_queried_tokens", "kv_block_evictions", "admissions_soft_held",
-        "admissions_hard_rejected", "requests_finished"), Rule.SUM),
+        "admissions_hard_rejected", "requests_finished", "preemptions",
+        "preempted_tokens_recomputed"), Rule.SUM),
     **dict.fromkeys(("published_at", "uptime_s", "last_tick_s"), Rule.MAX),
     "max_model_len": Rule.MIN,
     **dict.fromkeys(("policy", "prefill_mode", "kv_block_size", "max_batch_size", "max_pending",
-                     "dtype"), Rule.SAME),
+                     "dtype", "preemption"), Rule.SAME),
 }
-# Fields that only mean something for one worker (its own cost model and last pass): shown in
-# each worker's snapshot, left out of the deployment's total.
-PER_WORKER_ONLY = frozenset({"tick_budget"})
+# Fields that only mean something for one worker (its own cost model and last pass, the rows it
+# may preempt): shown in each worker's snapshot, left out of the deployment's total.
+PER_WORKER_ONLY = frozenset({"tick_budget", "preemptible_rows"})
 # Per fairness key: served tokens add up; each worker keeps its own VTC counter (the largest is
 # shown: the most any worker has charged the key).
 PER_KEY_RULES: dict[str, Rule] = {

@@ -1,12 +1,14 @@
 """The Redis side of an inference worker: requests in, events out, aborts, stats, gate 1, usage.
 
 Message schema and key names: :mod:`inference.protocol`; the shared request queue:
-:mod:`inference.fair_queue`; turning a message into a submission: :mod:`inference.preparation`.
-Threads: the worker's main thread calls :meth:`WorkerBridge.poll` (take and submit),
-:meth:`reconcile_queue`, :meth:`charge_service`, :meth:`housekeep`, :meth:`audit`,
-:meth:`flush_events`, :meth:`flush_usage` and :meth:`publish_stats`; the engine thread calls
-:meth:`on_events` once or twice per tick; a Redis pub/sub thread calls :meth:`on_control`. No
-tensor work happens here.
+:mod:`inference.fair_queue`; what a worker takes, and the requests its engine preempted going
+back to the queue: :mod:`inference.intake`; turning a message into a submission:
+:mod:`inference.preparation`. Threads: the worker's main thread calls :meth:`WorkerBridge.poll`
+(hand back, take and submit), :meth:`reconcile_queue`, :meth:`charge_service`,
+:meth:`housekeep`, :meth:`audit`, :meth:`flush_events`, :meth:`flush_usage` and
+:meth:`publish_stats`; the engine thread calls :meth:`on_events` once or twice per tick and
+:meth:`on_preempted` after a tick that preempted; a Redis pub/sub thread calls
+:meth:`on_control`. No tensor work happens here.
 
 A Redis outage is ridden out here: events wait, in order, in a buffer and are written when Redis
 is back, at most once each. What it does when something else died, or it is told to stop, is in
@@ -21,24 +23,20 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import redis
 from pydantic import ValidationError
 
-from inference.engine import EngineRefusal, EngineStoppedError, LLMEngine, QueueFullError
-from inference.fair_queue import FairQueue, QueuedRequest
-from inference.preparation import queue_timeout, submit_args
+from inference.engine import LLMEngine
+from inference.fair_queue import FairQueue
+from inference.intake import Intake, LiveRequest
 from inference.protocol import (
     EVENTS_TTL_S,
     ControlMessage,
-    ErrorCode,
-    ErrorInfo,
     Event,
     FinalEvent,
     FinishReason,
     Keys,
-    RequestMessage,
     TokenEvent,
 )
 from inference.recovery import Recovery
@@ -52,16 +50,7 @@ UsageSink = Callable[[str], None]
 MAX_UNSENT_EVENTS = 100_000
 
 
-@dataclass
-class LiveRequest:
-    """A request this worker took from Redis and has not finished."""
-
-    message: RequestMessage
-    prompt_tokens: int = 0
-    started: bool = False  # whether its first event was handed to Redis
-
-
-class WorkerBridge(Recovery):
+class WorkerBridge(Recovery, Intake):
     """Connects one :class:`LLMEngine` to Redis.
 
     Args:
@@ -115,82 +104,9 @@ class WorkerBridge(Recovery):
         # them for a whole TTL since, so an outage is never taken for deaths.
         self.redis_ok_since = float("-inf")
         engine.event_sink = self.on_events
+        self._init_intake()
 
-    # -- requests in (main thread) ----------------------------------------------------------
-
-    def room(self) -> int:
-        """Requests this worker may take now: its free rows and ``prefetch`` more, less those
-        already waiting in its engine."""
-        stats = self.engine.stats()
-        free = stats["max_batch_size"] - stats["num_active"] - stats["num_prefilling"]
-        return max(0, free) + self.prefetch - self.engine.num_queued()
-
-    def poll(self, block_ms: int = 50) -> int:
-        """Take what this worker can start soon, in the deployment's fair order; return how many.
-
-        With room and nothing waiting it blocks up to ``block_ms`` for the next enqueue; with no
-        room it waits up to ``block_ms`` for one of its requests to end.
-        """
-        if not self._accepting:
-            self._row_freed.wait(block_ms / 1000)
-            self._row_freed.clear()
-            return 0
-        room = self.room()
-        if room <= 0:
-            # Until a row frees up (a request's end wakes it) or the poll interval passes.
-            self._row_freed.wait(block_ms / 1000)
-            self._row_freed.clear()
-            return 0
-        taken = self.queue.take(room)
-        if not taken and self.queue.wait(block_ms / 1000):
-            taken = self.queue.take(room)
-        for request in taken:
-            self._take(request)
-        return len(taken)
-
-    def _take(self, queued: QueuedRequest) -> None:
-        self._held += 1  # counted in gate 1 until its engine admits it
-        message = queued.message
-        if message is None:
-            self._end_unadmitted(queued.request_id, FinishReason.ERROR, ErrorInfo(
-                code=ErrorCode.INVALID_REQUEST, message="the request message was malformed"))
-            return
-        rid = message.request_id
-        if self.client.exists(self.keys.aborted(rid)) or not self._origin_alive(message.origin):
-            self._end_unadmitted(rid, FinishReason.ABORT)
-            return
-        expired = queue_timeout(message)
-        if expired is not None:
-            self._end_unadmitted(rid, FinishReason.ERROR, expired)
-            return
-        try:
-            kwargs = submit_args(message, self.engine.tokenizer, self.engine.max_model_len)
-            with self._live_lock:
-                self._live[rid] = LiveRequest(message, len(kwargs["prompt_token_ids"]))
-            self.engine.submit(**kwargs)
-        except (QueueFullError, EngineStoppedError):
-            # This worker cannot take it now: back to its place for any worker (still counted).
-            self._forget(rid)
-            self._held -= 1
-            self.queue.requeue([rid])
-            return
-        except EngineRefusal as exc:
-            self._forget(rid)
-            self._end_unadmitted(rid, FinishReason.ERROR, exc.error)
-            return
-        if self.client.exists(self.keys.aborted(rid)):
-            self.engine.abort(rid)  # the abort may have been published before we submitted
-
-    def _end_unadmitted(self, request_id: str, reason: FinishReason,
-                        error: ErrorInfo | None = None) -> None:
-        """Finish a request this worker took that never entered its engine."""
-        event = FinalEvent(request_id=request_id, finish_reason=reason, error=error)
-        lost = self.queue.write_events([event], EVENTS_TTL_S)
-        self._count_ended(reason)
-        self._held -= 1
-        self.queue.release_held(1)
-        if not lost:
-            self._ended.put(request_id)
+    # -- requests in, preempted requests back (main thread): inference.intake -------------
 
     def _count_ended(self, reason: FinishReason) -> None:
         self._ended_outside[reason.value] = self._ended_outside.get(reason.value, 0) + 1
@@ -209,6 +125,8 @@ class WorkerBridge(Recovery):
         """
         if any(isinstance(e, FinalEvent) for e in events):
             self._row_freed.set()
+            if self._waiting_full:  # a main thread waiting with its rows full: a row is free
+                self.queue.nudge()
         with self._send_lock:
             self._unsent.extend(events)
             self._send_unsent()

@@ -84,6 +84,12 @@ class EngineConfig(BaseModel):
     vtc_output_weight: float = Field(2.0, gt=0, description="VTC cost of one generated token.")
     # 0 means the backend's own context length.
     max_model_len: int = Field(0, ge=0)
+    # Priority preemption (recompute): a higher-tier request that finds no row or no active-KV
+    # budget may take the rows of lower-tier decode rows, each preempted at most this often.
+    preemption: bool = Field(True, description="Preempt lower-tier rows for a higher tier.")
+    max_preemptions: int = Field(
+        2, ge=0, description="Times one request may be preempted; 0 never preempts."
+    )
 
     # The model. BACKEND=reference is a deterministic model-free backend for tests.
     backend: str = Field("transformers", description="transformers or reference")

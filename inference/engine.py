@@ -17,91 +17,44 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import queue
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from inference.backends.base import ModelBackend
 from inference.config import EngineConfig
+from inference.preemption import generator_state
 from inference.request import (
     ErrorCode,
     ErrorInfo,
     Event,
     FinalEvent,
     Request,
+    ResumeState,
     SamplingParams,
-    TokenEvent,
 )
 from inference.scheduler import Scheduler
+from inference.submission import (
+    EngineRefusal,
+    EngineStoppedError,
+    InvalidRequestError,
+    QueueFullError,
+    RequestHandle,
+    build_request,
+)
+
+__all__ = ["EngineRefusal", "EngineStoppedError", "EventSink", "InvalidRequestError",
+           "LLMEngine", "PreemptSink", "QueueFullError", "RequestHandle"]
 
 log = logging.getLogger(__name__)
 
 EventSink = Callable[[list[Event]], None]
-
-
-class EngineRefusal(Exception):
-    """A request refused before it entered the engine; ``error`` says why (its code)."""
-
-    def __init__(self, error: ErrorInfo):
-        super().__init__(error.message)
-        self.error = error
-
-
-class QueueFullError(EngineRefusal):
-    """The pending queue holds ``max_pending`` requests (code ``queue_full``, retryable)."""
-
-
-class InvalidRequestError(EngineRefusal):
-    """The request can never be valid for this model, e.g. beyond the context."""
-
-
-class EngineStoppedError(EngineRefusal):
-    """The engine is shutting down and takes no new work (code ``worker_shutdown``, retryable)."""
-
-
-class RequestHandle:
-    """The caller's side of one request: its id and its events, in order."""
-
-    def __init__(self, request_id: str, prompt_len: int):
-        self.request_id = request_id
-        self.prompt_len = prompt_len
-        self._queue: queue.SimpleQueue[Event] = queue.SimpleQueue()
-
-    def _put(self, event: Event) -> None:
-        self._queue.put(event)
-
-    def events(self, timeout: float | None = None) -> Iterator[Event]:
-        """Yield events until (and including) the final one.
-
-        Raises:
-            TimeoutError: if no event arrives within ``timeout`` seconds of the previous one.
-        """
-        while True:
-            try:
-                event = self._queue.get(timeout=timeout)
-            except queue.Empty:
-                raise TimeoutError(f"no event for {self.request_id} within {timeout} s") from None
-            yield event
-            if isinstance(event, FinalEvent):
-                return
-
-    def result(self, timeout: float | None = None) -> tuple[str, list[int], FinalEvent]:
-        """Wait for the end; return (text, generated token ids, final event)."""
-        text, tokens = [], []
-        final: FinalEvent | None = None
-        for event in self.events(timeout):
-            if isinstance(event, TokenEvent):
-                text.append(event.text)
-                tokens.append(event.token_id)
-            else:
-                final = event
-                text.append(event.text)
-        assert final is not None
-        return "".join(text), tokens, final
+# Called on the worker thread with the requests preempted in a tick, each as the state another
+# engine needs to continue it (the Redis bridge puts them back in the shared queue).
+PreemptSink = Callable[[list[ResumeState]], None]
 
 
 class LLMEngine:
@@ -113,13 +66,14 @@ class LLMEngine:
         event_sink: called on the worker thread with each tick's events, in order (for the
             Redis bridge): once with the events before the tick's decode step (first tokens)
             when there are any, once with the rest; events also go to each request's handle.
+        preempt_sink: see :attr:`preempt_sink`.
 
     Raises:
         ValueError: if the KV pool cannot hold the active-KV budget.
     """
 
     def __init__(self, config: EngineConfig | None = None, backend: ModelBackend | None = None,
-                 event_sink: EventSink | None = None):
+                 event_sink: EventSink | None = None, preempt_sink: PreemptSink | None = None):
         self.config = config or EngineConfig()
         if backend is None:
             from inference.backends import load_backend
@@ -132,6 +86,7 @@ class LLMEngine:
         self.max_model_len = min(filter(None, (self.config.max_model_len, backend.max_model_len)))
         self.scheduler = Scheduler(self.config, backend, num_blocks)
         self.event_sink = event_sink
+        self.preempt_sink = preempt_sink
 
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
@@ -144,14 +99,27 @@ class LLMEngine:
         self._tick_seconds = 0.0
         self._stats = self._build_stats()
 
+    @property
+    def preempt_sink(self) -> PreemptSink | None:
+        """Where preempted requests go. None: each waits again in this engine's own pending
+        queue. Set (a worker's Redis bridge): each leaves the engine (no event: its client
+        sees a pause) and is handed to the sink after its tick, with what another engine needs
+        to continue it (``submit(resume=...)``). Set it before :meth:`start`."""
+        return self._preempt_sink
+
+    @preempt_sink.setter
+    def preempt_sink(self, sink: PreemptSink | None) -> None:
+        self._preempt_sink = sink
+        self.scheduler.hand_out_preempted = sink is not None
+
     # -- public API ---------------------------------------------------------------------------
 
     def submit(self, *, prompt_token_ids: Sequence[int] | None = None, prompt: str | None = None,
                messages: Sequence[dict[str, str]] | None = None,
                sampling: SamplingParams | None = None, tenant: str = "default",
                fairness_key: str = "", priority: int = 0, fairness_weight: float = 1.0,
-               request_id: str | None = None, queue_wait_s: float | None = None
-               ) -> RequestHandle:
+               request_id: str | None = None, queue_wait_s: float | None = None,
+               resume: ResumeState | None = None) -> RequestHandle:
         """Queue a request; never waits for a tick.
 
         Exactly one of ``prompt_token_ids``, ``prompt`` (text) or ``messages`` (chat, rendered
@@ -159,51 +127,28 @@ class LLMEngine:
         ``fairness_key`` defaults to the tenant; ``fairness_weight`` scales its VTC share.
         ``queue_wait_s``: seconds from now within which it must be admitted, else it ends with
         a ``queue_timeout`` error (None: no deadline; 0 or less: already past it).
+        ``resume``: the state of a request preempted on this engine or another (handed to the
+        :attr:`preempt_sink`): it continues from there, with its original prompt given here
+        and ``resume.sampling`` (``sampling`` is ignored).
 
         Returns:
             A handle whose :meth:`RequestHandle.events` yields the request's events.
 
         Raises:
-            InvalidRequestError: empty prompt, or ``prompt_len + max_tokens`` beyond the context.
+            InvalidRequestError: empty prompt, ``prompt_len + max_tokens`` beyond the context,
+                or a ``resume`` that does not match the prompt.
             QueueFullError: ``max_pending`` requests are already waiting (gate 1 of an engine
                 used on its own).
             EngineStoppedError: the engine is shutting down.
         """
-        sampling = sampling or SamplingParams()
-        if sum(x is not None for x in (prompt_token_ids, prompt, messages)) != 1:
-            raise InvalidRequestError(ErrorInfo(
-                code=ErrorCode.INVALID_REQUEST,
-                message="give exactly one of prompt_token_ids, prompt, messages"))
-        if prompt_token_ids is not None:
-            ids = [int(t) for t in prompt_token_ids]
-        elif prompt is not None:
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = self.tokenizer.apply_chat_template(list(messages or ()))
-        if not ids:
-            raise InvalidRequestError(ErrorInfo(
-                code=ErrorCode.INVALID_REQUEST, message="the prompt is empty",
-                details={"param": "prompt"}))
-        if not fairness_weight > 0:
-            raise InvalidRequestError(ErrorInfo(
-                code=ErrorCode.INVALID_REQUEST,
-                message=f"fairness_weight must be > 0, got {fairness_weight}",
-                details={"param": "fairness_weight"}))
-        if len(ids) + sampling.max_tokens > self.max_model_len:
-            raise InvalidRequestError(ErrorInfo(
-                code=ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-                message=f"prompt of {len(ids)} tokens + max_tokens {sampling.max_tokens} = "
-                f"{len(ids) + sampling.max_tokens} exceeds the model's context of "
-                f"{self.max_model_len} tokens",
-                details={"prompt_tokens": len(ids), "max_tokens": sampling.max_tokens,
-                              "max_model_len": self.max_model_len}))
-        request = Request(
-            request_id=request_id or f"req-{uuid.uuid4().hex}", prompt_token_ids=ids,
-            sampling=sampling, tenant=tenant, fairness_key=fairness_key or tenant,
-            priority=priority, fairness_weight=fairness_weight)
-        if queue_wait_s is not None:
-            request.queue_deadline = request.arrival_time + queue_wait_s
-        handle = RequestHandle(request.request_id, len(ids))
+        request = build_request(
+            self.tokenizer, self.scheduler.eos_token_ids, self.max_model_len,
+            prompt_token_ids=prompt_token_ids, prompt=prompt, messages=messages,
+            sampling=sampling, tenant=tenant, fairness_key=fairness_key, priority=priority,
+            fairness_weight=fairness_weight, request_id=request_id, queue_wait_s=queue_wait_s,
+            resume=resume, clock=self.scheduler._clock)
+        handle = RequestHandle(request.request_id,
+                               resume.prompt_len if resume is not None else request.prompt_len)
         with self._lock:
             if self._stopping:
                 raise EngineStoppedError(ErrorInfo(
@@ -366,11 +311,21 @@ class LLMEngine:
     def _after_tick(self, events: list[Event]) -> None:
         left = self.scheduler.left_pending
         self.scheduler.left_pending = 0
+        preempted, self.scheduler.preempted_out = self.scheduler.preempted_out, []
         # The snapshot first: a reader never sees rows freed here but pending not yet left.
         self._stats = self._build_stats()
         with self._lock:
             self._queued -= left
+            for state in preempted:
+                self._handles.pop(state.request_id, None)
         self._emit(events)
+        if preempted and self._preempt_sink is not None:
+            try:  # after the tick's events: the sink's requests have all of theirs out
+                self._preempt_sink([dataclasses.replace(
+                    s, sampler_state=generator_state(s.generator), generator=None,
+                    detokenizer=None) for s in preempted])
+            except Exception:
+                log.exception("preempt sink failed")
 
     def _emit(self, events: list[Event]) -> None:
         """Deliver ``events`` to their handles and the event sink (on the engine's thread)."""

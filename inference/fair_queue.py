@@ -5,13 +5,15 @@ waiting for a worker in one order for the whole deployment: priority tier, then 
 with the least weighted service (VTC, Sheng et al., OSDI 2024; counters shared by every worker),
 then arrival; or priority then arrival (FCFS). Each method is one Lua script, so each change of the
 queue is atomic. Only the worker's main thread calls :meth:`take`, :meth:`requeue`,
-:meth:`charge`, :meth:`expire` and :meth:`reclaim`; the engine thread calls :meth:`write_events`.
+:meth:`preempt`, :meth:`charge`, :meth:`expire` and :meth:`reclaim`; the engine thread calls
+:meth:`write_events` and :meth:`nudge`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +21,7 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
-from inference.protocol import Event, FinalEvent, Keys, RequestMessage, queue_script
+from inference.protocol import Event, FinalEvent, Keys, RequestMessage, Usage, queue_script
 
 log = logging.getLogger(__name__)
 
@@ -70,24 +72,64 @@ class FairQueue:
         self.policy = str(policy)
         self._scripts = {name: client.register_script(queue_script(name))
                          for name in ("take", "events", "requeue", "charge", "withdraw",
-                                      "reclaim", "enqueue", "gate1")}
+                                      "reclaim", "enqueue", "gate1", "preempt")}
+        self.wake_self = keys.fq("wake", worker_id)
+        self._tiers: list[int] = []
+        self._tiers_read_at = float("-inf")
 
     def _run(self, name: str, *args: Any) -> Any:
         return self._scripts[name](args=[self.keys.prefix, *args])
 
-    def take(self, n: int) -> list[QueuedRequest]:
+    def take(self, n: int, above: int | None = None) -> list[QueuedRequest]:
         """Take up to ``n`` requests in the fair order; they are this worker's until handed back.
 
-        Each counts as held (gate 1) until :meth:`release_held` says its engine admitted it.
+        With ``above``, only requests of a higher tier than it are taken (the fair order's
+        head first, so none when the head's tier is not higher). Each counts as held (gate 1)
+        until :meth:`release_held` says its engine admitted it.
         """
         if n <= 0:
             return []
-        raw = self._run("take", self.worker_id, n, self.policy)
+        extra = [] if above is None else [int(above)]
+        raw = self._run("take", self.worker_id, n, self.policy, *extra)
         return [QueuedRequest.from_record(r) for r in raw]
 
-    def wait(self, timeout_s: float) -> bool:
-        """Block until a request is enqueued (or ``timeout_s`` passes); True if one was."""
-        return self.client.blpop([self.keys.fq("wake")], timeout=timeout_s) is not None
+    def wait(self, timeout_s: float, above: int | None = None) -> bool:
+        """Block until a request is enqueued (with ``above``: in a higher tier than it) or this
+        worker is nudged (:meth:`nudge`), or ``timeout_s`` passes; True if either happened.
+
+        A worker whose rows are full waits with ``above``, so that it never takes the wake-up
+        of an enqueue it would not take from a worker that would.
+        """
+        if above is None:
+            wakes = [self.keys.fq("wake")]
+        else:
+            wakes = [self.keys.fq("wake_tier", t) for t in self.known_tiers() if t > above]
+        return self.client.blpop([*wakes, self.wake_self], timeout=timeout_s) is not None
+
+    def known_tiers(self) -> list[int]:
+        """Every tier a request was ever queued in (read at most once a second)."""
+        now = time.monotonic()
+        if now - self._tiers_read_at > 1.0:
+            self._tiers = sorted(int(t) for t in self.client.smembers(self.keys.fq("known_tiers")))
+            self._tiers_read_at = now
+        return self._tiers
+
+    def nudge(self) -> None:
+        """Wake this worker's :meth:`wait` (a row freed, a row preempted): one entry, kept
+        briefly."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.lpush(self.wake_self, "1")
+        pipe.ltrim(self.wake_self, 0, 3)
+        pipe.expire(self.wake_self, 60)
+        pipe.execute()
+
+    def preempt(self, message: RequestMessage, usage: Usage) -> bool:
+        """Put a request this worker preempted back at its place in the queue, with ``message``
+        (its resume state) for the next worker and its ``usage`` so far; False when this worker
+        does not own it any more (then nothing changed)."""
+        deadline = message.deadline() or 0
+        return bool(self._run("preempt", self.worker_id, message.request_id, message.to_json(),
+                              usage.model_dump_json(), deadline))
 
     def requeue(self, request_ids: Sequence[str]) -> int:
         """Hand taken requests back to their places for any worker; return how many went back."""

@@ -126,8 +126,10 @@ class KVCacheManager:
 
         At least the prompt's last token is always left to compute, since its logits give the
         first generated token; so at most ``(prompt_len - 1) // block_size`` blocks can hit.
+        A request that owes prompt logprobs gets no hit: each of its positions is computed (its
+        blocks are still published for others).
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.needs_prompt_logprobs:
             return PrefixMatch((), 0)
         max_blocks = (request.prompt_len - 1) // self.block_size
         hits: list[int] = []

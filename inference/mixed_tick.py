@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from inference.backends.base import ModelBackend, PrefillChunk
 from inference.config import PrefillMode
+from inference.logprobs import keep_prompt_logprobs
 from inference.tick_budget import (
     PassCostModel,
     PassShape,
@@ -64,7 +65,7 @@ def pass_cost_model(backend: ModelBackend, num_blocks: int,
                 # out of it); the pool is shared, so the blocks are the same.
                 model = calibrate(key if isinstance(key, ModelBackend) else backend, blocks,
                                   block_size)
-            except Exception:  # noqa: BLE001 - no model: every tick takes the chunk cap
+            except Exception:  # noqa: BLE001 - no model: every row takes the chunk cap
                 log.warning("pass cost calibration failed; ticks take PREFILL_CHUNK_SIZE",
                             exc_info=True)
         cached[block_size] = model
@@ -103,7 +104,8 @@ class MixedTick:
             prefill_rows.append(request)
             chunks.append(PrefillChunk(request.request_id,
                                        request.prompt_token_ids[start:start + n], start,
-                                       tuple(request.block_table)))
+                                       tuple(request.block_table),
+                                       all_logits=request.needs_prompt_logprobs))
         batch = self._decode_rows(decode_rows)
         if not chunks and not batch:
             return
@@ -111,10 +113,14 @@ class MixedTick:
                           sum(chunk_attention(c.start_pos, len(c.token_ids)) for c in chunks))
         started = time.perf_counter()
         logits = self._forward("mixed", prefill_rows + decode_rows,
-                               lambda: self.backend.prefill_and_decode(chunks, batch))
+                               lambda: keep_prompt_logprobs(
+                                   self.backend.prefill_and_decode(chunks, batch), chunks,
+                                   prefill_rows, len(chunks) + len(batch)))
         elapsed = time.perf_counter() - started
         predicted = self.cost_model.predict(shape) if self.cost_model is not None else 0.0
-        if self.cost_model is not None and logits is not None:
+        # A pass that computed prompt logprobs (every position's logits) is not a usual pass.
+        if (self.cost_model is not None and logits is not None
+                and not any(c.all_logits for c in chunks)):
             self.cost_model.observe(shape, elapsed)
         self.last_pass = {"decode_rows": len(batch), "prefill_tokens": shape.prefill_tokens,
                           "seconds": round(elapsed, 4), "predicted_s": round(predicted, 4)}

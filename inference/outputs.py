@@ -5,6 +5,9 @@ token means for its request (EOS, a stop string, ``max_tokens``, ``min_tokens``)
 events the client receives. Text deltas come from the request's incremental detokenizer
 (:mod:`inference.detokenizer`), so a stop string is never streamed, not even in part.
 
+A request that asked for logprobs gets its token's entry on the token's event and the prompt's
+entries on its first event (:mod:`inference.logprobs`).
+
 It also builds the errors that end rows: :class:`RowFault` for a failure of one request's own
 output (its text or its stop strings: that row ends, nobody else's does), and
 :func:`pass_failed` for a forward pass that failed as a whole. Their messages never carry the
@@ -16,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Set
 
+from inference.logprobs import take_prompt, take_sampled
 from inference.request import (
     ErrorCode,
     ErrorInfo,
@@ -76,12 +80,15 @@ def append_token(request: Request, token: int, eos_token_ids: Set[int]) -> Token
     Returns:
         The token's event to stream, or None for an EOS token that ends the answer (EOS is never
         streamed; before ``min_tokens``, or with ``ignore_eos``, it is streamed as empty text).
+        The event carries the token's logprobs, and on the request's first event its prompt's,
+        where the request asked for them.
 
     Raises:
         RowFault: detokenizing the token or looking for the stop strings failed; the token is
             not recorded (nor counted in the usage), and the request must end with the error.
     """
     params = request.sampling
+    logprobs = take_sampled(request)  # taken in any case: it belongs to this token only
     request.output_token_ids.append(token)
     n_out = len(request.output_token_ids)
     if token in eos_token_ids:
@@ -98,7 +105,8 @@ def append_token(request: Request, token: int, eos_token_ids: Set[int]) -> Token
             request.output_token_ids.pop()
             raise RowFault(_text_failed(request, "detokenize", token)) from exc
     event = TokenEvent(request_id=request.request_id, seq=request.next_event_seq(),
-                       token_id=token, text=text)
+                       token_id=token, text=text, logprobs=logprobs,
+                       prompt_logprobs=take_prompt(request))
     if request.detokenizer.stopped:
         request.finish_reason = FinishReason.STOP
     elif n_out >= params.max_tokens:
@@ -108,7 +116,8 @@ def append_token(request: Request, token: int, eos_token_ids: Set[int]) -> Token
 
 def final_event(request: Request, reason: FinishReason, error: ErrorInfo | None,
                 now: float) -> FinalEvent:
-    """The request's final event: its usage, any text held back, its timings (seconds).
+    """The request's final event: its usage, any text held back, its timings (seconds), and
+    its prompt's logprobs where it asked for them and no token event carried them.
 
     ``now`` is the scheduler's clock (monotonic seconds, as ``request.arrival_time``). Text held
     back while a stop string might have been forming is released unless the request failed.
@@ -133,4 +142,4 @@ def final_event(request: Request, reason: FinishReason, error: ErrorInfo | None,
         timings["ttft_s"] = request.first_token_time - request.arrival_time
     return FinalEvent(request_id=request.request_id, seq=request.next_event_seq(),
                       finish_reason=reason, usage=request.usage(), text=held_text, error=error,
-                      timings=timings)
+                      timings=timings, prompt_logprobs=take_prompt(request))

@@ -36,16 +36,17 @@ from inference.protocol import (
 )
 
 if TYPE_CHECKING:
-    from inference.bridge import LiveRequest
     from inference.engine import LLMEngine
     from inference.fair_queue import FairQueue
+    from inference.intake import LiveRequest
 
 log = logging.getLogger(__name__)
 
 
 class Recovery:
     """The recovery half of a worker's bridge: the attributes below, and ``_forget``,
-    ``reconcile_queue``, ``flush_events`` and ``flush_usage``, are the bridge's."""
+    ``reconcile_queue``, ``flush_events``, ``flush_usage`` and ``hand_back_preempted``, are the
+    bridge's."""
 
     engine: LLMEngine
     client: redis.Redis
@@ -210,10 +211,11 @@ class Recovery:
         self._held -= len(back)
         self.reconcile_queue()
         self.flush_events()
+        preempted = self.hand_back_preempted()  # preempted in its last ticks: any worker's
         self.flush_usage()
         # Its heartbeat is left to age out rather than removed: requests sent meanwhile wait in
         # the queue for the next worker (a restart of the only one) instead of being refused
         # with no_worker_available; after the TTL it is reclaimed (nothing is left to take).
         self.client.delete(self.keys.stats(self.worker_id))
         self.client.hdel(self.keys.fq("held"), self.worker_id)
-        return len(back)
+        return len(back) + preempted

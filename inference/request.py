@@ -17,6 +17,7 @@ from enum import StrEnum
 from typing import Any
 
 from inference.protocol import (
+    MAX_LOGPROBS,
     ErrorCode,
     ErrorInfo,
     Event,
@@ -27,7 +28,8 @@ from inference.protocol import (
 )
 
 __all__ = ["SAMPLING_EPS", "SEED_RANGE", "ErrorCode", "ErrorInfo", "Event", "FinalEvent",
-           "FinishReason", "Request", "RequestPhase", "SamplingParams", "TokenEvent", "Usage"]
+           "FinishReason", "Request", "RequestPhase", "ResumeState", "SamplingParams",
+           "TokenEvent", "Usage"]
 
 # A temperature below this is greedy decoding: vLLM's rule (``_SAMPLING_EPS = 1e-5`` in
 # ``vllm/sampling_params.py``, where ``temperature < _SAMPLING_EPS`` selects greedy sampling).
@@ -61,6 +63,9 @@ class SamplingParams:
         stop: strings that end the answer; they are never streamed, not even in part.
         min_tokens: EOS and stop strings are ignored before this many tokens.
         ignore_eos: never stop at EOS (fixed-length benchmarks).
+        logprobs: report each generated token's log-probability with this many likeliest
+            tokens, 0 to :data:`~inference.protocol.MAX_LOGPROBS` (None: none).
+        prompt_logprobs: the same for every prompt token (None: none).
 
     Raises:
         ValueError: for a value out of range, naming the field.
@@ -74,6 +79,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     min_tokens: int = 0
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -86,6 +93,10 @@ class SamplingParams:
             raise ValueError(f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
@@ -98,6 +109,45 @@ class SamplingParams:
 
 
 _arrival_counter = itertools.count()
+
+
+@dataclass
+class ResumeState:
+    """Where a preempted request stopped: what continuing it needs, on this engine or another.
+
+    The request continues with ``prompt + generated`` as its prompt (recomputed, mostly from the
+    prefix cache) and the rest of its budget; its events continue at ``next_seq``. Times are
+    unix seconds, so the state can travel to another worker.
+
+    Attributes:
+        prompt_len: tokens of the original prompt.
+        sampling: the original settings (``max_tokens`` as first resolved).
+        generated: every token generated so far (at least one), streamed already.
+        next_seq: the ``seq`` of the request's next event.
+        preemptions: times the request has been preempted, this one included.
+        cached_prompt_tokens: prefix-cache hits of its first admission (its usage reports them).
+        arrived_at, admitted_at, first_token_at: when it reached the first engine, was first
+            admitted, and streamed its first token.
+        queue_wait_s: its admission allowance (None: no deadline); it counts again from its
+            return to a queue.
+        sampler_state: its random generator's state (``torch.Generator.get_state``), if any.
+        generator, detokenizer: the live objects, handed on only within one engine.
+    """
+
+    request_id: str
+    prompt_len: int
+    sampling: SamplingParams
+    generated: tuple[int, ...]
+    next_seq: int
+    preemptions: int
+    cached_prompt_tokens: int
+    arrived_at: float
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    queue_wait_s: float | None = None
+    sampler_state: bytes | None = None
+    generator: Any = None
+    detokenizer: Any = None
 
 
 @dataclass(eq=False)
@@ -141,6 +191,15 @@ class Request:
     queue_deadline: float | None = None
     detokenizer: Any = None
     sampler_state: Any = None
+    # ``inference.logprobs.LogprobState`` of a request that asked for logprobs, else None.
+    logprobs: Any = None
+    # Admission order (the most recently admitted lower-tier row is preempted first).
+    admit_seq: int = 0
+    # Times this request has been preempted (at most ``MAX_PREEMPTIONS``).
+    preemptions: int = 0
+    # Set when the request continues after a preemption: ``prompt_token_ids`` is then the
+    # original prompt followed by ``resume.generated``, and ``sampling`` counts what is left.
+    resume: ResumeState | None = None
 
     def __post_init__(self) -> None:
         if not self.fairness_key:
@@ -171,6 +230,12 @@ class Request:
     def prefill_done(self) -> bool:
         return self.num_computed_tokens >= self.prompt_len
 
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt logprobs are still owed: each prompt chunk then asks its every
+        position's logits, and the prompt gets no prefix-cache hit."""
+        return self.logprobs is not None and self.logprobs.prompt_pending
+
     def next_event_seq(self) -> int:
         seq = self.event_seq
         self.event_seq += 1
@@ -182,8 +247,17 @@ class Request:
                 "max_tokens": self.max_tokens, "reserved_kv_tokens": self.reserved_kv_tokens,
                 "blocks": list(self.block_table), "reserved_blocks": self.reserved_blocks,
                 "num_computed_tokens": self.num_computed_tokens,
-                "output_tokens": len(self.output_token_ids)}
+                "output_tokens": len(self.output_token_ids), "preemptions": self.preemptions,
+                "priority": self.priority, "stopped": self.finish_reason is not None}
 
     def usage(self) -> Usage:
-        return Usage(prompt_tokens=self.prompt_len, cached_prompt_tokens=self.num_cached_tokens,
-                     completion_tokens=len(self.output_token_ids))
+        """Token counts as the client is billed: each token once, however often the request
+        was preempted (a recomputed prompt is neither prompt nor cached tokens again)."""
+        resume = self.resume
+        if resume is None:
+            return Usage(prompt_tokens=self.prompt_len,
+                         cached_prompt_tokens=self.num_cached_tokens,
+                         completion_tokens=len(self.output_token_ids))
+        return Usage(prompt_tokens=resume.prompt_len,
+                     cached_prompt_tokens=resume.cached_prompt_tokens,
+                     completion_tokens=len(resume.generated) + len(self.output_token_ids))

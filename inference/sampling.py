@@ -11,6 +11,10 @@ finite logit) or whose draw failed, and goes on with the other rows. Every valid
 before dividing by the temperature (so a tiny temperature cannot overflow to inf/NaN), a
 temperature beyond float32's range acts as float32's largest value (the uniform limit), and
 top-p always keeps the most likely token (a tiny ``top_p`` rounds to 0 in float32).
+
+A row that asked for ``logprobs`` gets its token's entry from the raw logits, before the
+temperature, top-k, top-p and the ``min_tokens`` EOS mask
+(:func:`inference.logprobs.record_sampled`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
+from inference.logprobs import record_sampled
 from inference.request import ErrorCode, ErrorInfo, Request
 
 log = logging.getLogger(__name__)
@@ -59,8 +64,9 @@ def sample(logits: torch.Tensor, requests: Sequence[Request],
     Returns:
         One entry per row: its token id, or an :class:`ErrorInfo` (code ``engine_error``, the
         numbers at fault in ``details``) for that row alone. Never raises for one row's values.
+        A row that asked for ``logprobs`` keeps its token's entry (``request.logprobs``).
     """
-    logits = logits.float().cpu()
+    logits = raw = logits.float().cpu()
     if eos_token_ids:
         early = [i for i, r in enumerate(requests)
                  if len(r.output_token_ids) < r.sampling.min_tokens]
@@ -78,6 +84,8 @@ def sample(logits: torch.Tensor, requests: Sequence[Request],
                if not r.sampling.greedy and isinstance(out[i], int)]
     if sampled:
         _sample_rows(logits, row_max, requests, sampled, out)
+    if any(r.logprobs is not None for r in requests):
+        record_sampled(raw, requests, out)
     return out
 
 

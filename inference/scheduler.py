@@ -4,7 +4,8 @@ Three queues hold every live request exactly once: ``_pending`` (ordered by the 
 ``_prefilling`` (admitted, prompt still being fed in chunks) and ``_active`` (rows in the decode
 batch). One tick runs four phases in a fixed order:
 
-1. ``_admit_pending``: gates 2 and 3 (active-KV budget, KV block pool), soft-hold or hard-reject;
+1. ``_admit_pending`` (:mod:`inference.admission`): gates 2 and 3 (active-KV budget, KV block
+   pool), soft-hold or hard-reject; a higher tier may preempt lower-tier decode rows;
 2. ``_advance_prefill_chunk``: one chunk per prefilling row; the final chunk's logits give the
    first token and ``_promote_to_decode`` splices the row into ``_active``;
 3. ``_evict_finished``: rows that stopped leave, free their blocks and reservation, get their
@@ -33,11 +34,13 @@ from typing import Any
 
 import torch
 
+from inference.admission import Admission
 from inference.backends.base import DecodeRow, ModelBackend, PrefillChunk
 from inference.config import EngineConfig, PrefillMode
 from inference.detokenizer import IncrementalDetokenizer
 from inference.gates import never_fits
 from inference.kv_cache import KVCacheManager
+from inference.logprobs import keep_prompt_logprobs, new_logprob_state
 from inference.mixed_tick import MixedTick
 from inference.outputs import RowFault, append_token, final_event, pass_failed, queue_timeout
 from inference.policy import make_policy
@@ -56,7 +59,7 @@ log = logging.getLogger(__name__)
 GATES = (1, 2, 3)
 
 
-class Scheduler(SchedulerStats, MixedTick):
+class Scheduler(SchedulerStats, MixedTick, Admission):
     """Queues, the four-phase tick, the gates and the reservation accounting.
 
     Args:
@@ -98,6 +101,7 @@ class Scheduler(SchedulerStats, MixedTick):
         self._events: list[Event] = []
         self._clock: Callable[[], float] = time.monotonic
         self._init_mixed()
+        self._init_preemption()
 
     # -- entry points (called on the worker thread) --------------------------------------------
 
@@ -109,7 +113,9 @@ class Scheduler(SchedulerStats, MixedTick):
         queue: those limits never change, so waiting cannot help it.
         """
         request.phase = RequestPhase.PENDING
-        request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.sampling.stop)
+        if request.detokenizer is None:  # a resumed request's goes on where it stopped
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.sampling.stop)
+        request.logprobs = new_logprob_state(request, self.tokenizer)
         self._pending[request.request_id] = request
         self.policy.on_request_arrived(request)
         refusal = never_fits(request, self.kv, self.active_kv_budget)
@@ -178,44 +184,7 @@ class Scheduler(SchedulerStats, MixedTick):
         for request in [*self._pending.values(), *self._prefilling, *self._active]:
             self._finish(request, FinishReason.ERROR, error)
 
-    # -- phase 1: admission and the gates ------------------------------------------------------
-
-    def _admit_pending(self) -> None:
-        while self._pending and len(self._prefilling) + len(self._active) < self.max_batch_size:
-            request = self.policy.peek_next()
-            assert request is not None
-            demand = request.kv_demand
-            # Gate 2, soft: wait until admitted rows release budget.
-            if self.active_kv_reserved + demand > self.active_kv_budget:
-                self._soft_hold(2)
-                return
-            # Gate 3, soft: wait until blocks free up (no evict-to-admit thrash).
-            match = self.kv.find_cached_prefix(request)
-            if self.kv.blocks_needed(request, match) > self.kv.available_blocks():
-                self._soft_hold(3)
-                return
-            picked = self.policy.pick_next()
-            assert picked is request
-            del self._pending[request.request_id]
-            self.left_pending += 1
-            self.kv.admit(request, match)
-            request.reserved_kv_tokens = demand
-            self.active_kv_reserved += demand
-            request.admitted_time = self._clock()
-            self.backend.add_row(request.request_id)
-            request.phase = RequestPhase.PREFILLING
-            self._prefilling.append(request)
-            if self.prefill_mode is PrefillMode.MONOLITHIC:
-                self._run_prefill([request], whole_prompt=True)
-
-    def _soft_hold(self, gate: int) -> None:
-        self.soft_held[gate] += 1
-        self.kv_admit_blocked += 1
-
-    def _hard_reject(self, request: Request, gate: int, error: ErrorInfo) -> None:
-        self.hard_rejected[gate] += 1
-        self.kv_admit_blocked += 1
-        self._finish(request, FinishReason.ERROR, error)
+    # -- phase 1 (admission, gates 2 and 3, preemption): inference.admission ------------------
 
     def _expire_pending(self) -> None:
         """End the pending requests whose admission deadline has passed (``queue_timeout``)."""
@@ -239,8 +208,10 @@ class Scheduler(SchedulerStats, MixedTick):
                 request.prompt_len, start + self.chunk_size)
             self.kv.ensure_slots(request, end)
             chunks.append(PrefillChunk(request.request_id, request.prompt_token_ids[start:end],
-                                       start, tuple(request.block_table)))
-        logits = self._forward("prefill", rows, lambda: self.backend.prefill(chunks))
+                                       start, tuple(request.block_table),
+                                       all_logits=request.needs_prompt_logprobs))
+        logits = self._forward("prefill", rows, lambda: keep_prompt_logprobs(
+            self.backend.prefill(chunks), chunks, rows, len(chunks)))
         if logits is not None:
             self._apply_prefill(rows, chunks, logits)
 
@@ -252,8 +223,13 @@ class Scheduler(SchedulerStats, MixedTick):
             request.num_computed_tokens += computed
             self.prompt_tokens_computed += computed
             self.kv.commit_full_blocks(request)
-            # The final chunk also generates the first token.
-            self.policy.on_tokens_processed(request, computed, int(request.prefill_done))
+            # The final chunk also generates the first token. A resumed row's prompt is a
+            # recomputation after a preemption: charged to nobody (inference.preemption).
+            charged = computed
+            if request.resume is not None:
+                self.preempted_tokens_recomputed += computed
+                charged = 0
+            self.policy.on_tokens_processed(request, charged, int(request.prefill_done))
             if request.prefill_done:
                 self._promote_to_decode(request, logits[i:i + 1])
 

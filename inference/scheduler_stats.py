@@ -42,6 +42,7 @@ class SchedulerStats:
         # The backend's compute dtype (``DTYPE=auto`` resolved); None for a model-free backend.
         dtype = getattr(self.backend, "dtype", None)
         snapshot["dtype"] = str(dtype).removeprefix("torch.") if dtype is not None else None
+        snapshot.update(self.preemption_stats())
         if self.prefill_mode is PrefillMode.MIXED_BATCH:
             snapshot["tick_budget"] = self.tick_budget_stats()
         snapshot.update(self.kv.snapshot())

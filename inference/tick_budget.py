@@ -5,9 +5,10 @@ prompt tokens. A running stream's inter-token latency (ITL) is the tick's durati
 prompt tokens are sized to keep the pass near ``TARGET_ITL_MS`` (the idea of Sarathi-Serve's
 token budget, Agrawal et al., "Taming Throughput-Latency Tradeoff in LLM Inference with
 Sarathi-Serve", OSDI 2024; here the budget comes from a measured cost model instead of a fixed
-token count). ``PREFILL_CHUNK_SIZE`` caps the tokens of a tick; with no stream running, prefill
-takes the whole cap. Where the decode rows alone take the target or more (a slow machine, a large
-batch), the prompt tokens still get as much of the tick as the decode rows take.
+token count). ``PREFILL_CHUNK_SIZE`` caps each prefilling row's tokens in a tick; with no stream
+running, every row takes its whole cap (as a chunked tick does). Where the decode rows alone
+take the target or more (a slow machine, a large batch), the prompt tokens still get as much of
+the tick as the decode rows take.
 
 The cost model (:class:`PassCostModel`) is linear in the features of a pass
 (:class:`PassShape`)::
@@ -109,10 +110,11 @@ def plan_prefill(prefilling: Sequence[tuple[int, int]], decode: PassShape,
                  floor: int = MIN_PREFILL_TOKENS) -> list[int]:
     """Prompt tokens each prefilling row runs this tick.
 
-    The tick's prompt budget is the most tokens whose predicted pass fits ``target_s``, but
-    never less than the tokens whose predicted cost matches the decode rows' own (so when the
-    decode rows alone take the target or more, a tick at most about doubles, and prompts still
-    progress at a useful rate), nor than ``floor``; at most ``cap``. Rows are then served
+    Each row runs at most ``cap`` tokens (as a chunked prefill tick runs one chunk of every
+    prefilling row). The tick's prompt budget is the most tokens whose predicted pass fits
+    ``target_s``, but never less than the tokens whose predicted cost matches the decode rows'
+    own (so when the decode rows alone take the target or more, a tick at most about doubles,
+    and prompts still progress at a useful rate), nor than ``floor``. Rows are then served
     shortest-remaining first (it minimises the mean TTFT), except that the oldest row (index 0)
     always gets a quarter of the budget (at least one token), so no prompt waits forever behind
     a flow of short ones.
@@ -121,31 +123,31 @@ def plan_prefill(prefilling: Sequence[tuple[int, int]], decode: PassShape,
         prefilling: ``(position of the next prompt token, prompt tokens left)`` per row, oldest
             first.
         decode: the tick's decode rows (prefill fields zero).
-        model: the cost model; None: no target (every tick takes ``cap``).
+        model: the cost model; None: no target (every row takes ``cap``).
         target_s: the tick's target duration (seconds); 0 or less: no target.
-        cap: most prompt tokens in the tick (``PREFILL_CHUNK_SIZE``).
+        cap: most prompt tokens of one row in the tick (``PREFILL_CHUNK_SIZE``).
         floor: fewest prompt tokens in a tick that has decode rows (if any are left).
 
     Returns:
         Tokens per row, in ``prefilling``'s order (0: not this tick).
     """
-    remaining = sum(left for _, left in prefilling)
-    if remaining == 0:
+    budget = sum(min(cap, left) for _, left in prefilling)
+    if budget == 0:
         return [0] * len(prefilling)
-    budget = min(cap, remaining)
     if decode.decode_rows and model is not None and target_s > 0:
         decode_only = model.predict(decode)
-        budget = max(_largest_within(prefilling, decode, model, target_s, budget, floor),
-                     _largest_within(prefilling, decode, model, 2 * decode_only, budget, floor))
-    return _split(prefilling, budget)
+        budget = max(
+            _largest_within(prefilling, decode, model, target_s, budget, floor, cap),
+            _largest_within(prefilling, decode, model, 2 * decode_only, budget, floor, cap))
+    return _split(prefilling, budget, cap)
 
 
-def _split(prefilling: Sequence[tuple[int, int]], budget: int) -> list[int]:
+def _split(prefilling: Sequence[tuple[int, int]], budget: int, cap: int) -> list[int]:
     take = [0] * len(prefilling)
-    take[0] = min(prefilling[0][1], max(1, budget // 4))
+    take[0] = min(prefilling[0][1], cap, max(1, budget // 4))
     budget -= take[0]
     for i in sorted(range(len(prefilling)), key=lambda r: (prefilling[r][1], r)):
-        more = min(prefilling[i][1] - take[i], budget)
+        more = min(min(prefilling[i][1], cap) - take[i], budget)
         take[i] += more
         budget -= more
         if budget == 0:
@@ -153,23 +155,25 @@ def _split(prefilling: Sequence[tuple[int, int]], budget: int) -> list[int]:
     return take
 
 
-def _shape(prefilling: Sequence[tuple[int, int]], decode: PassShape, tokens: int) -> PassShape:
+def _shape(prefilling: Sequence[tuple[int, int]], decode: PassShape, tokens: int,
+           cap: int) -> PassShape:
     attention = sum(chunk_attention(start, n)
-                    for (start, _), n in zip(prefilling, _split(prefilling, tokens),
+                    for (start, _), n in zip(prefilling, _split(prefilling, tokens, cap),
                                              strict=True) if n)
     return PassShape(decode.decode_rows, decode.decode_context, tokens, attention)
 
 
 def _largest_within(prefilling: Sequence[tuple[int, int]], decode: PassShape,
-                    model: PassCostModel, target_s: float, budget: int, floor: int) -> int:
+                    model: PassCostModel, target_s: float, budget: int, floor: int,
+                    cap: int) -> int:
     """The most tokens (``floor`` to ``budget``) whose predicted pass fits ``target_s``."""
     low = min(floor, budget)
-    if model.predict(_shape(prefilling, decode, budget)) <= target_s:
+    if model.predict(_shape(prefilling, decode, budget, cap)) <= target_s:
         return budget
     high = budget  # predicted over the target
     while high - low > 1:  # the prediction grows with the tokens: bisect
         mid = (low + high) // 2
-        if model.predict(_shape(prefilling, decode, mid)) <= target_s:
+        if model.predict(_shape(prefilling, decode, mid, cap)) <= target_s:
             low = mid
         else:
             high = mid

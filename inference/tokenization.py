@@ -96,6 +96,18 @@ def _compile_template(source: str) -> Any:  # -> jinja2.Template
     return env.from_string(source)
 
 
+@functools.cache
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level BPE map, character -> byte (the inverse of its ``bytes_to_unicode``):
+    printable Latin-1 bytes stand for themselves, the others for ``chr(256 + n)``."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    table = {chr(b): b for b in printable}
+    others = [b for b in range(256) if b not in table.values()]
+    table.update({chr(256 + n): b for n, b in enumerate(others)})
+    return table
+
+
 class Tokenizer:
     """One model's tokenizer and chat template (see the module docstring).
 
@@ -115,6 +127,7 @@ class Tokenizer:
                  special_tokens: dict[str, str] | None = None,
                  eos_token_ids: Sequence[int] = ()) -> None:
         self._tok = tokenizer
+        self._byte_level: bool | None = None  # whether its decoder is byte-level (found once)
         self.chat_template = chat_template
         self.special_tokens = dict(special_tokens or {})
         self.eos_token_ids: frozenset[int] = frozenset(int(i) for i in eos_token_ids)
@@ -161,6 +174,33 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         """The id of one token of the vocabulary (e.g. a special token), or None."""
         return self._tok.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of one token of the vocabulary, which may be part of a character.
+
+        A byte-level BPE vocabulary (GPT-2's map of bytes to characters): the token's own
+        bytes; a byte-fallback piece (``<0xNN>``): that byte; else the piece's text, with
+        SentencePiece's ``▁`` as a space. A special token gives its text.
+
+        Raises:
+            ValueError: an id outside the vocabulary.
+        """
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            raise ValueError(f"token id {token_id} is not in the vocabulary")
+        if self._byte_level is None:
+            from tokenizers import decoders
+
+            self._byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
+        table = _byte_level_table()
+        if self._byte_level and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return piece.replace("\u2581", " ").encode("utf-8")
 
     def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
         """The prompt text of chat ``messages`` (``role``/``content``), generation prompt added.

@@ -218,6 +218,8 @@ CHAT = _given(
     MAX_TOKENS=env.int("CHAT_MAX_TOKENS", default=None),
     TEMPERATURE=env.float("CHAT_TEMPERATURE", default=None),
     SYSTEM_PROMPT=env.str("CHAT_SYSTEM_PROMPT", default=None),
+    # How long an answer goes on after its page went away, for the page to come back (s).
+    RESUME_GRACE_S=env.float("CHAT_RESUME_GRACE_S", default=None),
 )
 DASHBOARD = _given(
     SNAPSHOT_INTERVAL_S=env.float("STATS_SNAPSHOT_INTERVAL_S", default=None),

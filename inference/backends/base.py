@@ -39,12 +39,15 @@ class PrefillChunk:
 
     ``block_table`` covers at least ``start_pos + len(token_ids)`` token slots; the KV of positions
     before ``start_pos`` is already in those blocks (earlier chunks or prefix-cache hits).
+    ``all_logits``: the pass also returns the logits of the chunk's other tokens (a request
+    that asked for its prompt's logprobs), after its usual rows (:meth:`ModelBackend.prefill`).
     """
 
     row_id: str
     token_ids: Sequence[int]
     start_pos: int
     block_table: Sequence[int]
+    all_logits: bool = False
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,9 @@ class ModelBackend(ABC):
         """Run prompt chunks and write their KV into the pool.
 
         Returns:
-            ``[len(chunks), vocab_size]`` float logits of each chunk's last token.
+            ``[len(chunks) + extra, vocab_size]`` float logits: each chunk's last token, then,
+            for each chunk with ``all_logits`` in order, its other tokens' in position order
+            (``extra`` is the sum of their ``len(token_ids) - 1``; 0 when no chunk asks).
         """
 
     @abstractmethod
@@ -108,12 +113,14 @@ class ModelBackend(ABC):
         :meth:`prefill` and then :meth:`decode`.
 
         Returns:
-            ``[len(chunks) + len(rows), vocab_size]`` float logits: each chunk's last token,
-            then each decode row's next token.
+            ``[len(chunks) + len(rows) + extra, vocab_size]`` float logits: each chunk's last
+            token, then each decode row's next token, then the ``extra`` rows of the chunks
+            with ``all_logits`` as :meth:`prefill` gives them.
         """
-        parts = []
-        if chunks:
-            parts.append(self.prefill(chunks))
-        if rows:
-            parts.append(self.decode(rows))
-        return torch.cat(parts) if parts else torch.empty(0, self.vocab_size)
+        if not chunks:
+            return self.decode(rows) if rows else torch.empty(0, self.vocab_size)
+        prefill = self.prefill(chunks)
+        if not rows:
+            return prefill
+        n = len(chunks)
+        return torch.cat([prefill[:n], self.decode(rows), prefill[n:]])

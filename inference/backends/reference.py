@@ -8,6 +8,12 @@ and the KV writes are right, and a bookkeeping bug shows up as different tokens.
 
 The tokenizer is byte-level UTF-8 (token id = byte value), so multi-byte characters span several
 tokens, as with real BPE vocabularies.
+
+Its logits make a distribution worth reading log-probabilities from: two letters stand out (the
+greedy one by at least 3 over the rest), and every other token gets a value in [-2, 0) that
+depends on the token and on the hash, so each position's distribution is its own
+(:meth:`ReferenceBackend.logits_after` gives them for any token sequence, as a direct forward
+pass would).
 """
 
 from __future__ import annotations
@@ -44,6 +50,14 @@ class ByteTokenizer:
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
         return [self.bos_token_id, *self.encode(text)]
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of one token: its byte, or the name of EOS or BOS."""
+        if token_id == self.eos_token_id:
+            return b"<eos>"
+        if token_id == self.bos_token_id:
+            return b"<bos>"
+        return bytes([token_id])
+
 
 class ReferenceBackend(ModelBackend):
     """Deterministic next-token function over a paged token pool.
@@ -66,6 +80,7 @@ class ReferenceBackend(ModelBackend):
         self._block_size = 0
         positions = torch.arange(max_model_len, dtype=torch.int64)
         self._weights = (positions * 2654435761 + 12345) % 65521
+        self._vocab_ids = torch.arange(self.vocab_size, dtype=torch.int64)
         self.rows: set[str] = set()
         self.forward_calls = 0
 
@@ -94,31 +109,60 @@ class ReferenceBackend(ModelBackend):
             pos = start + offset
             self._pool[block_table[pos // bs], pos % bs] = token
 
-    def _logits(self, block_table: Sequence[int], length: int) -> torch.Tensor:
+    def _read(self, block_table: Sequence[int], length: int) -> torch.Tensor:
+        """The first ``length`` tokens the row holds, read back through its block table."""
         assert self._pool is not None
         table = torch.tensor(list(block_table), dtype=torch.int64)
         tokens = self._pool[table].reshape(-1)[:length]
         if bool((tokens < 0).any()):
             raise RuntimeError("read a KV slot that was never written")
-        h = int((tokens * self._weights[:length]).sum()) % _MODULUS
-        logits = torch.zeros(self.vocab_size)
+        return tokens
+
+    def _hash_logits(self, h: int) -> torch.Tensor:
+        """``[vocab]`` logits of the hash ``h`` of a row's tokens."""
+        # A value in [-2, 0) per (token, hash): every position's distribution is its own.
+        x = ((self._vocab_ids + 1) * 40503 + h * 2654435761) % 2**31
+        x = ((x ^ (x >> 13)) * 1274126177) % 2**20
+        logits = x.float() / 2**19 - 2.0
         if self.eos_every and h % self.eos_every == 0:
             logits[ByteTokenizer.eos_token_id] = 10.0
         else:
             # EOS only where the hash says so, even when sampling: "0 never" must hold at any
             # temperature, or a test of length limits would flake on a sampled EOS.
             logits[ByteTokenizer.eos_token_id] = float("-inf")
-            logits[_ALPHABET[h % len(_ALPHABET)]] = 10.0
+            logits[_ALPHABET[h % len(_ALPHABET)]] += 10.0
             logits[_ALPHABET[(h // 7) % len(_ALPHABET)]] += 5.0
         return logits
 
+    def _logits(self, block_table: Sequence[int], length: int) -> torch.Tensor:
+        tokens = self._read(block_table, length)
+        return self._hash_logits(int((tokens * self._weights[:length]).sum()) % _MODULUS)
+
+    def _position_logits(self, block_table: Sequence[int], start: int,
+                         end: int) -> torch.Tensor:
+        """``[end - start, vocab]`` logits after each of the row's positions ``[start, end)``."""
+        sums = (self._read(block_table, end) * self._weights[:end]).cumsum(0)
+        return torch.stack([self._hash_logits(int(s) % _MODULUS) for s in sums[start:end]])
+
+    def logits_after(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """``[vocab]`` next-token logits of a row holding ``token_ids`` (a direct forward pass:
+        no pool, no block table)."""
+        tokens = torch.tensor(list(token_ids), dtype=torch.int64)
+        return self._hash_logits(int((tokens * self._weights[:len(tokens)]).sum()) % _MODULUS)
+
     def prefill(self, chunks: Sequence[PrefillChunk]) -> torch.Tensor:
         self._forward()
-        out = []
+        out, others = [], []
         for chunk in chunks:
             self._write(chunk.block_table, chunk.start_pos, chunk.token_ids)
-            out.append(self._logits(chunk.block_table, chunk.start_pos + len(chunk.token_ids)))
-        return torch.stack(out)
+            end = chunk.start_pos + len(chunk.token_ids)
+            if chunk.all_logits:
+                rows = self._position_logits(chunk.block_table, chunk.start_pos, end)
+                out.append(rows[-1])
+                others.append(rows[:-1])
+            else:
+                out.append(self._logits(chunk.block_table, end))
+        return torch.cat([torch.stack(out), *others])
 
     def decode(self, rows: Sequence[DecodeRow]) -> torch.Tensor:
         self._forward()
@@ -136,12 +180,11 @@ class ReferenceBackend(ModelBackend):
         delay, self.step_delay_s = self.step_delay_s, 0.0
         calls = self.forward_calls
         try:
-            parts = []
-            if chunks:
-                parts.append(self.prefill(chunks))
-            if rows:
-                parts.append(self.decode(rows))
+            prefill = self.prefill(chunks) if chunks else torch.empty(0, self.vocab_size)
+            decode = self.decode(rows) if rows else torch.empty(0, self.vocab_size)
         finally:
             self.step_delay_s = delay
             self.forward_calls = calls
-        return torch.cat(parts) if parts else torch.empty(0, self.vocab_size)
+        # Each chunk's last token, the decode rows, then the chunks' other positions asked for.
+        n = len(chunks)
+        return torch.cat([prefill[:n], decode, prefill[n:]])

@@ -18,8 +18,9 @@ for i = 4, #ARGV, 5 do
     raw = redis.call('HGET', taken, id)
     if raw then
       local rec = cjson.decode(raw)
-      rec.prompt_tokens = tonumber(ARGV[i + 4])
-      rec.first_at = now
+      -- A request preempted and taken again keeps its first run's (its prompt, its TTFT).
+      rec.prompt_tokens = tonumber(ARGV[i + 4]) or rec.prompt_tokens
+      rec.first_at = rec.first_at or now
       raw = cjson.encode(rec)
       redis.call('HDEL', taken, id)
       redis.call('HSET', running, id, raw)

@@ -25,6 +25,10 @@
 --   running:{worker}    hash request id -> record: its first event written
 --   held                hash worker -> requests it took and its engine has not admitted yet
 --   wake                list: one entry per enqueue, for idle workers to block on
+--   wake_tier:{prio}    list: one entry per enqueue in the tier (a few kept), for workers whose
+--                       rows are full to block on: they take only a higher tier than their rows
+--   known_tiers         set: every tier a request was ever queued in
+--   wake:{worker}       list: the worker's own wake-ups (a row of it freed, a row preempted)
 --   next                hash request id -> the seq of its next token event (running requests):
 --                       an event written again after a lost reply is not written twice
 -- and, beside the queue:
@@ -33,7 +37,8 @@
 --                       the database (gateway.usage records it, then deletes it)
 -- A record (JSON) holds id, key (fairness key), prio, seq (arrival), deadline, body (the request
 -- message's JSON), leases (concurrency lease keys holding its id), and once it runs,
--- prompt_tokens and first_at (unix s of its first event).
+-- prompt_tokens and first_at (unix s of its first event); a request preempted and waiting again
+-- (preempt.lua) also usage (what it has streamed so far) and preemptions.
 -- Gate 1 (requests accepted and not yet admitted) is HLEN wait + the sum of held.
 
 local function fq(p, ...)
@@ -69,6 +74,10 @@ local function fq_add_waiting(p, rec)
   redis.call('ZADD', fq(p, 'tiers'), rec.prio, prio)
   redis.call('LPUSH', fq(p, 'wake'), '1')
   redis.call('LTRIM', fq(p, 'wake'), 0, 255)
+  -- For the workers whose rows are full: they wait for a tier above their lowest rows only.
+  redis.call('SADD', fq(p, 'known_tiers'), prio)
+  redis.call('LPUSH', fq(p, 'wake_tier', prio), '1')
+  redis.call('LTRIM', fq(p, 'wake_tier', prio), 0, 3)
 end
 
 -- Take a request out of the waiting ones; returns its record, or nil when it is not waiting.
@@ -156,9 +165,11 @@ local function fq_now()
 end
 
 -- A final error event (JSON) as inference.protocol.FinalEvent writes it.
-local function fq_error_event(id, seq, code, message, details, completion_tokens, prompt_tokens)
+local function fq_error_event(id, seq, code, message, details, completion_tokens, prompt_tokens,
+                              cached_prompt_tokens)
   return cjson.encode({type = 'final', request_id = id, seq = seq, finish_reason = 'error',
-                       usage = {prompt_tokens = prompt_tokens or 0, cached_prompt_tokens = 0,
+                       usage = {prompt_tokens = prompt_tokens or 0,
+                                cached_prompt_tokens = cached_prompt_tokens or 0,
                                 completion_tokens = completion_tokens or 0},
                        text = '', timings = {},
                        error = {code = code, message = message, retryable = true,

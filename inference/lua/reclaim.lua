@@ -41,7 +41,8 @@ for _, worker in ipairs(dead) do
     fq_finish(p, rec, event, events_ttl, now)
     out[#out + 1] = rec.id
   end
-  redis.call('DEL', fq(p, 'taken', worker), fq(p, 'running', worker), p .. ':stats:' .. worker)
+  redis.call('DEL', fq(p, 'taken', worker), fq(p, 'running', worker), fq(p, 'wake', worker),
+             p .. ':stats:' .. worker)
   redis.call('HDEL', fq(p, 'held'), worker)
   redis.call('ZREM', p .. ':workers', worker)
 end

@@ -18,20 +18,28 @@ for i = 1, #ids do
   local rec = fq_remove_waiting(p, ids[i])
   if rec then
     local event
+    -- A request preempted and waiting again has streamed tokens: its final event follows them
+    -- and bills them (its record's usage); any other waiting request has streamed nothing.
+    local seq = fq_tokens_sent(p, rec.id)
+    local usage = rec.usage or {prompt_tokens = 0, cached_prompt_tokens = 0,
+                                completion_tokens = 0}
     if mode == 'expired' then
       local message = cjson.decode(rec.body)
       local allowed = tonumber(message.queue_deadline_s) or 0
-      local waited = now - (tonumber(message.enqueued_at) or now)
+      local since = message.enqueued_at
+      if type(message.resume) == 'table' then
+        since = message.resume.requeued_at
+      end
+      local waited = now - (tonumber(since) or now)
       event = fq_error_event(
-        rec.id, 0, 'queue_timeout',
+        rec.id, seq, 'queue_timeout',
         string.format('request waited %.1f s for a worker, more than the allowed %g s', waited,
                       allowed),
-        {max_queue_wait_s = allowed}, 0, 0)
+        {max_queue_wait_s = allowed}, usage.completion_tokens, usage.prompt_tokens,
+        usage.cached_prompt_tokens)
     else
-      event = cjson.encode({type = 'final', request_id = rec.id, seq = 0,
-                            finish_reason = 'abort', text = '', timings = {},
-                            usage = {prompt_tokens = 0, cached_prompt_tokens = 0,
-                                     completion_tokens = 0}})
+      event = cjson.encode({type = 'final', request_id = rec.id, seq = seq,
+                            finish_reason = 'abort', text = '', timings = {}, usage = usage})
     end
     fq_finish(p, rec, event, ttl, now)
     out[#out + 1] = rec.id

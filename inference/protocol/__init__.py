@@ -56,6 +56,8 @@ from inference.protocol.keys import (
     redis_retry_options,
 )
 from inference.protocol.messages import (
+    LOGPROB_FLOOR,
+    MAX_LOGPROBS,
     ChatTurn,
     ControlMessage,
     ErrorCode,
@@ -64,9 +66,11 @@ from inference.protocol.messages import (
     FinalEvent,
     FinishReason,
     Message,
+    PositionLogprobs,
     RequestMessage,
     Sampling,
     TokenEvent,
+    TokenLogprob,
     Usage,
     UsageReport,
     decode_event,
@@ -82,6 +86,7 @@ from inference.protocol.settings import (
 
 __all__ = [
     "ABORT_MARK_TTL_S", "DEFAULT_MODEL_DIRNAME", "EVENTS_TTL_S", "FAIR_QUEUE_LUA",
+    "LOGPROB_FLOOR", "MAX_LOGPROBS", "PositionLogprobs", "TokenLogprob",
     "REDIS_RETRY_WINDOW_S", "REPO_ROOT", "USAGE_TASK_NAME", "ChatTurn", "ControlMessage",
     "ErrorCode", "ErrorInfo", "Event", "FinalEvent", "FinishReason", "Keys", "Message",
     "PlatformSettings", "RequestMessage", "Sampling", "TokenEvent", "Usage", "UsageReport",

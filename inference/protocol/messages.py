@@ -75,14 +75,69 @@ class Usage(Message):
     completion_tokens: int = Field(0, ge=0)
 
 
+# Most alternatives a request may ask per position (``logprobs``, ``prompt_logprobs``).
+MAX_LOGPROBS = 20
+# A log-probability below this (a token the model rules out, -inf) is reported as this, as vLLM
+# does: JSON has no -inf.
+LOGPROB_FLOOR = -9999.0
+
+
+class TokenLogprob(Message):
+    """One token and its log-probability at a position (natural log, <= 0).
+
+    ``token`` is its text; where its bytes are not whole UTF-8 characters (a piece of a
+    character split across tokens) it is ``"bytes:"`` followed by ``\\xNN`` escapes, and
+    ``raw_bytes`` holds the bytes. ``raw_bytes`` None: the bytes are ``token``'s UTF-8.
+    """
+
+    token_id: int
+    token: str
+    logprob: float = Field(ge=LOGPROB_FLOOR, le=0.0)
+    raw_bytes: tuple[int, ...] | None = None
+
+    def utf8_bytes(self) -> list[int]:
+        """The token's bytes."""
+        return list(self.raw_bytes) if self.raw_bytes is not None else list(
+            self.token.encode("utf-8"))
+
+
+class PositionLogprobs(Message):
+    """The token at one position of a sequence, its log-probability and the likeliest tokens.
+
+    Values are the log-softmax (fp32) of the model's raw logits at the position before, before
+    temperature, top-k and top-p. ``logprob`` is None only for a prompt's first token, which
+    nothing predicts. ``top``: the most likely tokens, most likely first (as many as the request
+    asked), whether or not they include this token.
+    """
+
+    token_id: int
+    token: str
+    logprob: float | None = Field(ge=LOGPROB_FLOOR, le=0.0)
+    raw_bytes: tuple[int, ...] | None = None
+    top: tuple[TokenLogprob, ...] = ()
+
+    def utf8_bytes(self) -> list[int]:
+        """The token's bytes."""
+        return list(self.raw_bytes) if self.raw_bytes is not None else list(
+            self.token.encode("utf-8"))
+
+
 class TokenEvent(Message):
-    """One generated token: its id and the text it adds (valid UTF-8, maybe empty)."""
+    """One generated token: its id and the text it adds (valid UTF-8, maybe empty).
+
+    ``logprobs``: the token's log-probabilities, for a request that asked (``Sampling.logprobs``).
+    ``prompt_logprobs``: one entry per prompt token, on the request's first event only (this
+    one, or the final event when no token was streamed), for a request that asked
+    (``Sampling.prompt_logprobs``).
+    """
 
     type: Literal["token"] = "token"
     request_id: str
     seq: int = Field(ge=0)
     token_id: int
     text: str
+    logprobs: PositionLogprobs | None = None
+    prompt_logprobs: tuple[PositionLogprobs, ...] | None = None
 
 
 class FinalEvent(Message):
@@ -90,7 +145,8 @@ class FinalEvent(Message):
 
     ``text`` is text held back while a stop string might have been forming and released at the
     end (usually empty). ``error`` is set exactly when ``finish_reason`` is ``error``.
-    ``timings`` (seconds) may hold ``queue_s``, ``ttft_s`` and ``e2e_s``.
+    ``timings`` (seconds) may hold ``queue_s``, ``ttft_s`` and ``e2e_s``. ``prompt_logprobs``:
+    as :class:`TokenEvent`'s, here when the request streamed no token (its first was EOS).
     """
 
     type: Literal["final"] = "final"
@@ -101,6 +157,7 @@ class FinalEvent(Message):
     text: str = ""
     error: ErrorInfo | None = None
     timings: dict[str, float] = Field(default_factory=dict)
+    prompt_logprobs: tuple[PositionLogprobs, ...] | None = None
 
     @model_validator(mode="after")
     def _error_iff_failed(self) -> FinalEvent:
@@ -139,7 +196,11 @@ class Sampling(Message):
     """Decoding settings of a request (the engine's ``SamplingParams`` fields).
 
     ``max_tokens`` None means what is left of the model's context, capped by the request's
-    ``default_max_tokens``. ``top_k`` 0 disables it.
+    ``default_max_tokens``. ``top_k`` 0 disables it. ``logprobs``: report each generated
+    token's log-probability and this many likeliest tokens (None: none). ``prompt_logprobs``:
+    the same for every prompt token (None: none); every prompt position is then computed, with
+    no prefix-cache hit. A request queued again to go on from tokens already streamed (their
+    prompt part of its new prompt) must not ask ``prompt_logprobs`` again: they were sent.
     """
 
     max_tokens: int | None = Field(None, ge=1)
@@ -150,6 +211,41 @@ class Sampling(Message):
     stop: tuple[str, ...] = ()
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+class Resume(Message):
+    """Where a request preempted for a higher tier stopped: what the next worker to take it
+    needs to continue it with no token lost or repeated (``docs/design.md``, "Preemption across
+    priority tiers").
+
+    ``generated``: every token generated so far (streamed already); they follow the prompt when
+    it is admitted again. ``max_tokens``: the budget as first resolved (``generated`` counts
+    against it). ``next_seq``: the ``seq`` of its next event. ``cached_prompt_tokens``: the
+    prefix hits of its first admission (its usage). ``arrived_at``, ``admitted_at``,
+    ``first_token_at``, ``requeued_at``: unix seconds (its timings, TTFT included, are its first
+    run's; its admission deadline counts again from ``requeued_at``). ``sampler_state``: its
+    random generator's state, base64 (a seeded request continues its draws).
+    """
+
+    prompt_tokens: int = Field(ge=1)
+    max_tokens: int = Field(ge=2)
+    generated: tuple[int, ...] = Field(min_length=1)
+    next_seq: int = Field(ge=0)
+    preemptions: int = Field(ge=1)
+    cached_prompt_tokens: int = Field(0, ge=0)
+    arrived_at: float
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    requeued_at: float
+    sampler_state: str | None = None
+
+    def usage(self) -> Usage:
+        """What the request is billed for so far."""
+        return Usage(prompt_tokens=self.prompt_tokens,
+                     cached_prompt_tokens=self.cached_prompt_tokens,
+                     completion_tokens=len(self.generated))
 
 
 class RequestMessage(Message):
@@ -159,6 +255,7 @@ class RequestMessage(Message):
     unix time (seconds) when the web tier accepted it; ``queue_deadline_s`` bounds the wait from
     then until a worker admits it (0: no deadline). ``meta`` is opaque to the worker and handed
     back in the :class:`UsageReport` (tenant and key ids, the reservations to settle).
+    ``resume`` is set by a worker that preempted the request and put it back in the queue.
     """
 
     request_id: str = Field(min_length=1)
@@ -176,6 +273,7 @@ class RequestMessage(Message):
     # worker stops generating for nobody. Empty: no process waits (tools, tests).
     origin: str = ""
     meta: dict[str, Any] = Field(default_factory=dict)
+    resume: Resume | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> RequestMessage:
@@ -190,8 +288,12 @@ class RequestMessage(Message):
         return [{"role": m.role, "content": m.content} for m in self.messages]
 
     def deadline(self) -> float | None:
-        """Unix time by which a worker must admit the request, or None."""
-        return self.enqueued_at + self.queue_deadline_s if self.queue_deadline_s else None
+        """Unix time by which a worker must admit the request, or None (a preempted request:
+        counted from its return to the queue)."""
+        if not self.queue_deadline_s:
+            return None
+        start = self.resume.requeued_at if self.resume is not None else self.enqueued_at
+        return start + self.queue_deadline_s
 
 
 class ControlMessage(Message):

@@ -1,4 +1,7 @@
 // The chat page: renders the conversation, streams answers over the websocket, Stop.
+// A lost connection does not lose the answer: the page reconnects by itself (backoff with
+// jitter), says it is reconnecting, and resumes the answer in place from the last token it has
+// (each token frame carries its "seq"); a reloaded page resumes an answer still being written.
 // Model output is Markdown: marked turns it into HTML and DOMPurify keeps only inert Markdown
 // before it enters the page: no script, and nothing that loads a resource by itself (an image
 // becomes a link to it), styles the page (no style attribute or element, no class) or sends
@@ -16,10 +19,16 @@
   const conversations = document.getElementById("conversation-list");
 
   const STATUS_LABELS = { stopped: "Stopped", error: "Error" };
+  // Reconnection: the n-th attempt waits a random time between half and all of
+  // min(RECONNECT_BASE_MS * 2^n, RECONNECT_MAX_MS), so pages that lost the same server do not
+  // all come back at once.
+  const RECONNECT_BASE_MS = 500;
+  const RECONNECT_MAX_MS = 10000;
   let socket = null;
-  let reconnectDelay = 500;
-  let current = null; // {id, text, node} of the answer being written
+  let reconnectAttempt = 0;
+  let current = null; // {id, text, seq, node} of the answer being written (seq: the last one)
   let pending = false; // a turn was sent and has not started or failed yet
+  let resuming = false; // a resume was sent and not yet answered
   let renderQueued = false;
   let closingReason = null; // the server said why it closes the socket (an error frame)
 
@@ -118,9 +127,38 @@
     stopButton.hidden = !busy;
   }
 
-  function showConnection(text, ok) {
+  function showConnection(text, ok, reconnecting) {
     connection.textContent = text;
     connection.classList.toggle("ok", !!ok);
+    connection.classList.toggle("reconnecting", !!reconnecting);
+  }
+
+  // The answer being written waits for the connection to come back (or stops waiting).
+  function showReconnecting(on) {
+    if (!current) return;
+    current.node.classList.toggle("reconnecting", on);
+    const meta = current.node.querySelector(".meta");
+    if (on) {
+      meta.textContent = "";
+      const badge = document.createElement("span");
+      badge.className = "badge reconnecting";
+      badge.textContent = "Reconnecting…";
+      meta.appendChild(badge);
+    } else if (current.node.classList.contains("waiting") ||
+               current.node.dataset.status === "streaming") {
+      meta.textContent = "";
+    }
+  }
+
+  function nodeOf(id) {
+    return list.querySelector('article.message.assistant[data-id="' + Number(id) + '"]');
+  }
+
+  function follow(id, node) {
+    current = { id: id, text: "", seq: -1, node: node };
+    node.dataset.status = "streaming";
+    node.classList.add("waiting");
+    setBusy(true);
   }
 
   function scheduleRender() {
@@ -168,16 +206,47 @@
         break; // already shown when sent
       case "start":
         pending = false;
-        current = {
-          id: frame.message_id, text: "",
-          node: messageNode({ id: frame.message_id, role: "assistant", content: "",
-                              status: "streaming" }),
-        };
-        current.node.classList.add("waiting");
+        follow(frame.message_id, messageNode({ id: frame.message_id, role: "assistant",
+                                               content: "", status: "streaming" }));
+        scrollToEnd();
+        break;
+      case "resume":
+        // The answer goes on here: the tokens after frame.after_seq follow (-1: all of them).
+        resuming = false;
+        pending = false;
+        if (!current || current.id !== frame.message_id) {
+          const node = nodeOf(frame.message_id) ||
+            messageNode({ id: frame.message_id, role: "assistant", content: "",
+                          status: "streaming" });
+          follow(frame.message_id, node);
+        }
+        if (frame.after_seq !== current.seq) {
+          current.text = "";
+          current.seq = -1;
+          scheduleRender();
+        }
+        showReconnecting(false);
+        break;
+      case "answer":
+        // The answer ended while the page was away: shown as stored.
+        resuming = false;
+        pending = false;
+        if (frame.message) {
+          const node = (current && current.id === frame.message.id) ? current.node
+            : (nodeOf(frame.message.id) || messageNode(frame.message));
+          node.classList.remove("waiting", "reconnecting");
+          fillMessage(node, frame.message);
+        }
+        current = null;
+        setBusy(false);
         scrollToEnd();
         break;
       case "token":
         if (current && frame.message_id === current.id) {
+          if (typeof frame.seq === "number") {
+            if (frame.seq <= current.seq) break; // already shown
+            current.seq = frame.seq;
+          }
           current.node.classList.remove("waiting");
           current.text += frame.text;
           scheduleRender();
@@ -185,7 +254,7 @@
         break;
       case "done":
         if (current && frame.message_id === current.id) {
-          current.node.classList.remove("waiting");
+          current.node.classList.remove("waiting", "reconnecting");
           fillMessage(current.node, { role: "assistant", content: current.text,
                                       status: frame.status, finish_reason: frame.finish_reason,
                                       error: frame.error });
@@ -197,19 +266,57 @@
       case "error":
         pending = false;
         if (frame.closing) closingReason = frame.message;
-        showError(frame.message);
+        if (resuming && current) {
+          // The answer could not be taken up again: keep what the page has.
+          current.node.classList.remove("waiting", "reconnecting");
+          fillMessage(current.node, { role: "assistant", content: current.text,
+                                      status: "error", error: frame.message });
+          current = null;
+        } else {
+          showError(frame.message);
+        }
+        resuming = false;
         if (!current) setBusy(false);
         break;
     }
   }
 
+  // After (re)connecting: take up the answer the page was showing or waiting for.
+  function resume() {
+    if (current && state.conversation_id) {
+      resuming = true;
+      socket.send(JSON.stringify({ type: "resume", conversation_id: state.conversation_id,
+                                   message_id: current.id, after_seq: current.seq }));
+    } else if (pending && state.conversation_id) {
+      resuming = true;
+      socket.send(JSON.stringify({ type: "resume", conversation_id: state.conversation_id,
+                                   message_id: null, after_seq: null }));
+    } else if (pending) {
+      // A new conversation whose first frame never came: nothing to take up.
+      showError("The connection was lost before the answer started. Send it again.");
+      pending = false;
+      setBusy(false);
+    }
+  }
+
+  function reconnectLater() {
+    const ceiling = Math.min(RECONNECT_BASE_MS * Math.pow(2, reconnectAttempt),
+                             RECONNECT_MAX_MS);
+    const delay = ceiling / 2 + Math.random() * ceiling / 2;
+    reconnectAttempt += 1;
+    showConnection("reconnecting…", false, true);
+    showReconnecting(true);
+    setTimeout(connect, delay);
+  }
+
   function connect() {
     const scheme = location.protocol === "https:" ? "wss://" : "ws://";
     socket = new WebSocket(scheme + location.host + "/ws/chat/");
-    showConnection("connecting…", false);
+    if (!reconnectAttempt) showConnection("connecting…", false);
     socket.onopen = function () {
-      reconnectDelay = 500;
+      reconnectAttempt = 0;
       showConnection("connected", true);
+      resume();
     };
     socket.onmessage = function (event) {
       let frame;
@@ -221,14 +328,13 @@
       if (frame && typeof frame === "object") onFrame(frame);
     };
     socket.onclose = function (event) {
-      if (current || pending) {
-        // The server aborts an answer whose socket closed; the stored text comes back on reload.
+      resuming = false;
+      if ((event.code === 4401 || event.code === 4403) && (current || pending)) {
+        // The server stopped the answer (kept); this page may not take it up again.
         if (current) {
+          current.node.classList.remove("waiting", "reconnecting");
           fillMessage(current.node, { role: "assistant", content: current.text,
-                                      status: "stopped",
-                                      error: "The connection was lost; the answer stopped." });
-        } else {
-          showError("The connection was lost before the answer started.");
+                                      status: "stopped" });
         }
         current = null;
         pending = false;
@@ -247,9 +353,8 @@
         return;
       }
       closingReason = null;
-      showConnection("disconnected, retrying…", false);
-      setTimeout(connect, reconnectDelay);
-      reconnectDelay = Math.min(reconnectDelay * 2, 10000);
+      // The answer goes on in the server meanwhile, for a while: it is resumed on reconnect.
+      reconnectLater();
     };
   }
 
@@ -291,6 +396,11 @@
   });
 
   state.messages.forEach(function (message) { messageNode(message); });
+  // A reloaded page whose last answer is still being written follows it again once connected.
+  const last = state.messages[state.messages.length - 1];
+  if (last && last.role === "assistant" && last.status === "streaming") {
+    follow(last.id, nodeOf(last.id));
+  }
   scrollToEnd();
   connect();
 })();

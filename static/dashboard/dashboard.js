@@ -116,6 +116,8 @@
     setText("m-num_pending", fmt.int(totals.num_pending));
     setText("m-num_prefilling", fmt.int(totals.num_prefilling));
     setText("m-num_active", fmt.int(totals.num_active));
+    setText("m-preemptions", fmt.int(totals.preemptions));
+    setText("m-preempted_tokens_recomputed", fmt.int(totals.preempted_tokens_recomputed));
     setText("m-gate1_queued", fmt.int(live.gate1_queued));
     setText("m-max_queue_size", fmt.int(live.max_queue_size));
     const rate = liveRate(live, data.now);

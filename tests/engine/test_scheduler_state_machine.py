@@ -1,20 +1,24 @@
-"""The scheduler as a state machine: random arrivals, sizes, tenants, priorities and aborts.
+"""The scheduler as a state machine: random arrivals, sizes, tenants, priorities and aborts,
+with priority preemption on or off (preempted requests wait again in the engine, or leave it and
+are submitted again from their resume state, as a worker's shared queue does).
 
 After every step the engine's own debug snapshot and stats must show: every live request in
-exactly one queue; ``active_kv_reserved`` equal to the sum of ``prompt_len + max_tokens`` over
-admitted rows; KV blocks held + free + evictable equal to the total. When arrivals stop, every
-request ends with exactly one final event and the reservation returns to 0.
+exactly one queue (or handed out after a preemption); ``active_kv_reserved`` equal to the sum of
+``prompt_len + max_tokens`` over admitted rows; KV blocks held + free + evictable equal to the
+total; no request preempted more than ``max_preemptions`` times. When arrivals stop, every
+request ends with exactly one final event after a gap-free run of token events (however often
+it was preempted), its usage counts each of its tokens once, and the reservation returns to 0.
 """
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings, target
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from inference.backends.reference import ReferenceBackend
 from inference.engine import QueueFullError
-from inference.request import FinalEvent, FinishReason, SamplingParams
+from inference.request import FinalEvent, FinishReason, ResumeState, SamplingParams
 from tests.engine.helpers import EventLog, make_engine
 
 # A few shared prompt heads so that prefix-cache hits, shared blocks and evictions happen.
@@ -29,16 +33,31 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @initialize(chunk=st.sampled_from([0, 1, 3, 8]), blocks=st.integers(12, 40),
                 batch=st.integers(1, 5), queue=st.integers(2, 12),
-                caching=st.booleans())
-    def setup(self, chunk: int, blocks: int, batch: int, queue: int, caching: bool) -> None:
+                caching=st.booleans(), preemptions=st.sampled_from([0, 1, 2, 3]),
+                hand_out=st.booleans())
+    def setup(self, chunk: int, blocks: int, batch: int, queue: int, caching: bool,
+              preemptions: int, hand_out: bool) -> None:
         self.engine = make_engine(
             self.make_backend(), kv_num_blocks=blocks, kv_block_size=4, max_batch_size=batch,
             prefill_chunk_size=chunk, max_pending=queue, scheduling_policy=self.policy,
-            enable_prefix_caching=caching)
+            enable_prefix_caching=caching, preemption=preemptions > 0,
+            max_preemptions=max(preemptions, 1))
         self.log = EventLog()
         self.submitted: dict[str, tuple[int, int]] = {}
+        self.prompts: dict[str, tuple[list[int], str, int]] = {}
         self.aborted: set[str] = set()
         self.counter = 0
+        # Preempted requests handed out by the engine, not yet submitted again (a worker's
+        # shared queue); with hand_out False they wait again in the engine itself.
+        self.handed_out: dict[str, ResumeState] = {}
+        if hand_out:
+            self.engine.preempt_sink = self.collect
+        self.max_preemptions = preemptions
+
+    def collect(self, states: list[ResumeState]) -> None:
+        for state in states:
+            assert state.request_id not in self.handed_out
+            self.handed_out[state.request_id] = state
 
     def make_backend(self) -> ReferenceBackend | None:
         """The engine's backend (None: the plain reference backend)."""
@@ -64,6 +83,24 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert self.engine.num_queued() >= self.engine.config.max_pending
             return
         self.submitted[rid] = (len(prompt), max_tokens)
+        self.prompts[rid] = (prompt, tenant, priority)
+
+    @rule(tail=st.integers(0, 6), max_tokens=st.integers(1, 6), tenant=st.sampled_from("abc"))
+    def submit_urgent(self, tail: int, max_tokens: int, tenant: str) -> None:
+        """A request of a tier above every other: it preempts whatever lower rows it needs."""
+        self.submit(head=0, tail=tail, max_tokens=max_tokens, tenant=tenant, priority=3, huge=1)
+
+    def resubmit(self) -> None:
+        """Submit the handed-out requests again from their resume state (as a worker that
+        takes them from the shared queue does); those the pending queue has no room for wait."""
+        for rid, state in list(self.handed_out.items()):
+            prompt, tenant, priority = self.prompts[rid]
+            try:
+                self.engine.submit(prompt_token_ids=prompt, request_id=rid, tenant=tenant,
+                                   priority=priority, resume=state)
+            except QueueFullError:
+                return
+            del self.handed_out[rid]
 
     @precondition(lambda self: self.submitted)
     @rule(data=st.data())
@@ -72,20 +109,24 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.aborted.add(rid)
         self.engine.abort(rid)
 
-    @rule(n=st.integers(1, 4))
+    @rule(n=st.integers(1, 8))
     def tick(self, n: int) -> None:
         for _ in range(n):
             self.log.add(self.engine.step())
             self.check_snapshot()
+            self.resubmit()
 
     def check_snapshot(self) -> None:
         snap = self.engine.debug_snapshot()
         queues = {name: [r["request_id"] for r in snap[name]]
                   for name in ("pending", "prefilling", "active")}
-        everywhere = [rid for ids in queues.values() for rid in ids]
+        everywhere = [rid for ids in queues.values() for rid in ids] + list(self.handed_out)
         assert len(everywhere) == len(set(everywhere)), f"a request in two queues: {queues}"
         assert set(everywhere) == self.live_ids(), "live requests and queue contents differ"
         admitted = snap["prefilling"] + snap["active"]
+        rows = snap["pending"] + admitted
+        assert all(r["preemptions"] <= self.max_preemptions for r in rows)
+        assert all(s.preemptions <= self.max_preemptions for s in self.handed_out.values())
         assert snap["active_kv_reserved"] == sum(r["prompt_len"] + r["max_tokens"]
                                                  for r in admitted)
         assert len(admitted) <= self.engine.config.max_batch_size
@@ -103,23 +144,33 @@ class SchedulerMachine(RuleBasedStateMachine):
     @invariant()
     def gate_one_bound(self) -> None:
         if hasattr(self, "engine"):
-            assert self.engine.num_queued() <= self.engine.config.max_pending
+            # A preempted request waiting again in the engine counts as queued, beyond the
+            # bound that submissions respect.
+            resumed = sum(1 for r in self.engine.debug_snapshot()["pending"]
+                          if r["preemptions"] > 0)
+            assert self.engine.num_queued() <= self.engine.config.max_pending + resumed
 
     def teardown(self) -> None:
         if not hasattr(self, "engine"):
             return
         for _ in range(5000):
-            if not self.engine.has_work():
+            self.resubmit()
+            if not self.engine.has_work() and not self.handed_out:
                 break
             self.log.add(self.engine.step())
             self.check_snapshot()
         assert not self.engine.has_work(), f"hang: {self.engine.stats()}"
-        for rid, (_prompt_len, max_tokens) in self.submitted.items():
+        preemptions = self.engine.stats()["preemptions"]
+        event("preempted" if preemptions else "not preempted")
+        target(float(preemptions), label="preemptions")  # steer towards runs that preempt
+        for rid, (prompt_len, max_tokens) in self.submitted.items():
             events = self.log.by_request[rid]
             finals = [e for e in events if isinstance(e, FinalEvent)]
             assert len(finals) == 1, f"{rid} has {len(finals)} final events"
             final = finals[0]
             tokens = len(events) - 1
+            assert final.usage.prompt_tokens == prompt_len
+            assert final.usage.completion_tokens == tokens, "each token billed once"
             if final.finish_reason is FinishReason.LENGTH:
                 assert tokens == max_tokens
             elif (final.finish_reason is FinishReason.ERROR and self.injects_faults
@@ -132,6 +183,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             else:
                 assert final.finish_reason is FinishReason.ABORT and rid in self.aborted
         stats = self.engine.stats()
+        if not self.max_preemptions:
+            assert stats["preemptions"] == 0
         assert stats["active_kv_reserved"] == 0
         assert stats["kv_blocks_held"] == 0
         assert stats["kv_blocks_reserved"] == 0

@@ -44,17 +44,31 @@ def test_streams_that_fill_the_target_still_give_the_prompt_as_much_as_they_take
     assert plan_prefill([(0, 5)], STREAMS, MODEL, 0.001, cap=256, floor=16) == [5]
 
 
-def test_a_small_budget_is_not_all_given_to_the_oldest_prompt():
-    # 16 tokens: a quarter to the oldest (4), the rest shortest first.
+def test_without_a_target_every_prompt_runs_a_whole_chunk_as_in_chunked_prefill():
     take = plan_prefill([(0, 3000), (0, 8), (0, 30)], PassShape(), None, 0, cap=16)
+    assert take == [16, 8, 16]
+    assert plan_prefill([(0, 3000), (0, 400)], STREAMS, MODEL, 0, cap=256) == [256, 256]
+
+
+def test_a_small_budget_is_not_all_given_to_the_oldest_prompt():
+    # 16 tokens fit the target: a quarter to the oldest (4), the rest shortest first.
+    one = PassShape(decode_rows=1, decode_context=100)  # twice its pass fits fewer tokens
+    target = MODEL.predict(PassShape(1, 100, 16, chunk_attention(0, 4) + chunk_attention(0, 8)
+                                     + chunk_attention(0, 4)))
+    take = plan_prefill([(0, 3000), (0, 8), (0, 30)], one, MODEL, target, cap=256, floor=1)
     assert take == [4, 8, 4]
 
 
 def test_short_prompts_go_first_but_the_oldest_always_progresses():
-    take = plan_prefill([(0, 3000), (0, 30), (0, 10)], PassShape(), None, 0, cap=64, floor=16)
-    assert take == [16 + 8, 30, 10]  # the floor, the short ones, the rest to the oldest
-    take = plan_prefill([(0, 3000), (0, 30)], PassShape(), None, 0, cap=256, floor=16)
-    assert take == [226, 30]
+    # A 64-token budget: a quarter to the oldest, the short ones, the rest to the oldest.
+    one = PassShape(decode_rows=1, decode_context=100)
+    target = MODEL.predict(PassShape(1, 100, 64, chunk_attention(0, 24) + chunk_attention(0, 30)
+                                     + chunk_attention(0, 10)))
+    take = plan_prefill([(0, 3000), (0, 30), (0, 10)], one, MODEL, target, cap=256, floor=16)
+    assert take == [16 + 8, 30, 10]
+    # No row runs more than the cap, however large the budget.
+    take = plan_prefill([(0, 3000), (0, 30)], STREAMS, MODEL, 10.0, cap=256, floor=16)
+    assert take == [256, 30]
 
 
 def test_a_model_fitted_from_measured_passes_predicts_them():

@@ -163,10 +163,11 @@ def test_bf16_decode_alike_with_the_kernel_and_with_gathers(bf16, corpus_ids):
 
 
 @pytest.mark.model
-def test_logits_of_a_bf16_model_are_fp32_from_an_fp32_lm_head(bf16, corpus_ids):
+@pytest.mark.parametrize("rows", [1, 3, 32, 100])
+def test_logits_of_a_bf16_model_are_fp32_from_an_fp32_lm_head(bf16, corpus_ids, rows):
     # The final norm and LM head over bf16 hidden states: those of fp32 weights, to fp32 rounding.
     with torch.inference_mode():
-        h = bf16._embed[torch.tensor(corpus_ids[:32])]  # [32, hidden] bf16
+        h = bf16._embed[torch.tensor(corpus_ids[:rows])]  # [rows, hidden] bf16
         logits = bf16._logits(h, _linear_cpu)
         norm_w, eps = bf16._norm
         ref = F.linear(F.rms_norm(h.float(), (h.shape[-1],), norm_w.float(), eps),
@@ -180,6 +181,17 @@ def test_logits_of_a_bf16_model_are_fp32_from_an_fp32_lm_head(bf16, corpus_ids):
     out = bf16.prefill([PrefillChunk("r", corpus_ids[:40], 0, [0, 1, 2])])
     assert out.dtype == torch.float32
     assert (out.bfloat16().float() != out).float().mean().item() > 0.9
+
+
+@pytest.mark.model
+def test_a_bf16_model_without_native_kernels_gets_the_same_logits(bf16, corpus_ids, monkeypatch):
+    # No C compiler: the head runs over the fp32 copy of its weight.
+    with torch.inference_mode():
+        h = bf16._embed[torch.tensor(corpus_ids[:3])]
+        with_kernel = bf16._logits(h, _linear_cpu)
+        monkeypatch.setattr(bf16, "_native", False)
+        without = bf16._logits(h, _linear_cpu)
+    torch.testing.assert_close(without, with_kernel, atol=1e-4, rtol=1e-5)
 
 
 def greedy_through_the_engine(b: TransformersBackend, prompts: dict[str, list[int]],

@@ -216,3 +216,35 @@ def test_a_compiler_that_writes_garbage_leaves_no_cache_entry(tmp_path, monkeypa
     monkeypatch.setattr(native, "_loaded", {})
     assert native.load(cache) is None
     assert list(cache.iterdir()) == []
+
+
+# -- the bf16 LM head kernel -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows, in_features, with_bias", [
+    (0, 576, False), (1, 576, True), (5, 576, False), (64, 576, True), (3, 70, True)])
+def test_the_bf16_weight_matmul_is_the_fp32_product_of_the_widened_weight(lib, rows, in_features,
+                                                                         with_bias):
+    # 70 inputs: not a multiple of 32, the widening path even where VDPBF16PS is used.
+    g = torch.Generator().manual_seed(rows + in_features)
+    weight = (torch.randn(1000, in_features, generator=g) * 0.05).bfloat16()
+    x = torch.randn(rows, in_features, generator=g) * 3
+    bias = torch.randn(1000, generator=g) if with_bias else None
+    out = native.bf16_weight_matmul(lib, x, weight, bias)
+    ref = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    assert out.dtype == torch.float32 and out.shape == (rows, 1000)
+    # fp32 summation noise plus, on VDPBF16PS, x carried in 16 significant bits (2^-17).
+    scale = F.linear(x.abs().double(), weight.abs().double()).clamp_min(1.0)
+    relative = (out.double() - ref).abs() / scale
+    assert rows == 0 or relative.max().item() < 2e-5
+
+
+@pytest.mark.parametrize("x, weight, message", [
+    (torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.bfloat16), "x must"),
+    (torch.zeros(2, 8), torch.zeros(4, 8), "weight must"),
+    (torch.zeros(2, 8), torch.zeros(4, 9, dtype=torch.bfloat16), "shapes do not match"),
+    (torch.zeros(8, 2).t(), torch.zeros(4, 8, dtype=torch.bfloat16), "x must"),
+])
+def test_the_bf16_weight_matmul_refuses_what_it_cannot_read(lib, x, weight, message):
+    with pytest.raises(ValueError, match=message):
+        native.bf16_weight_matmul(lib, x, weight)

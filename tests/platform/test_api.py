@@ -53,7 +53,7 @@ def test_missing_wrong_or_revoked_key_gets_401(client, tenant_key, auth):
     ({"model": MODEL}, "messages"),
     (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     (chat(response_format={"type": "json_object"}), "response_format"),
-    (chat(logprobs=True), "logprobs"),
+    (chat(logit_bias={"1": 2}), "logit_bias"),
     (chat(n=2), "n"),
     (chat(temperature=-1), "temperature"),
 ])

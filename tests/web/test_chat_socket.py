@@ -109,7 +109,8 @@ async def test_stop_ends_the_answer_keeps_it_and_frees_the_worker(make_member, w
 
 
 async def test_closing_the_page_aborts_the_answer(make_member, worker, chat_conf):
-    chat_conf(MAX_TOKENS=6000)
+    # Without a grace period for the page to come back (tests/web/test_chat_resume.py).
+    chat_conf(MAX_TOKENS=6000, RESUME_GRACE_S=0)
     user = await sync_to_async(make_member)()
     ws = await open_socket(user)
     await ws.send_json_to({"type": "send", "conversation_id": None, "content": "Go on and on"})

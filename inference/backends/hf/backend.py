@@ -202,7 +202,9 @@ class TransformersBackend(_Forward, ModelBackend):
         """Run prompt chunks of one or more rows in one forward pass, writing their KV.
 
         Returns:
-            ``[len(chunks), vocab_size]`` fp32 logits of each chunk's last token.
+            ``[len(chunks) + extra, vocab_size]`` fp32 logits of each chunk's last token, then
+            of the other tokens of the chunks with ``all_logits``
+            (:meth:`~inference.backends.base.ModelBackend.prefill`).
 
         Raises:
             ValueError: for an empty chunk, a block table too short for its positions, or a
@@ -212,7 +214,8 @@ class TransformersBackend(_Forward, ModelBackend):
             return torch.empty(0, self.vocab_size)
         rows = [(list(c.token_ids), c.start_pos, c.block_table) for c in chunks]
         # A pass of one-token chunks is a decode pass (the decode attention paths).
-        return self._run(rows, 0 if all(len(t) == 1 for t, _, _ in rows) else len(rows))
+        return self._run(rows, 0 if all(len(t) == 1 for t, _, _ in rows) else len(rows),
+                         [c.all_logits for c in chunks])
 
     def decode(self, rows: Sequence[DecodeRow]) -> torch.Tensor:
         """One decode step for every row in one forward pass (rows may differ in length).
@@ -236,8 +239,9 @@ class TransformersBackend(_Forward, ModelBackend):
         decode rows' through the native kernel (or gathered per group of similar lengths).
 
         Returns:
-            ``[len(chunks) + len(rows), vocab_size]`` fp32 logits: each chunk's last token,
-            then each decode row's next token.
+            ``[len(chunks) + len(rows) + extra, vocab_size]`` fp32 logits: each chunk's last
+            token, then each decode row's next token, then the other tokens of the chunks with
+            ``all_logits``.
 
         Raises:
             ValueError: as :meth:`prefill`.
@@ -248,12 +252,13 @@ class TransformersBackend(_Forward, ModelBackend):
             return self.decode(rows)
         prefill = [(list(c.token_ids), c.start_pos, c.block_table) for c in chunks]
         decode = [([r.token_id], r.position, r.block_table) for r in rows]
-        return self._run(prefill + decode, len(prefill))
+        return self._run(prefill + decode, len(prefill), [c.all_logits for c in chunks])
 
     def _run(self, rows: list[tuple[list[int], int, Sequence[int]]],
-             decode_from: int) -> torch.Tensor:
+             decode_from: int, all_logits: Sequence[bool] = ()) -> torch.Tensor:
         """One pass over ``rows``: rows ``[0, decode_from)`` prefill chunks, the rest decode
-        rows (one token each); ``[len(rows), vocab]`` logits in ``rows``' order."""
+        rows (one token each); ``[len(rows) + extra, vocab]`` logits in ``rows``' order, then
+        the other tokens' of the rows ``all_logits`` marks (prefill rows only)."""
         if self._kv is None:
             raise RuntimeError("allocate_kv_pool() must be called before prefill or decode")
         order = None
@@ -273,11 +278,11 @@ class TransformersBackend(_Forward, ModelBackend):
                 num_kv_heads=self.num_kv_heads, group=self.group,
                 max_model_len=self.max_model_len, max_groups=self.attention_groups,
                 device=self.device, grouped=order is not None, native=native,
-                decode_from=decode_from,
+                decode_from=decode_from, all_logits=all_logits,
             )
             logits = self._forward(batch)
-            if order is not None:
-                restore = torch.empty(len(order), dtype=torch.long)
+            if order is not None:  # (only decode rows moved: the extra rows keep their place)
+                restore = torch.arange(logits.shape[0])
                 restore[torch.tensor(order)] = torch.arange(len(order))
                 logits = logits.index_select(0, restore.to(logits.device))
         return logits.float().cpu() if logits.device.type != "cpu" else logits.float()

@@ -54,7 +54,9 @@ class _Batch:
     positions: torch.Tensor  # [N] absolute positions
     write_index: torch.Tensor  # [2 KV * N] rows of the layer's [2 KV * blocks * bs, D] view
     parts: list[_AttnPart]
-    last_index: torch.Tensor  # [R] packed index of each row's last new token
+    # [R + extra] packed index of each row's last new token, then of the other new tokens of
+    # the rows that asked for every position's logits (in row, then position order)
+    logit_index: torch.Tensor
     rows: int
 
 
@@ -109,7 +111,8 @@ def _attention_groups(blocks: Sequence[int], block_size: int,
 def _make_batch(rows: list[tuple[list[int], int, Sequence[int]]], *, block_size: int,
                 num_blocks: int, num_kv_heads: int, group: int, max_model_len: int,
                 max_groups: int, device: torch.device, grouped: bool = False,
-                native: bool = False, decode_from: int | None = None) -> _Batch:
+                native: bool = False, decode_from: int | None = None,
+                all_logits: Sequence[bool] = ()) -> _Batch:
     """Index tensors for ``rows``.
 
     Rows ``[0, decode_from)`` are prefill rows: their attention is gathered in one group, each
@@ -126,6 +129,8 @@ def _make_batch(rows: list[tuple[list[int], int, Sequence[int]]], *, block_size:
         max_model_len: the first position no row may reach.
         max_groups: most attention groups of a ``grouped`` decode part.
         device: where the index tensors go.
+        all_logits: per row (rows past its length: False), whether the pass returns the logits
+            of every new token of the row, not only of its last (``logit_index``).
 
     Raises:
         ValueError: for an empty row, a block table too short for its positions, or a
@@ -139,7 +144,8 @@ def _make_batch(rows: list[tuple[list[int], int, Sequence[int]]], *, block_size:
     slots: list[int] = []
     need_blocks: list[int] = []
     last: list[int] = []
-    for toks, start, table in rows:
+    others: list[int] = []
+    for r, (toks, start, table) in enumerate(rows):
         n = len(toks)
         end = start + n
         if n == 0:
@@ -154,6 +160,8 @@ def _make_batch(rows: list[tuple[list[int], int, Sequence[int]]], *, block_size:
         slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
         need_blocks.append(need)
         last.append(len(tokens) - 1)
+        if r < len(all_logits) and all_logits[r]:
+            others.extend(range(len(tokens) - n, len(tokens) - 1))
     dev = device
     heads = torch.arange(2 * num_kv_heads)[:, None]
     parts = []
@@ -176,7 +184,7 @@ def _make_batch(rows: list[tuple[list[int], int, Sequence[int]]], *, block_size:
         positions=torch.tensor(positions, device=dev),
         write_index=write_index.reshape(-1).to(dev),
         parts=parts,
-        last_index=torch.tensor(last, device=dev),
+        logit_index=torch.tensor(last + others, device=dev),
         rows=len(rows),
     )
 

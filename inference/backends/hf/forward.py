@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from inference.backends import native as native_kernels
 from inference.backends.hf.attention import _attend
 from inference.backends.hf.batch import _Batch
 from inference.backends.hf.loading import _Layer
@@ -81,13 +82,16 @@ class _Forward:
     _norm: tuple[torch.Tensor, float]
     _lm_head_w: torch.Tensor
     _lm_head_b: torch.Tensor | None
-    # (final norm weight, eps, LM head weight, bias) in fp32 for a bf16/fp16 model on CPU
-    _head_fp32: tuple[torch.Tensor, float, torch.Tensor, torch.Tensor | None] | None = None
+    # (final norm weight, eps, LM head bias) in fp32 for a bf16/fp16 model on CPU
+    _head_fp32: tuple[torch.Tensor, float, torch.Tensor | None] | None = None
+    # the LM head's weight in fp32, for passes with more logit rows than the native kernel takes
+    _head_w_fp32: torch.Tensor | None = None
 
     def _forward(self, b: _Batch) -> torch.Tensor:
         """Run the decoder over batch ``b``: write its new tokens' K/V into the pool and return
-        ``[R, vocab]`` logits of each row's last new token (fp32 on CPU, see :meth:`_logits`;
-        the model's dtype elsewhere)."""
+        ``[R + extra, vocab]`` logits of the tokens ``b.logit_index`` names (each row's last new
+        token, then the other tokens of rows that asked for all; fp32 on CPU, see
+        :meth:`_logits`; the model's dtype elsewhere)."""
         assert self._kv is not None
         n_heads, kv_heads, dim, group = self.num_heads, self.num_kv_heads, self.head_dim, self.group
         num_tokens = b.tokens.shape[0]
@@ -130,15 +134,19 @@ class _Forward:
             gate, up = gate_up.chunk(2, dim=-1)
             h = h + linear(self._act(gate) * up, layer.w_down, layer.b_down)
 
-        return self._logits(h.index_select(0, b.last_index), linear)  # [R, vocab]
+        return self._logits(h.index_select(0, b.logit_index), linear)  # [R + extra, vocab]
 
     def _logits(self, h: torch.Tensor, linear: Any) -> torch.Tensor:
         """``[R, vocab]`` logits of the hidden states ``h [R, hidden]``: final norm and LM head.
 
         On CPU a model in bf16 (or fp16) gets fp32 logits: the final norm and the LM head run in
-        fp32 over ``h`` widened exactly to fp32, with an fp32 copy of the head's weight (made on
-        first use; ``vocab * hidden * 4`` bytes). A bf16 matmul would round every logit to bf16
-        (8 significant bits: up to 0.06 off at a logit of 16, and many exact ties), and PyTorch
+        fp32 over ``h`` widened exactly to fp32. The head's product: up to
+        :func:`~inference.backends.native.bf16_weight_matmul_max_rows` rows, the native kernel
+        over the bf16 weight (fp32 results from half the bytes: on VDPBF16PS with the fp32 input
+        split in two bf16 parts, within 2^-17 of it, or over exactly widened weights); more rows,
+        or without the kernel, an fp32 matmul over an fp32 copy of the weight (made on first use;
+        ``vocab * hidden * 4`` bytes). A bf16 matmul would round every logit to bf16 (8
+        significant bits: up to 0.06 off at a logit of 16, and many exact ties), and PyTorch
         2.13 has no CPU matmul of bf16 inputs with an fp32 output. Elsewhere (fp32, or CUDA and
         MPS) they run in the model's dtype.
         """
@@ -147,6 +155,14 @@ class _Forward:
         if self._head_fp32 is None:
             norm_w, eps = self._norm
             bias = None if self._lm_head_b is None else self._lm_head_b.float()
-            self._head_fp32 = (norm_w.float(), eps, self._lm_head_w.float(), bias)
-        norm_w, eps, w, bias = self._head_fp32
-        return linear(_rms_norm(h.float(), norm_w, eps), w, bias)
+            self._head_fp32 = (norm_w.float(), eps, bias)
+        norm_w, eps, bias = self._head_fp32
+        x = _rms_norm(h.float(), norm_w, eps)
+        lib, w = self._native, self._lm_head_w
+        if (lib and w.dtype == torch.bfloat16
+                and x.shape[0] <= native_kernels.bf16_weight_matmul_max_rows(lib)):
+            # Half the bytes of the fp32 copy: at decode the head is bound by memory bandwidth.
+            return native_kernels.bf16_weight_matmul(lib, x.contiguous(), w.contiguous(), bias)
+        if self._head_w_fp32 is None:
+            self._head_w_fp32 = w.float()
+        return linear(x, self._head_w_fp32, bias)

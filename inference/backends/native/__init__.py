@@ -1,11 +1,13 @@
 """Native CPU kernels of the transformers backend, compiled once per machine.
 
-One kernel so far, :func:`paged_decode_attention` (``paged_attention.c``): decode attention read
+Two kernels: :func:`paged_decode_attention` (``paged_attention.c``): decode attention read
 straight from the paged KV pool, without first gathering each row's K/V into a padded tensor, in
 fp32 or in bf16 (two C symbols, ``paged_decode_attention`` and ``paged_decode_attention_bf16``;
-the bf16 one widens K/V to fp32 exactly and accumulates in fp32).
+the bf16 one widens K/V to fp32 exactly and accumulates in fp32); and
+:func:`bf16_weight_matmul` (``bf16_head.c``): a bf16 model's LM head with fp32 logits, reading the
+bf16 weight (half the bytes of an fp32 copy).
 
-The C source is compiled with the system C compiler (``$CC``, else ``cc`` or ``gcc``) for this
+The C sources are compiled with the system C compiler (``$CC``, else ``cc`` or ``gcc``) for this
 CPU (:data:`CFLAGS`: ``-O3 -march=native -ffast-math -fopenmp``; linked without ``-ffast-math``,
 whose start-up code would flush subnormals to zero for the whole process) into a shared library
 cached under ``<repo>/.cache/kernels`` (the caller may name another folder: the worker's
@@ -30,6 +32,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -38,7 +41,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_attention.c")
+SOURCES = (Path(__file__).with_name("paged_attention.c"), Path(__file__).with_name("bf16_head.c"))
 REPO_ROOT = Path(__file__).resolve().parents[3]
 # Compiled with -ffast-math (vectorised dot products and expf) but linked without it: linking
 # with it adds start-up code that flushes subnormal floats to zero for the whole process.
@@ -54,6 +57,9 @@ _ERRORS = {
 
 # The kernel's C symbol per dtype of q, pool and out (one dtype for all three).
 SYMBOLS = {torch.float32: "paged_decode_attention", torch.bfloat16: "paged_decode_attention_bf16"}
+
+HEAD_SYMBOL = "bf16_weight_matmul_f32"
+ALL_SYMBOLS = (*SYMBOLS.values(), HEAD_SYMBOL)
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
@@ -159,7 +165,8 @@ def _build_and_load(folder: Path) -> ctypes.CDLL | None:
     if version.returncode != 0:
         raise subprocess.CalledProcessError(version.returncode, version.args)
     key = hashlib.sha256(b"\0".join([
-        SOURCE.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), " ".join(cc).encode(),
+        *(source.read_bytes() for source in SOURCES), " ".join(CFLAGS + LDFLAGS).encode(),
+        " ".join(cc).encode(),
         version.stdout,
         _cpu_id().encode(), platform.machine().encode(),
     ])).hexdigest()[:16]
@@ -181,6 +188,11 @@ def _build_and_load(folder: Path) -> ctypes.CDLL | None:
         fn = getattr(lib, symbol)
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7 + [ctypes.c_float]
+    head = lib.bf16_weight_matmul_f32
+    head.restype = ctypes.c_int
+    head.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    lib.bf16_weight_matmul_uses_dpbf16.restype = ctypes.c_int
+    lib.bf16_weight_matmul_uses_dpbf16.argtypes = []
     logger.info("native paged attention loaded from %s", target)
     return lib
 
@@ -189,7 +201,7 @@ def _looks_built(path: Path) -> bool:
     """A shared object with the kernels' symbols in it (a compiler that wrote nothing or garbage
     must not leave a checksummed entry that is then mapped)."""
     data = path.read_bytes()
-    return data[:4] == b"\x7fELF" and all(s.encode() in data for s in SYMBOLS.values())
+    return data[:4] == b"\x7fELF" and all(s.encode() in data for s in ALL_SYMBOLS)
 
 
 def _compile(cc: list[str], target: Path, stamp: Path) -> bool:
@@ -203,9 +215,13 @@ def _compile(cc: list[str], target: Path, stamp: Path) -> bool:
     os.close(fd)
     try:
         try:
-            result = _run([*cc, *CFLAGS, "-c", str(SOURCE), "-o", tmp + ".o"], BUILD_TIMEOUT_S)
-            if result.returncode == 0:
-                result = _run([*cc, *LDFLAGS, tmp + ".o", "-o", tmp, "-lm"], BUILD_TIMEOUT_S)
+            objects = [f"{tmp}.{i}.o" for i in range(len(SOURCES))]
+            for source, obj in zip(SOURCES, objects, strict=True):
+                result = _run([*cc, *CFLAGS, "-c", str(source), "-o", obj], BUILD_TIMEOUT_S)
+                if result.returncode != 0:
+                    break
+            else:
+                result = _run([*cc, *LDFLAGS, *objects, "-o", tmp, "-lm"], BUILD_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             logger.warning("building native paged attention took over %g s; using the gather "
                            "path", BUILD_TIMEOUT_S)
@@ -222,7 +238,7 @@ def _compile(cc: list[str], target: Path, stamp: Path) -> bool:
         os.replace(tmp_stamp, stamp)
         return True
     finally:
-        for leftover in (tmp, tmp + ".o", tmp_stamp):
+        for leftover in (tmp, tmp_stamp, *(f"{tmp}.{i}.o" for i in range(len(SOURCES)))):
             if os.path.exists(leftover):
                 os.unlink(leftover)
 
@@ -289,4 +305,61 @@ def paged_decode_attention(lib: ctypes.CDLL, q: torch.Tensor, pool: torch.Tensor
         raise MemoryError(_ERRORS[2])
     if rc:
         raise ValueError(f"paged decode attention: {_ERRORS.get(rc, f'error {rc}')}")
+    return out
+
+
+def bf16_weight_matmul_max_rows(lib: ctypes.CDLL) -> int:
+    """Most rows of ``x`` for which :func:`bf16_weight_matmul` beats the backend's fp32 product
+    over an fp32 copy of the weight (``python -m benchmarks.lm_head``): any number where the
+    library's products run on VDPBF16PS (2.2 to 7.5 times faster from 1 to 128 rows on the
+    default model's head), 2 where they run on widened fp32 (bound by reading the weight, half
+    the bytes, only for a row or two; beyond that oneDNN's fp32 blocking does better)."""
+    return sys.maxsize if lib.bf16_weight_matmul_uses_dpbf16() else 2
+
+
+def bf16_weight_matmul(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` in fp32 from a bf16 ``weight``, read as bf16 (half the bytes of an
+    fp32 copy) and widened exactly to fp32 in the kernel: the result equals an fp32 matmul over
+    ``weight.float()`` up to the order of the additions. For a few rows of ``x``, where the
+    product is bound by memory bandwidth (a bf16 model's LM head at decode).
+
+    Args:
+        lib: the library :func:`load` returned.
+        x: ``[rows, in_features]`` fp32 (CPU, contiguous).
+        weight: ``[out_features, in_features]`` bf16 (CPU, contiguous).
+        bias: ``[out_features]`` fp32, or None.
+
+    Returns:
+        ``[rows, out_features]`` fp32.
+
+    Raises:
+        ValueError: for tensors of another dtype, device, rank, layout or size than above.
+        MemoryError: if the kernel cannot allocate its per-thread weight buffer.
+    """
+    for name, tensor, dtype, dims in (("x", x, torch.float32, 2),
+                                      ("weight", weight, torch.bfloat16, 2),
+                                      ("bias", bias, torch.float32, 1)):
+        if tensor is None:
+            continue
+        if (tensor.dtype != dtype or tensor.device.type != "cpu" or tensor.dim() != dims
+                or not tensor.is_contiguous()):
+            raise ValueError(f"bf16 weight matmul: {name} must be a contiguous {dims}-d {dtype} "
+                             f"CPU tensor, got {tuple(tensor.shape)} {tensor.dtype} on "
+                             f"{tensor.device}")
+    rows, in_features = x.shape
+    out_features = weight.shape[0]
+    if (weight.shape[1] != in_features or min(in_features, out_features) < 1
+            or (bias is not None and bias.shape[0] != out_features)):
+        raise ValueError(f"bf16 weight matmul: shapes do not match: x {tuple(x.shape)}, weight "
+                         f"{tuple(weight.shape)}, bias "
+                         f"{None if bias is None else tuple(bias.shape)}")
+    out = torch.empty(rows, out_features, dtype=torch.float32)
+    rc = getattr(lib, HEAD_SYMBOL)(weight.data_ptr(), x.data_ptr(),
+                                   None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                   rows, out_features, in_features)
+    if rc == 2:
+        raise MemoryError("bf16 weight matmul: out of memory for the weight buffer")
+    if rc:
+        raise ValueError(f"bf16 weight matmul: error {rc}")
     return out
