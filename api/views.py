@@ -179,12 +179,18 @@ async def _generate(
 def _worker_error(req: GenerationRequest, error: ErrorInfo) -> APIError:
     """The client-facing error for a worker's error, naming the field the client wrote.
 
-    The worker does not know the API's field names: a context overflow names the field that set
-    max_tokens when the client gave one, else the prompt's field.
+    The worker does not know the API's field names: a context overflow names the prompt's field
+    when the prompt alone fills the context, else the field that set max_tokens when the client
+    gave one, else the prompt's field.
     """
     exc = APIError.from_worker(error)
     if exc.code == "context_length_exceeded":
-        exc.param = req.max_tokens_param or req.prompt_param
+        prompt_tokens = error.details.get("prompt_tokens")
+        context = error.details.get("max_model_len")
+        prompt_alone = (isinstance(prompt_tokens, int) and isinstance(context, int)
+                        and prompt_tokens >= context)
+        exc.param = (req.prompt_param if prompt_alone
+                     else req.max_tokens_param or req.prompt_param)
     return exc
 
 

@@ -131,6 +131,10 @@ def test_out_of_range_integer_gets_a_short_message_with_the_limit(client, tenant
      "messages"),
     (TEXT, text("x" * 400, max_tokens=None), "prompt"),
     (TEXT, text("Once", max_tokens=255), "max_tokens"),
+    # The prompt alone fills the context: the prompt is at fault, whatever max_tokens says.
+    (TEXT, text("x" * 400, max_tokens=2), "prompt"),
+    (CHAT, {**chat(max_tokens=2), "messages": [{"role": "user", "content": "x" * 400}]},
+     "messages"),
 ])
 def test_context_length_exceeded_names_the_field(client, tenant_key, inproc_worker, path, body,
                                                  param):
