@@ -24,6 +24,9 @@ class _AttnGroup:
     gather_index: torch.Tensor  # [2 KV * rows * nb] rows of the layer's [2 KV * blocks, bs * D]
     mask: torch.Tensor  # [1, rows, G * T, L] bool, True = attend
     ctx_len: int
+    # One row whose T new tokens start its context (no earlier keys, no query padding): the mask
+    # is plain causal, so attention may take ``is_causal`` instead of reading it.
+    causal: bool = False
 
 
 @dataclass
@@ -244,7 +247,9 @@ def _make_part(rows: list[tuple[list[int], int, Sequence[int]]], need_blocks: li
         gather_index = heads * num_blocks + torch.tensor(block_ids)[None, :]
         groups.append(_AttnGroup(start=g_start, end=g_end,
                                  gather_index=gather_index.reshape(-1).to(device),
-                                 mask=mask.to(device), ctx_len=ctx_len))
+                                 mask=mask.to(device), ctx_len=ctx_len,
+                                 causal=(g_rows == 1 and max_new > 1 and starts[g_start] == 0
+                                         and lengths[g_start] == max_new)))
     return _AttnPart(
         token_start=token_start, token_end=token_end, rows=num_rows, max_new=max_new,
         groups=groups, tables=table_t, lengths=length_t,
