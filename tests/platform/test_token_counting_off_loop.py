@@ -138,11 +138,11 @@ def test_a_far_over_prompt_is_refused_with_the_workers_error_and_never_queued(
                                 "model's context of 256 tokens")
     assert error["details"]["max_model_len"] == 256
     assert error["details"]["prompt_bytes"] > len(HUGE)
-    # With max_tokens the field at fault is max_tokens, as the worker's refusal names it.
+    # With max_tokens too the prompt is at fault: it fills the context on its own.
     streamed = post(client, tenant_key[2], {**body, "max_tokens": 5, "stream": True})
     assert streamed.status_code == 400 and not streamed.streaming
     error = streamed.json()["error"]
-    assert error["param"] == "max_tokens" and f"+ max_tokens 5 = at least {lower + 5}" in (
+    assert error["param"] == "messages" and f"+ max_tokens 5 = at least {lower + 5}" in (
         error["message"])
     # Neither was queued (never_queued); both are counted as refused by the web tier.
     refused = rclient.hgetall(f"{keys.prefix}:metrics:refused")
