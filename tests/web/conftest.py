@@ -30,18 +30,24 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture
-def worker(redis_prefix, settings):  # noqa: F811 - the shared fixture
-    """A worker with a long context, so answers can run long enough to be stopped."""
-    w = InProcessWorker(redis_prefix, settings.REDIS_URL, max_model_len=8192,
-                        max_batch_size=4).start()
-    # Aborts arrive on the control channel, as in the worker process.
+def worker_with_control(prefix: str, redis_url: str, **options):
+    """An in-process worker with a long context (answers can run long enough to be stopped)
+    that hears aborts on the control channel, as the worker process does; a generator for
+    fixtures (``options``: more :class:`InProcessWorker` settings)."""
+    w = InProcessWorker(prefix, redis_url, max_model_len=8192, max_batch_size=4,
+                        **options).start()
     pubsub = w.client.pubsub(ignore_subscribe_messages=True)
     pubsub.subscribe(**{w.bridge.keys.control: w.bridge.on_control})
     control = pubsub.run_in_thread(sleep_time=0.01, daemon=True)
     yield w
     control.stop()
     w.stop()
+
+
+@pytest.fixture
+def worker(redis_prefix, settings):  # noqa: F811 - the shared fixture
+    """A worker with a long context, so answers can run long enough to be stopped."""
+    yield from worker_with_control(redis_prefix, settings.REDIS_URL)
 
 
 @pytest.fixture

@@ -16,7 +16,12 @@ from chat.models import Conversation, Message
 from gateway import grace, tasks, usage
 from inference.protocol import FinalEvent, FinishReason, Keys, TokenEvent, Usage, encode_event
 from tenants.models import UsageRecord
-from tests.web.conftest import InProcessWorker, session_cookie, signed_in_client, socket_to_site
+from tests.web.conftest import (
+    session_cookie,
+    signed_in_client,
+    socket_to_site,
+    worker_with_control,
+)
 from tests.web.test_chat_socket import frames_until, wait_stats
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.anyio]
@@ -28,14 +33,7 @@ ANSWER_TOKENS = 40
 @pytest.fixture
 def slow_worker(redis_prefix, settings):
     """A worker that takes 5 ms a step, so a page can drop and come back mid-answer."""
-    w = InProcessWorker(redis_prefix, settings.REDIS_URL, max_model_len=8192, max_batch_size=4,
-                        reference_step_delay_s=0.005).start()
-    pubsub = w.client.pubsub(ignore_subscribe_messages=True)
-    pubsub.subscribe(**{w.bridge.keys.control: w.bridge.on_control})
-    control = pubsub.run_in_thread(sleep_time=0.01, daemon=True)
-    yield w
-    control.stop()
-    w.stop()
+    yield from worker_with_control(redis_prefix, settings.REDIS_URL, reference_step_delay_s=0.005)
 
 
 async def open_socket(client):
