@@ -10,7 +10,10 @@ are decoded under four settings, interleaved so that machine noise hits them ali
 * ``gemm+groups``: also attention over groups of similar-length rows
   (``TransformersBackend.attention_groups``);
 * ``gemm+native``: projections as ``gemm`` and attention read in place from the KV pool by the
-  native kernel (``TransformersBackend.native_attention``), the default.
+  native kernel (``TransformersBackend.native_attention``), the default in fp32;
+* ``packed+native``: also, in bf16 on a CPU with AVX512-BF16, the projections and LM head on the
+  native packed kernel (``TransformersBackend.packed_gemm``), the default there (elsewhere the
+  same as ``gemm+native``).
 
 ``--dtype both`` (the default) loads the model twice, in fp32 and in bf16, and interleaves the two
 as well; it also counts the rows whose bf16 greedy token is fp32's.
@@ -44,13 +47,17 @@ if str(REPO) not in sys.path:
 from benchmarks.cli import positive_int  # noqa: E402 - after the path set-up above
 
 SETTINGS = {
-    "baseline": {"small_batch_gemm": False, "attention_groups": 1, "native_attention": False},
-    "gemm": {"small_batch_gemm": True, "attention_groups": 1, "native_attention": False},
+    "baseline": {"small_batch_gemm": False, "attention_groups": 1, "native_attention": False,
+                 "packed_gemm": False},
+    "gemm": {"small_batch_gemm": True, "attention_groups": 1, "native_attention": False,
+             "packed_gemm": False},
     # None: the backend's default
     "gemm+groups": {"small_batch_gemm": True, "attention_groups": None,
-                    "native_attention": False},
+                    "native_attention": False, "packed_gemm": False},
     "gemm+native": {"small_batch_gemm": True, "attention_groups": None,
-                    "native_attention": True},
+                    "native_attention": True, "packed_gemm": False},
+    "packed+native": {"small_batch_gemm": True, "attention_groups": None,
+                      "native_attention": True, "packed_gemm": True},
 }
 
 
@@ -138,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         backend.small_batch_gemm = setting["small_batch_gemm"]
         backend.attention_groups = setting["attention_groups"] or default_groups
         backend.native_attention = setting["native_attention"]
+        # The packed weights exist only where the kernel is available (bf16, AVX512-BF16).
+        backend.packed_gemm = setting["packed_gemm"] and any(
+            layer.packed is not None for layer in backend._layers)
 
     results = []
     print(f"{'rows':>4} {'mean ctx':>8} {'dtype':>5} "

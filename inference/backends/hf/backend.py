@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from inference.backends import native as native_kernels
+from inference.backends.native import gemm as native_gemm
 from inference.backends.base import DecodeRow, ModelBackend, PrefillChunk
 from inference.backends.hf.batch import MAX_ATTENTION_GROUPS, _make_batch
 from inference.backends.hf.forward import _Forward
@@ -53,6 +54,10 @@ class TransformersBackend(_Forward, ModelBackend):
             (:mod:`inference.backends.native`), reading K/V straight from the pool; on by default
             for fp32 and bf16 on CPU, and off by itself where the kernel cannot be built (no C
             compiler).
+        packed_gemm: compute a bf16 model's projections and LM head with the native packed
+            kernel (:mod:`inference.backends.native.gemm`) over copies of the weights packed at
+            load time (as many bytes again as the layers' and the head's weights); on by
+            default for bf16 on a CPU with AVX512-BF16, unavailable elsewhere.
     """
 
     def __init__(
@@ -98,6 +103,7 @@ class TransformersBackend(_Forward, ModelBackend):
         # The kernel library (built now, before serving; False: unavailable; None: not tried).
         self._native: Any = None
         self._kernel_dir = kernel_dir
+        self.packed_gemm = False
         if self.native_attention:
             self._load_native()
         # [max_model_len, head_dim] each
@@ -162,6 +168,31 @@ class TransformersBackend(_Forward, ModelBackend):
         """Build or load the native kernel; without it, switch ``native_attention`` off."""
         self._native = native_kernels.load(self._kernel_dir) or False
         self.native_attention = bool(self._native)
+        if (self._native and self.dtype == torch.bfloat16 and self.device.type == "cpu"
+                and native_gemm.packed_matmul_available(self._native)):
+            self._pack_weights()
+
+    def _pack_weights(self) -> None:
+        """Packed copies of every projection (and the LM head) the native kernel takes: those
+        with ``out`` a multiple of 64 and ``in`` even; a layer with one that does not fit keeps
+        its plain weights. Sets ``packed_gemm``."""
+        lib = self._native
+
+        def pack(w: torch.Tensor, b: torch.Tensor | None) -> Any:
+            return native_gemm.PackedLinear(lib, w, b)
+
+        for layer in self._layers:
+            weights = ((layer.w_qkv, layer.b_qkv), (layer.w_o, layer.b_o),
+                       (layer.w_gate_up, layer.b_gate_up), (layer.w_down, layer.b_down))
+            if all(native_gemm.can_pack(w) for w, _ in weights):
+                layer.packed = tuple(pack(w, b) for w, b in weights)  # type: ignore[assignment]
+        if native_gemm.can_pack(self._lm_head_w):
+            self._lm_head_packed = pack(self._lm_head_w, self._lm_head_b)
+        self.packed_gemm = (self._lm_head_packed is not None
+                            or any(layer.packed is not None for layer in self._layers))
+        logger.info("bf16 projections on the native packed kernel: %d of %d layers%s",
+                    sum(layer.packed is not None for layer in self._layers), len(self._layers),
+                    ", and the LM head" if self._lm_head_packed is not None else "")
 
     @property
     def hf_model(self) -> Any:

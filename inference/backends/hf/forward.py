@@ -19,6 +19,7 @@ from inference.backends import native as native_kernels
 from inference.backends.hf.attention import _attend
 from inference.backends.hf.batch import _Batch
 from inference.backends.hf.loading import _Layer
+from inference.backends.native import gemm as native_gemm
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -86,6 +87,9 @@ class _Forward:
     _head_fp32: tuple[torch.Tensor, float, torch.Tensor | None] | None = None
     # the LM head's weight in fp32, for passes with more logit rows than the native kernel takes
     _head_w_fp32: torch.Tensor | None = None
+    # the LM head over its packed weight (a bf16 model on a CPU with AVX512-BF16), see _logits
+    _lm_head_packed: Any = None
+    packed_gemm: bool = False
 
     def _forward(self, b: _Batch) -> torch.Tensor:
         """Run the decoder over batch ``b``: write its new tokens' K/V into the pool and return
@@ -104,10 +108,13 @@ class _Forward:
         native_lib, block_size, scale = self._native, self.block_size, self.scale
 
         linear = _linear_cpu if self.small_batch_gemm else F.linear
+        packed_gemm = self.packed_gemm
         h = F.embedding(b.tokens, self._embed)  # [N, hidden]
         for i, layer in enumerate(self._layers):
+            packed = layer.packed if packed_gemm else None
             x = _rms_norm(h, layer.ln1_w, layer.ln1_eps)
-            qkv = linear(x, layer.w_qkv, layer.b_qkv)  # [N, (H + 2 KV) * D]
+            # [N, (H + 2 KV) * D]
+            qkv = packed[0](x) if packed else linear(x, layer.w_qkv, layer.b_qkv)
             qk = qkv[:, : qk_heads * dim].reshape(num_tokens, qk_heads, dim)
             if layer.q_norm is not None and layer.k_norm is not None:
                 qk = torch.cat([
@@ -127,12 +134,14 @@ class _Forward:
 
             o = _attend(native_lib, b, q, pool, n_heads, kv_heads, group, dim, block_size,
                         scale)  # [N, H * D]
-            h = h + linear(o, layer.w_o, layer.b_o)
+            h = h + (packed[1](o) if packed else linear(o, layer.w_o, layer.b_o))
 
             x = _rms_norm(h, layer.ln2_w, layer.ln2_eps)
-            gate_up = linear(x, layer.w_gate_up, layer.b_gate_up)
+            gate_up = (packed[2](x) if packed
+                       else linear(x, layer.w_gate_up, layer.b_gate_up))
             gate, up = gate_up.chunk(2, dim=-1)
-            h = h + linear(self._act(gate) * up, layer.w_down, layer.b_down)
+            act = self._act(gate) * up
+            h = h + (packed[3](act) if packed else linear(act, layer.w_down, layer.b_down))
 
         return self._logits(h.index_select(0, b.logit_index), linear)  # [R + extra, vocab]
 
@@ -140,7 +149,9 @@ class _Forward:
         """``[R, vocab]`` logits of the hidden states ``h [R, hidden]``: final norm and LM head.
 
         On CPU a model in bf16 (or fp16) gets fp32 logits: the final norm and the LM head run in
-        fp32 over ``h`` widened exactly to fp32. The head's product: up to
+        fp32 over ``h`` widened exactly to fp32. The head's product: with ``packed_gemm``, the
+        packed kernel (:mod:`inference.backends.native.gemm`) over the normed ``x`` split in bf16
+        hi and lo parts (within 2^-17 of it), summed in fp32; else up to
         :func:`~inference.backends.native.bf16_weight_matmul_max_rows` rows, the native kernel
         over the bf16 weight (fp32 results from half the bytes: on VDPBF16PS with the fp32 input
         split in two bf16 parts, within 2^-17 of it, or over exactly widened weights); more rows,
@@ -158,6 +169,10 @@ class _Forward:
             self._head_fp32 = (norm_w.float(), eps, bias)
         norm_w, eps, bias = self._head_fp32
         x = _rms_norm(h.float(), norm_w, eps)
+        if self.packed_gemm and self._lm_head_packed is not None:
+            # VDPBF16PS over the packed head, x split in bf16 hi and lo: fp32 logits at the
+            # speed of a bf16 product (inference.backends.native.gemm).
+            return self._lm_head_packed(native_gemm.split_fp32(x), out_fp32=True)
         lib, w = self._native, self._lm_head_w
         if (lib and w.dtype == torch.bfloat16
                 and x.shape[0] <= native_kernels.bf16_weight_matmul_max_rows(lib)):

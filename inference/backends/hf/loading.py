@@ -215,6 +215,10 @@ class _Layer:
     b_down: torch.Tensor | None
     q_norm: tuple[torch.Tensor, float] | None
     k_norm: tuple[torch.Tensor, float] | None
+    # (qkv, o, gate_up, down) over packed copies of the weights, each a
+    # :class:`~inference.backends.native.gemm.PackedLinear` (bf16 on a CPU with AVX512-BF16;
+    # set by the backend), or None: the plain weights above
+    packed: tuple[Any, Any, Any, Any] | None = None
 
 
 def _fuse_layer(layer: Any) -> _Layer:

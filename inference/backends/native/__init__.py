@@ -1,11 +1,12 @@
 """Native CPU kernels of the transformers backend, compiled once per machine.
 
-Two kernels: :func:`paged_decode_attention` (``paged_attention.c``): decode attention read
+Three kernels: :func:`paged_decode_attention` (``paged_attention.c``): decode attention read
 straight from the paged KV pool, without first gathering each row's K/V into a padded tensor, in
 fp32 or in bf16 (two C symbols, ``paged_decode_attention`` and ``paged_decode_attention_bf16``;
 the bf16 one widens K/V to fp32 exactly and accumulates in fp32); and
 :func:`bf16_weight_matmul` (``bf16_head.c``): a bf16 model's LM head with fp32 logits, reading the
-bf16 weight (half the bytes of an fp32 copy).
+bf16 weight (half the bytes of an fp32 copy); and the projections of a bf16 model over weights
+packed at load time (``bf16_gemm.c``, called through :mod:`inference.backends.native.gemm`).
 
 The C sources are compiled with the system C compiler (``$CC``, else ``cc`` or ``gcc``) for this
 CPU (:data:`CFLAGS`: ``-O3 -march=native -ffast-math -fopenmp``; linked without ``-ffast-math``,
@@ -41,7 +42,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("paged_attention.c"), Path(__file__).with_name("bf16_head.c"))
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("paged_attention.c", "bf16_head.c", "bf16_gemm.c"))
 REPO_ROOT = Path(__file__).resolve().parents[3]
 # Compiled with -ffast-math (vectorised dot products and expf) but linked without it: linking
 # with it adds start-up code that flushes subnormal floats to zero for the whole process.
@@ -59,7 +61,8 @@ _ERRORS = {
 SYMBOLS = {torch.float32: "paged_decode_attention", torch.bfloat16: "paged_decode_attention_bf16"}
 
 HEAD_SYMBOL = "bf16_weight_matmul_f32"
-ALL_SYMBOLS = (*SYMBOLS.values(), HEAD_SYMBOL)
+GEMM_SYMBOL = "bf16_packed_matmul"  # bf16_gemm.c; called by inference.backends.native.gemm
+ALL_SYMBOLS = (*SYMBOLS.values(), HEAD_SYMBOL, GEMM_SYMBOL)
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
@@ -191,8 +194,12 @@ def _build_and_load(folder: Path) -> ctypes.CDLL | None:
     head = lib.bf16_weight_matmul_f32
     head.restype = ctypes.c_int
     head.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-    lib.bf16_weight_matmul_uses_dpbf16.restype = ctypes.c_int
-    lib.bf16_weight_matmul_uses_dpbf16.argtypes = []
+    gemm = getattr(lib, GEMM_SYMBOL)
+    gemm.restype = ctypes.c_int
+    gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6
+    for flag in ("bf16_weight_matmul_uses_dpbf16", "bf16_packed_matmul_available"):
+        getattr(lib, flag).restype = ctypes.c_int
+        getattr(lib, flag).argtypes = []
     logger.info("native paged attention loaded from %s", target)
     return lib
 
