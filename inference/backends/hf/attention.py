@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from inference.backends import native as native_kernels
+from inference.backends.native import prefill as native_prefill
 from inference.backends.hf.batch import _AttnPart, _Batch
 
 
@@ -78,12 +79,18 @@ def _gathered_attention(b: _AttnPart, q: torch.Tensor, pool: torch.Tensor, n_hea
 def _attend(lib: Any, b: _Batch, q: torch.Tensor, pool: torch.Tensor, n_heads: int,
             kv_heads: int, group: int, dim: int, block_size: int, scale: float) -> torch.Tensor:
     """Attention of the pass's packed queries ``q [N, H, D]`` over one layer's ``pool``, part by
-    part (a mixed pass: its prefill rows' part gathered, its decode rows' part through the
-    native kernel); returns ``[N, H * D]``."""
+    part (a mixed pass: its prefill rows' part gathered, or through the native prefill kernel
+    in bf16; its decode rows' part through the native decode kernel); returns ``[N, H * D]``."""
     outs = []
     for part in b.parts:
         q_part = q if len(b.parts) == 1 else q[part.token_start:part.token_end]
-        if part.tables is not None:
+        if part.row_offsets is not None and part.row_positions is not None:
+            # Prefill through the native kernel: K/V read in place along the block tables.
+            assert part.tables is not None
+            outs.append(native_prefill.prefill_attention(
+                lib, q_part.reshape(-1, kv_heads, group, dim).contiguous(), pool, part.tables,
+                part.row_offsets, part.row_positions, scale).view(-1, n_heads * dim))
+        elif part.tables is not None:
             # Decode through the native kernel: K/V read in place from the pool.
             outs.append(_paged_attention(lib, part, q_part, pool, n_heads, kv_heads, group, dim,
                                          scale))

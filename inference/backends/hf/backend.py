@@ -17,6 +17,7 @@ import torch
 
 from inference.backends import native as native_kernels
 from inference.backends.native import gemm as native_gemm
+from inference.backends.native import prefill as prefill_kernel
 from inference.backends.base import DecodeRow, ModelBackend, PrefillChunk
 from inference.backends.hf.batch import MAX_ATTENTION_GROUPS, _make_batch
 from inference.backends.hf.forward import _Forward
@@ -54,6 +55,11 @@ class TransformersBackend(_Forward, ModelBackend):
             (:mod:`inference.backends.native`), reading K/V straight from the pool; on by default
             for fp32 and bf16 on CPU, and off by itself where the kernel cannot be built (no C
             compiler).
+        native_prefill_attention: run a bf16 model's prefill attention (prompt chunks, at any
+            offset) with the native prefill kernel
+            (:mod:`inference.backends.native.prefill`), reading K/V from the pool along the
+            block tables; on by default, used where the kernel runs (bf16 on a CPU with
+            AVX512-BF16, head size 64), else the gather path.
         packed_gemm: compute a bf16 model's projections and LM head with the native packed
             kernel (:mod:`inference.backends.native.gemm`) over copies of the weights packed at
             load time (as many bytes again as the layers' and the head's weights); on by
@@ -104,6 +110,8 @@ class TransformersBackend(_Forward, ModelBackend):
         self._native: Any = None
         self._kernel_dir = kernel_dir
         self.packed_gemm = False
+        # Prefill attention by the native kernel where it runs (bf16, AVX512-BF16, head 64).
+        self.native_prefill_attention = True
         if self.native_attention:
             self._load_native()
         # [max_model_len, head_dim] each
@@ -298,6 +306,10 @@ class TransformersBackend(_Forward, ModelBackend):
         if native and self._native is None:  # switched on after start-up: build it now
             self._load_native()
         native = native and bool(self._native)
+        native_prefill = (decode_from > 0 and self.native_prefill_attention
+                          and bool(self._native)
+                          and prefill_kernel.supported(self._native, self.dtype, self.head_dim,
+                                                       self.group))
         if not native and len(rows) - decode_from > 1:
             # Decode rows sorted by length, so attention can run over groups of similar length.
             order = [*range(decode_from),
@@ -309,7 +321,7 @@ class TransformersBackend(_Forward, ModelBackend):
                 num_kv_heads=self.num_kv_heads, group=self.group,
                 max_model_len=self.max_model_len, max_groups=self.attention_groups,
                 device=self.device, grouped=order is not None, native=native,
-                decode_from=decode_from, all_logits=all_logits,
+                decode_from=decode_from, all_logits=all_logits, native_prefill=native_prefill,
             )
             logits = self._forward(batch)
             if order is not None:  # (only decode rows moved: the extra rows keep their place)

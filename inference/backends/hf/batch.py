@@ -47,6 +47,11 @@ class _AttnPart:
     lengths: torch.Tensor | None  # [rows] int64 tokens each row attends to (native kernel)
     pad_index: torch.Tensor | None  # [rows * T] part-packed index of each padded query
     unpad_index: torch.Tensor | None  # [tokens] padded index of each part-packed token
+    # Prefill through the native kernel (no groups): [rows + 1] int64 offsets of each row's
+    # tokens in the part, and [rows] int64 position of each row's first new token; ``tables``
+    # holds the block tables.
+    row_offsets: torch.Tensor | None = None
+    row_positions: torch.Tensor | None = None
 
 
 @dataclass
@@ -115,7 +120,7 @@ def _make_batch(rows: list[tuple[list[int], int, Sequence[int]]], *, block_size:
                 num_blocks: int, num_kv_heads: int, group: int, max_model_len: int,
                 max_groups: int, device: torch.device, grouped: bool = False,
                 native: bool = False, decode_from: int | None = None,
-                all_logits: Sequence[bool] = ()) -> _Batch:
+                all_logits: Sequence[bool] = (), native_prefill: bool = False) -> _Batch:
     """Index tensors for ``rows``.
 
     Rows ``[0, decode_from)`` are prefill rows: their attention is gathered in one group, each
@@ -134,6 +139,8 @@ def _make_batch(rows: list[tuple[list[int], int, Sequence[int]]], *, block_size:
         device: where the index tensors go.
         all_logits: per row (rows past its length: False), whether the pass returns the logits
             of every new token of the row, not only of its last (``logit_index``).
+        native_prefill: the prefill rows' attention is the native prefill kernel's, read from
+            block tables (``_AttnPart.row_offsets``, ``row_positions``), not gathered.
 
     Raises:
         ValueError: for an empty row, a block table too short for its positions, or a
@@ -179,7 +186,8 @@ def _make_batch(rows: list[tuple[list[int], int, Sequence[int]]], *, block_size:
             rows[r0:r1], need_blocks[r0:r1], token_start, token_end, bs=bs,
             num_blocks=num_blocks, heads=heads, group=group, device=dev,
             native=native and kind == "decode",
-            max_groups=max_groups if grouped and kind == "decode" else 1))
+            max_groups=max_groups if grouped and kind == "decode" else 1,
+            native_prefill=native_prefill and kind == "prefill"))
         token_start = token_end
     write_index = heads * (num_blocks * bs) + torch.tensor(slots)[None, :]
     return _Batch(
@@ -195,12 +203,22 @@ def _make_batch(rows: list[tuple[list[int], int, Sequence[int]]], *, block_size:
 def _make_part(rows: list[tuple[list[int], int, Sequence[int]]], need_blocks: list[int],
                token_start: int, token_end: int, *, bs: int, num_blocks: int,
                heads: torch.Tensor, group: int, device: torch.device, native: bool,
-               max_groups: int) -> _AttnPart:
+               max_groups: int, native_prefill: bool = False) -> _AttnPart:
     """The :class:`_AttnPart` of ``rows`` (checked by :func:`_make_batch`)."""
     num_rows = len(rows)
     max_new = max(len(t) for t, _, _ in rows)
     starts = [start for _, start, _ in rows]
     lengths = [start + len(t) for t, start, _ in rows]
+    if native_prefill:
+        width = max(need_blocks)
+        offsets = [0]
+        for toks, _, _ in rows:
+            offsets.append(offsets[-1] + len(toks))
+        return _AttnPart(
+            token_start=token_start, token_end=token_end, rows=num_rows, max_new=max_new,
+            groups=[], tables=_tables(rows, need_blocks, width), lengths=None, pad_index=None,
+            unpad_index=None, row_offsets=torch.tensor(offsets, dtype=torch.int64),
+            row_positions=torch.tensor(starts, dtype=torch.int64))
     uneven = any(len(t) != max_new for t, _, _ in rows)
     pad_index: list[int] = []
     unpad_index: list[int] = []
@@ -215,10 +233,7 @@ def _make_part(rows: list[tuple[list[int], int, Sequence[int]]], need_blocks: li
     table_t = length_t = None
     if native:
         ranges: list[tuple[int, int]] = []
-        width = max(need_blocks)
-        table_t = torch.tensor([list(t[:n]) + [0] * (width - n)
-                                for (_, _, t), n in zip(rows, need_blocks, strict=True)],
-                               dtype=torch.int64)
+        table_t = _tables(rows, need_blocks, max(need_blocks))
         length_t = torch.tensor(lengths, dtype=torch.int64)
     else:
         ranges = (_attention_groups(need_blocks, bs, max_groups) if max_groups > 1
@@ -256,3 +271,11 @@ def _make_part(rows: list[tuple[list[int], int, Sequence[int]]], need_blocks: li
         pad_index=torch.tensor(pad_index, device=device) if uneven else None,
         unpad_index=torch.tensor(unpad_index, device=device) if uneven else None,
     )
+
+
+def _tables(rows: list[tuple[list[int], int, Sequence[int]]], need_blocks: list[int],
+            width: int) -> torch.Tensor:
+    """``[rows, width]`` int64: each row's first ``need_blocks`` block ids, then zeros."""
+    return torch.tensor([list(t[:n]) + [0] * (width - n)
+                         for (_, _, t), n in zip(rows, need_blocks, strict=True)],
+                        dtype=torch.int64)

@@ -1,12 +1,14 @@
 """Native CPU kernels of the transformers backend, compiled once per machine.
 
-Three kernels: :func:`paged_decode_attention` (``paged_attention.c``): decode attention read
+Four kernels: :func:`paged_decode_attention` (``paged_attention.c``): decode attention read
 straight from the paged KV pool, without first gathering each row's K/V into a padded tensor, in
 fp32 or in bf16 (two C symbols, ``paged_decode_attention`` and ``paged_decode_attention_bf16``;
 the bf16 one widens K/V to fp32 exactly and accumulates in fp32); and
 :func:`bf16_weight_matmul` (``bf16_head.c``): a bf16 model's LM head with fp32 logits, reading the
 bf16 weight (half the bytes of an fp32 copy); and the projections of a bf16 model over weights
-packed at load time (``bf16_gemm.c``, called through :mod:`inference.backends.native.gemm`).
+packed at load time (``bf16_gemm.c``, called through :mod:`inference.backends.native.gemm`) and
+its prefill attention read from the paged pool (``prefill_attention.c``, through
+:mod:`inference.backends.native.prefill`).
 
 The C sources are compiled with the system C compiler (``$CC``, else ``cc`` or ``gcc``) for this
 CPU (:data:`CFLAGS`: ``-O3 -march=native -ffast-math -fopenmp``; linked without ``-ffast-math``,
@@ -43,7 +45,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("paged_attention.c", "bf16_head.c", "bf16_gemm.c"))
+                for name in ("paged_attention.c", "bf16_head.c", "bf16_gemm.c",
+                             "prefill_attention.c"))
 REPO_ROOT = Path(__file__).resolve().parents[3]
 # Compiled with -ffast-math (vectorised dot products and expf) but linked without it: linking
 # with it adds start-up code that flushes subnormal floats to zero for the whole process.
@@ -62,7 +65,9 @@ SYMBOLS = {torch.float32: "paged_decode_attention", torch.bfloat16: "paged_decod
 
 HEAD_SYMBOL = "bf16_weight_matmul_f32"
 GEMM_SYMBOL = "bf16_packed_matmul"  # bf16_gemm.c; called by inference.backends.native.gemm
-ALL_SYMBOLS = (*SYMBOLS.values(), HEAD_SYMBOL, GEMM_SYMBOL)
+# prefill_attention.c; called by inference.backends.native.prefill
+PREFILL_SYMBOL = "prefill_attention_bf16"
+ALL_SYMBOLS = (*SYMBOLS.values(), HEAD_SYMBOL, GEMM_SYMBOL, PREFILL_SYMBOL)
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
@@ -197,6 +202,10 @@ def _build_and_load(folder: Path) -> ctypes.CDLL | None:
     gemm = getattr(lib, GEMM_SYMBOL)
     gemm.restype = ctypes.c_int
     gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6
+    prefill = getattr(lib, PREFILL_SYMBOL)
+    prefill.restype = ctypes.c_int
+    prefill.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7
+                        + [ctypes.c_float, ctypes.c_int64])
     for flag in ("bf16_weight_matmul_uses_dpbf16", "bf16_packed_matmul_available"):
         getattr(lib, flag).restype = ctypes.c_int
         getattr(lib, flag).argtypes = []
