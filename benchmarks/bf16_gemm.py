@@ -16,7 +16,9 @@ kernel over the input split in bf16 hi and lo parts, against
 
 Each figure is the median of ``--repeats`` passes after a warm-up (ms per pass of all 30 layers;
 ms per call for the head), with the ratio ``F.linear / packed`` and the achieved GFLOPS of the
-packed projections (``2 x rows x 106,168,320``). Prints the table only.
+packed projections (``2 x rows x 106,168,320``), and the largest |difference| between the two
+paths' gate/up outputs relative to their largest value (bf16 results: up to about 2^-8 where the
+order of the sums makes them round apart). Prints the table only.
 
 Usage::
 
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     head_packed = gemm.PackedLinear(lib, head_w)
     params = sum(out * inp for out, inp in SHAPES) * LAYERS
     print(f"{'rows':>5} {'F.linear':>10} {'packed':>10} {'ratio':>6} {'GFLOPS':>7}   "
-          f"{'head: plain':>12} {'packed':>8} {'ratio':>6}")
+          f"{'head: plain':>12} {'packed':>8} {'ratio':>6} {'rel |diff|':>10}")
     with torch.inference_mode():
         for rows in rows_list:
             xs = [torch.randn(rows, inp, generator=gen).bfloat16() for _, inp in SHAPES]
@@ -103,9 +105,11 @@ def main(argv: list[str] | None = None) -> int:
                                args.repeats)
             t_head_p = median_ms(lambda h=h: head_packed(gemm.split_fp32(h), out_fp32=True),
                                  args.repeats)
+            ref = F.linear(xs[2], weights[0][2]).float()
+            diff = ((packed[0][2](xs[2]).float() - ref).abs().max() / ref.abs().max()).item()
             print(f"{rows:>5} {t_plain:>8.1f}ms {t_fast:>8.1f}ms {t_plain / t_fast:>6.2f} "
                   f"{2 * rows * params / t_fast / 1e6:>7.0f}   {t_head:>10.2f}ms "
-                  f"{t_head_p:>6.2f}ms {t_head / t_head_p:>6.2f}")
+                  f"{t_head_p:>6.2f}ms {t_head / t_head_p:>6.2f} {diff:>10.1e}")
     return 0
 
 

@@ -14,7 +14,8 @@ earlier K/V already in the pool, in blocks of 16 scattered through it), both in 
 Each figure is the median of ``--repeats`` calls after a warm-up (ms per layer; a pass of the
 default model runs 30), with the ratio ``gather / kernel`` and the kernel's achieved GFLOPS
 (``4 x heads x 64 x`` the (query, key) pairs it must score: each new token attends its position
-plus one keys). Prints the table only.
+plus one keys), and the largest |difference| between the two paths' outputs (both bf16, values
+of order 1: a few bf16 steps at most). Prints the table only.
 
 Usage::
 
@@ -86,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     gen = torch.Generator().manual_seed(0)
     heads = KV_HEADS * GROUP
-    print(f"{'offset':>6} {'tokens':>6} {'gather':>10} {'kernel':>10} {'ratio':>6} {'GFLOPS':>7}")
+    print(f"{'offset':>6} {'tokens':>6} {'gather':>10} {'kernel':>10} {'ratio':>6} {'GFLOPS':>7} "
+          f"{'max |diff|':>10}")
     with torch.inference_mode():
         for offset, tokens in cases:
             ctx = offset + tokens
@@ -112,8 +114,10 @@ def main(argv: list[str] | None = None) -> int:
             t_gather = median_ms(lambda b=gathered: run(b), args.repeats)
             t_kernel = median_ms(lambda b=in_place: run(b), args.repeats)
             pairs = tokens * offset + tokens * (tokens + 1) // 2
+            diff = (run(gathered).float() - run(in_place).float()).abs().max().item()
             print(f"{offset:>6} {tokens:>6} {t_gather:>8.2f}ms {t_kernel:>8.2f}ms "
-                  f"{t_gather / t_kernel:>6.2f} {4 * heads * DIM * pairs / t_kernel / 1e6:>7.0f}")
+                  f"{t_gather / t_kernel:>6.2f} {4 * heads * DIM * pairs / t_kernel / 1e6:>7.0f} "
+                  f"{diff:>10.4f}")
     return 0
 
 

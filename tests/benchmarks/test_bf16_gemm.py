@@ -30,3 +30,11 @@ def test_the_bf16_gemm_benchmark_prints_each_row_count(capsys):
 def test_the_bf16_gemm_benchmark_refuses_bad_rows(rows):
     with pytest.raises(SystemExit):
         bf16_gemm.main(["--rows", rows])
+
+
+def test_the_bf16_gemm_benchmark_shows_the_paths_agree(capsys):
+    if not gemm.packed_matmul_available(native.load()):
+        return  # the other test checks the message
+    assert bf16_gemm.main(["--rows", "3", "--repeats", "1"]) == 0
+    line = next(m.group(0) for m in re.finditer(r"^\s+3 .*$", capsys.readouterr().out, re.M))
+    assert float(line.split()[-1]) <= 2.0**-7  # bf16 results, rounded apart at most once
