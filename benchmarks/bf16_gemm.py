@@ -29,27 +29,13 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
-from typing import Any
 
 from benchmarks.cli import HelpFormatter, positive_int
+from benchmarks.prefill_flops import median_time
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in) of one layer
 LAYERS = 30
 HEAD = (49152, 576)
-
-
-def median_ms(fn: Callable[[], Any], repeats: int) -> float:
-    """The median of ``repeats`` calls of ``fn`` after one warm-up, in milliseconds."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,12 +85,13 @@ def main(argv: list[str] | None = None) -> int:
                     for p, x in zip(layer, xs, strict=True):
                         p(x)
 
-            t_plain, t_fast = median_ms(plain, args.repeats), median_ms(fast, args.repeats)
+            t_plain = 1e3 * median_time(plain, args.repeats)
+            t_fast = 1e3 * median_time(fast, args.repeats)
             h = torch.randn(rows, HEAD[1], generator=gen)
-            t_head = median_ms(lambda h=h: native.bf16_weight_matmul(lib, h, head_w),
-                               args.repeats)
-            t_head_p = median_ms(lambda h=h: head_packed(gemm.split_fp32(h), out_fp32=True),
-                                 args.repeats)
+            t_head = 1e3 * median_time(
+                lambda h=h: native.bf16_weight_matmul(lib, h, head_w), args.repeats)
+            t_head_p = 1e3 * median_time(
+                lambda h=h: head_packed(gemm.split_fp32(h), out_fp32=True), args.repeats)
             ref = F.linear(xs[2], weights[0][2]).float()
             diff = ((packed[0][2](xs[2]).float() - ref).abs().max() / ref.abs().max()).item()
             print(f"{rows:>5} {t_plain:>8.1f}ms {t_fast:>8.1f}ms {t_plain / t_fast:>6.2f} "

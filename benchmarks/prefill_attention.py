@@ -26,26 +26,13 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 from typing import Any
 
 from benchmarks.cli import HelpFormatter, positive_int
+from benchmarks.prefill_flops import median_time
 
 KV_HEADS, GROUP, DIM, BLOCK = 3, 3, 64, 16
 DEFAULT_CASES = "0:256,0:1024,1024:256,2048:256,3840:256,1024:64,3840:64,3840:16"
-
-
-def median_ms(fn: Callable[[], Any], repeats: int) -> float:
-    """The median of ``repeats`` calls of ``fn`` after one warm-up, in milliseconds."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1e3
 
 
 def parse_cases(text: str) -> list[tuple[int, int]]:
@@ -111,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
 
             # Index tensors once, as a pass builds them once for all its layers.
             gathered, in_place = build(False), build(True)
-            t_gather = median_ms(lambda b=gathered: run(b), args.repeats)
-            t_kernel = median_ms(lambda b=in_place: run(b), args.repeats)
+            t_gather = 1e3 * median_time(lambda b=gathered: run(b), args.repeats)
+            t_kernel = 1e3 * median_time(lambda b=in_place: run(b), args.repeats)
             pairs = tokens * offset + tokens * (tokens + 1) // 2
             diff = (run(gathered).float() - run(in_place).float()).abs().max().item()
             print(f"{offset:>6} {tokens:>6} {t_gather:>8.2f}ms {t_kernel:>8.2f}ms "

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from inference.backends import native as native_kernels
-from inference.backends.native import prefill as native_prefill
 from inference.backends.hf.batch import _AttnPart, _Batch
+from inference.backends.native import prefill as native_prefill
 
 
 def _paged_attention(lib: Any, b: _AttnPart, q: torch.Tensor, pool: torch.Tensor, n_heads: int,

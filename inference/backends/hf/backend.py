@@ -16,8 +16,6 @@ from typing import Any
 import torch
 
 from inference.backends import native as native_kernels
-from inference.backends.native import gemm as native_gemm
-from inference.backends.native import prefill as prefill_kernel
 from inference.backends.base import DecodeRow, ModelBackend, PrefillChunk
 from inference.backends.hf.batch import MAX_ATTENTION_GROUPS, _make_batch
 from inference.backends.hf.forward import _Forward
@@ -32,6 +30,8 @@ from inference.backends.hf.loading import (
     resolve_device,
     resolve_dtype,
 )
+from inference.backends.native import gemm as native_gemm
+from inference.backends.native import prefill as prefill_kernel
 from inference.model_store import ModelLoadError, resolve_model_path
 from inference.tokenization import Tokenizer, TokenizerLoadError
 
@@ -112,6 +112,7 @@ class TransformersBackend(_Forward, ModelBackend):
         self.packed_gemm = False
         # Prefill attention by the native kernel where it runs (bf16, AVX512-BF16, head 64).
         self.native_prefill_attention = True
+        self._prefill_kernel_runs = False  # set with the library (_load_native)
         if self.native_attention:
             self._load_native()
         # [max_model_len, head_dim] each
@@ -176,6 +177,8 @@ class TransformersBackend(_Forward, ModelBackend):
         """Build or load the native kernel; without it, switch ``native_attention`` off."""
         self._native = native_kernels.load(self._kernel_dir) or False
         self.native_attention = bool(self._native)
+        self._prefill_kernel_runs = prefill_kernel.supported(self._native, self.dtype,
+                                                             self.head_dim, self.group)
         if (self._native and self.dtype == torch.bfloat16 and self.device.type == "cpu"
                 and native_gemm.packed_matmul_available(self._native)):
             self._pack_weights()
@@ -307,9 +310,7 @@ class TransformersBackend(_Forward, ModelBackend):
             self._load_native()
         native = native and bool(self._native)
         native_prefill = (decode_from > 0 and self.native_prefill_attention
-                          and bool(self._native)
-                          and prefill_kernel.supported(self._native, self.dtype, self.head_dim,
-                                                       self.group))
+                          and self._prefill_kernel_runs)
         if not native and len(rows) - decode_from > 1:
             # Decode rows sorted by length, so attention can run over groups of similar length.
             order = [*range(decode_from),

@@ -94,8 +94,9 @@ def bf16_packed_matmul(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor,
     out = packed.shape[0] * TILE
     if parts not in (1, 2) or inp != 2 * packed.shape[1] or (
             bias is not None and tuple(bias.shape) != (out,)):
+        bias_shape = None if bias is None else tuple(bias.shape)
         raise ValueError(f"bf16 packed matmul: shapes do not match: x {tuple(x.shape)}, packed "
-                         f"{tuple(packed.shape)}, bias {None if bias is None else tuple(bias.shape)}")
+                         f"{tuple(packed.shape)}, bias {bias_shape}")
     x = x.contiguous()
     if bias is not None:
         bias = bias.to(device="cpu", dtype=torch.float32).contiguous()

@@ -63,7 +63,8 @@ def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, pool: torch.Tensor,
             that do not match, or rows the pool or block tables cannot hold.
         MemoryError: if the kernel cannot allocate its packed K/V chunks.
     """
-    for name, tensor, dtype, dims in (("q", q, torch.bfloat16, 4), ("pool", pool, torch.bfloat16, 4),
+    for name, tensor, dtype, dims in (("q", q, torch.bfloat16, 4),
+                                      ("pool", pool, torch.bfloat16, 4),
                                       ("tables", tables, torch.int64, 2),
                                       ("token_start", token_start, torch.int64, 1),
                                       ("pos_start", pos_start, torch.int64, 1)):
