@@ -80,9 +80,14 @@ class WorkerBridge(Recovery, Intake):
         self._live: dict[str, LiveRequest] = {}
         self._live_lock = threading.Lock()
         self._ended: queue.SimpleQueue[str] = queue.SimpleQueue()
-        # Events not yet written (Redis unreachable), in order; both threads flush them.
+        # Events not yet written, in order (guarded by _unsent_lock); _send_lock serializes the
+        # writes (the engine or publisher thread, and the main thread's flushes).
         self._unsent: list[Event] = []
+        self._unsent_lock = threading.Lock()
         self._send_lock = threading.Lock()
+        self._publisher: threading.Thread | None = None
+        self._publish_now = threading.Event()
+        self._publisher_stop = False
         # Requests this worker counts in the global gate-1 counter: taken from Redis, not yet
         # admitted by its engine (or ended). Only the main thread touches it.
         self._held = 0
@@ -115,30 +120,68 @@ class WorkerBridge(Recovery, Intake):
         with self._live_lock:
             return self._live.pop(request_id, None)
 
-    # -- events out (engine thread, and the main thread after an outage) --------------------
+    # -- events out (engine thread, the publisher thread, the main thread after an outage) --
+
+    def start_publisher(self) -> None:
+        """Write events on a thread of their own from now on (the worker process does).
+
+        The engine thread then only hands a tick's events over and goes on to the next tick
+        while they are written (one Redis round trip and script run per tick, about a
+        millisecond, off the critical path), and a slow or unreachable Redis never stalls a
+        tick. Order is kept: every write takes the events in the order the engine emitted them.
+        """
+        if self._publisher is None:
+            self._publisher = threading.Thread(target=self._publish_loop, name="event-publisher",
+                                               daemon=True)
+            self._publisher.start()
+
+    def stop_publisher(self) -> None:
+        """Stop the publisher thread (the events it has not written stay for
+        :meth:`flush_events`)."""
+        publisher, self._publisher = self._publisher, None
+        if publisher is not None:
+            self._publisher_stop = True
+            self._publish_now.set()
+            publisher.join()
+            self._publisher_stop = False
+
+    def _publish_loop(self) -> None:
+        while not self._publisher_stop:
+            self._publish_now.wait()
+            self._publish_now.clear()
+            with self._send_lock:
+                self._send_unsent()
 
     def on_events(self, events: list[Event]) -> None:
-        """Write one tick's events to their requests' streams (only for requests it owns).
+        """Write one tick's events to their requests' streams (only for requests it owns); with
+        a publisher thread (:meth:`start_publisher`), hand them to it and return at once.
 
-        When Redis is unreachable the events wait, in order, and go out with the next call or
+        When Redis is unreachable the events wait, in order, and go out with the next write or
         :meth:`flush_events`; the engine goes on generating meanwhile.
         """
         if any(isinstance(e, FinalEvent) for e in events):
             self._row_freed.set()
             if self._waiting_full:  # a main thread waiting with its rows full: a row is free
                 self.queue.nudge()
-        with self._send_lock:
+        with self._unsent_lock:
             self._unsent.extend(events)
+        if self._publisher is not None:
+            self._publish_now.set()
+            return
+        with self._send_lock:
             self._send_unsent()
 
     def flush_events(self) -> None:
-        """Write the events that wait for Redis (main thread; raises while it is unreachable)."""
+        """Write the events that wait, the publisher's included (main thread; raises while Redis
+        is unreachable). Returns once every event handed over before the call is written."""
         with self._send_lock:
             if self._unsent:
                 self._send_unsent(raise_errors=True)
 
     def _send_unsent(self, raise_errors: bool = False) -> None:
-        events = self._unsent
+        """Write the waiting events (the caller holds ``_send_lock``)."""
+        with self._unsent_lock:
+            events, self._unsent = self._unsent, []
         if not events:
             return
         counts: dict[str, int] = {}
@@ -150,15 +193,17 @@ class WorkerBridge(Recovery, Intake):
         try:
             lost = set(self.queue.write_events(events, EVENTS_TTL_S, counts))
         except redis.RedisError as exc:
-            if len(events) > MAX_UNSENT_EVENTS:
-                log.error("%d events wait for Redis: dropping the oldest", len(events))
-                del events[: len(events) - MAX_UNSENT_EVENTS]
+            with self._unsent_lock:  # back in front of what the engine emitted meanwhile
+                self._unsent[:0] = events
+                waiting = len(self._unsent)
+                if waiting > MAX_UNSENT_EVENTS:
+                    log.error("%d events wait for Redis: dropping the oldest", waiting)
+                    del self._unsent[: waiting - MAX_UNSENT_EVENTS]
             if raise_errors:
                 raise
             log.warning("could not write %d event(s) (%s): kept for the next try",
-                        len(events), exc)
+                        waiting, exc)
             return
-        self._unsent = []
         if lost and self._epoch_changed():
             self._on_wiped()
         for event in events:

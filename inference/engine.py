@@ -2,8 +2,10 @@
 
 Submit, abort and stats never wait behind a tick: submissions and aborts go into an inbox that
 the worker drains at the start of each tick, and a stats snapshot is published after each tick.
-All tensor work happens on the worker thread (on a 2-core CPU, torch running on two OS threads
-of one process was measured 15-40 % slower per step).
+An engine that loads its own backend does all its tensor work on one thread of its own
+(:mod:`inference.compute_thread`): the backend's loading and calibration, every tick, and
+:meth:`LLMEngine.step` called from elsewhere. Given a backend, it ticks where the backend was
+loaded when driven with :meth:`LLMEngine.step`, on a thread of its own after :meth:`start`.
 
 Example::
 
@@ -21,10 +23,12 @@ import dataclasses
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from inference.backends.base import ModelBackend
+from inference.compute_thread import ComputeThread
 from inference.config import EngineConfig
 from inference.preemption import generator_state
 from inference.request import (
@@ -75,16 +79,30 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, backend: ModelBackend | None = None,
                  event_sink: EventSink | None = None, preempt_sink: PreemptSink | None = None):
         self.config = config or EngineConfig()
+        # Loading its own backend, the engine does every tensor operation on one thread.
+        self._compute = ComputeThread("engine-compute") if backend is None else None
+        if self._compute is not None:  # an engine dropped without shutdown frees it too
+            weakref.finalize(self, self._compute.close, 0)
         if backend is None:
             from inference.backends import load_backend
 
-            backend = load_backend(self.config)
+            config = self.config
+            try:
+                backend = self._on_compute(lambda: load_backend(config))
+            except BaseException:
+                self._close_compute()
+                raise
         self.backend = backend
         self.tokenizer = backend.tokenizer
         block_bytes = backend.kv_bytes_per_token() * self.config.kv_block_size
         num_blocks = self.config.kv_num_blocks or max(1, self.config.kv_cache_bytes // block_bytes)
         self.max_model_len = min(filter(None, (self.config.max_model_len, backend.max_model_len)))
-        self.scheduler = Scheduler(self.config, backend, num_blocks)
+        try:  # the scheduler calibrates its pass cost model on the backend
+            self.scheduler = self._on_compute(
+                lambda: Scheduler(self.config, backend, num_blocks))
+        except BaseException:
+            self._close_compute()
+            raise
         self.event_sink = event_sink
         self.preempt_sink = preempt_sink
 
@@ -95,6 +113,7 @@ class LLMEngine:
         self._queued = 0  # gate 1: submitted and not yet admitted or ended
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._loop_done: threading.Event | None = None
         self._started_at = time.time()
         self._tick_seconds = 0.0
         self._stats = self._build_stats()
@@ -217,8 +236,11 @@ class LLMEngine:
         """Drain the inbox and run one tick on the calling thread; return its events.
 
         For tests and benchmarks that drive the engine synchronously; do not mix with
-        :meth:`start`.
+        :meth:`start`. An engine that loaded its own backend runs the tick on its compute thread.
         """
+        return self._on_compute(self._step)
+
+    def _step(self) -> list[Event]:
         self._drain_inbox()
         started = time.perf_counter()
         early: list[Event] = []
@@ -241,6 +263,10 @@ class LLMEngine:
         """Start the worker thread that ticks while there is work."""
         if self._thread is not None:
             return
+        if self._compute is not None:
+            self._thread = self._compute.thread
+            self._loop_done = self._compute.submit(self._run)
+            return
         self._thread = threading.Thread(target=self._run, name="engine-worker", daemon=True)
         self._thread.start()
 
@@ -254,9 +280,18 @@ class LLMEngine:
         with self._lock:
             self._stopping = True
         self._wakeup.set()
-        if self._thread is not None:
+        stopped = True
+        if self._loop_done is not None:
+            stopped = self._loop_done.wait(timeout)
+        elif self._thread is not None:
             self._thread.join(timeout)
-            self._thread = None
+        self._thread = None
+        # On the compute thread once its loop has returned (in place if it did not in time).
+        withdrawn = self._on_compute(self._end) if stopped else self._end()
+        self._close_compute()
+        return withdrawn
+
+    def _end(self) -> list[Request]:
         self._drain_inbox()
         withdrawn = self.scheduler.withdraw_pending()
         for request in withdrawn:
@@ -267,6 +302,14 @@ class LLMEngine:
             message="the inference worker shut down while serving this request", retryable=True))
         self._after_tick(self.scheduler.take_events())
         return withdrawn
+
+    def _on_compute(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on the compute thread, or in place for an engine without one."""
+        return fn() if self._compute is None else self._compute.call(fn)
+
+    def _close_compute(self) -> None:
+        if self._compute is not None:
+            self._compute.close()
 
     # -- worker loop -------------------------------------------------------------------------
 
@@ -281,7 +324,7 @@ class LLMEngine:
                 self._wakeup.clear()
                 continue
             try:
-                self.step()
+                self._step()
             except Exception:  # keep serving: fail what was live, then go on
                 # Not reached by one request's own values (the scheduler contains those); the
                 # log has the exception, the clients a message without its (torch) text.

@@ -45,8 +45,8 @@ log = logging.getLogger(__name__)
 
 class Recovery:
     """The recovery half of a worker's bridge: the attributes below, and ``_forget``,
-    ``reconcile_queue``, ``flush_events``, ``flush_usage`` and ``hand_back_preempted``, are the
-    bridge's."""
+    ``reconcile_queue``, ``flush_events``, ``stop_publisher``, ``flush_usage`` and
+    ``hand_back_preempted``, are the bridge's."""
 
     engine: LLMEngine
     client: redis.Redis
@@ -202,6 +202,7 @@ class Recovery:
         """
         self._accepting = False
         withdrawn = self.engine.shutdown(timeout_s)
+        self.stop_publisher()  # the engine's last events: written below, on this thread
         back = []
         for request in withdrawn:
             if self._forget(request.request_id) is not None:

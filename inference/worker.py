@@ -25,6 +25,7 @@ import signal
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import redis
@@ -95,8 +96,11 @@ def main() -> int:
     if config.backend == "transformers" and not config.model_path:
         from inference.model_store import prepare_default_model
 
-        config = config.model_copy(update={
-            "model_path": str(prepare_default_model(settings.model_cache_dir))})
+        # On a thread that ends with it: a first run converts the model with torch, and the
+        # OpenMP pool that leaves behind would slow the engine's own (inference.compute_thread).
+        with ThreadPoolExecutor(1) as once:
+            path = once.submit(prepare_default_model, settings.model_cache_dir).result()
+        config = config.model_copy(update={"model_path": str(path)})
     engine = LLMEngine(config)
     client = redis.Redis.from_url(settings.redis_url, **redis_retry_options())
     usage_sink = None if settings.broker_url == "none" else celery_usage_sink(
@@ -118,6 +122,7 @@ def main() -> int:
     control_thread = pubsub.run_in_thread(sleep_time=0.5, daemon=True,
                                           exception_handler=control_failed)
 
+    bridge.start_publisher()
     engine.start()
     try:
         serve(bridge, stop, heartbeat_ttl_s=settings.worker_heartbeat_ttl_s,

@@ -122,6 +122,7 @@ class InProcessWorker:
 
     def start(self) -> InProcessWorker:
         self.bridge.publish_stats(self.heartbeat_ttl_s)
+        self.bridge.start_publisher()
         self.engine.start()
         self._thread.start()
         return self

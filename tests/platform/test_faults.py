@@ -105,6 +105,30 @@ def test_a_redis_restart_mid_generation_loses_and_doubles_no_token(private_redis
         worker.stop()
 
 
+def test_a_redis_that_stalls_writes_never_stalls_the_engine(private_redis, keys):
+    worker = worker_on(private_redis, keys)
+    client = redis.Redis.from_url(private_redis.url)
+    try:
+        message = request(200)
+        FairQueue(client, keys, "tool", "vtc").enqueue(message)
+        assert wait_for(lambda: client.xlen(keys.events(message.request_id)) >= 10, 10)
+        client.client_pause(1500, all=False)  # every write (the events' script) waits 1.5 s
+        written = client.xlen(keys.events(message.request_id))
+        generated = worker.engine.stats()["tokens_generated"]
+        time.sleep(1.0)
+        # Nothing reached Redis, yet the engine went on: 50 ticks a second, less a tick or two.
+        assert client.xlen(keys.events(message.request_id)) == written
+        assert worker.engine.stats()["tokens_generated"] - generated >= 25
+        assert wait_for(lambda: final_of(client, keys, message.request_id), 20)
+        events = stream(client, keys, message.request_id)
+        assert_one_run(events)  # the writes held back went out once each, in order
+        assert len(events) == 201
+        assert gate1(client, keys) == 0
+        assert client.hlen(keys.usage_pending) == 1
+    finally:
+        worker.stop()
+
+
 def test_an_abort_published_while_the_worker_did_not_listen_still_stops_it(private_redis,
                                                                           keys):
     worker = worker_on(private_redis, keys)
