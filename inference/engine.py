@@ -2,10 +2,8 @@
 
 Submit, abort and stats never wait behind a tick: submissions and aborts go into an inbox that
 the worker drains at the start of each tick, and a stats snapshot is published after each tick.
-An engine that loads its own backend does all its tensor work on one thread of its own
-(:mod:`inference.compute_thread`): the backend's loading and calibration, every tick, and
-:meth:`LLMEngine.step` called from elsewhere. Given a backend, it ticks where the backend was
-loaded when driven with :meth:`LLMEngine.step`, on a thread of its own after :meth:`start`.
+An engine that loads its own backend does all its tensor work (loading, calibration, ticks,
+:meth:`LLMEngine.step`) on one thread of its own (:mod:`inference.compute_thread`).
 
 Example::
 
@@ -59,6 +57,8 @@ EventSink = Callable[[list[Event]], None]
 # Called on the worker thread with the requests preempted in a tick, each as the state another
 # engine needs to continue it (the Redis bridge puts them back in the shared queue).
 PreemptSink = Callable[[list[ResumeState]], None]
+# Seconds shutdown waits more for a tick that outlasted its timeout (then leaves its requests).
+TICK_END_WAIT_S = 120.0
 
 
 class LLMEngine:
@@ -78,31 +78,17 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None, backend: ModelBackend | None = None,
                  event_sink: EventSink | None = None, preempt_sink: PreemptSink | None = None):
-        self.config = config or EngineConfig()
+        self.config = config = config or EngineConfig()
         # Loading its own backend, the engine does every tensor operation on one thread.
         self._compute = ComputeThread("engine-compute") if backend is None else None
         if self._compute is not None:  # an engine dropped without shutdown frees it too
             weakref.finalize(self, self._compute.close, 0)
-        if backend is None:
-            from inference.backends import load_backend
-
-            config = self.config
-            try:
-                backend = self._on_compute(lambda: load_backend(config))
-            except BaseException:
-                self._close_compute()
-                raise
-        self.backend = backend
-        self.tokenizer = backend.tokenizer
-        block_bytes = backend.kv_bytes_per_token() * self.config.kv_block_size
-        num_blocks = self.config.kv_num_blocks or max(1, self.config.kv_cache_bytes // block_bytes)
-        self.max_model_len = min(filter(None, (self.config.max_model_len, backend.max_model_len)))
-        try:  # the scheduler calibrates its pass cost model on the backend
-            self.scheduler = self._on_compute(
-                lambda: Scheduler(self.config, backend, num_blocks))
+        try:
+            self.backend, self.scheduler = self._on_compute(lambda: self._load(config, backend))
         except BaseException:
             self._close_compute()
             raise
+        self.tokenizer = self.backend.tokenizer
         self.event_sink = event_sink
         self.preempt_sink = preempt_sink
 
@@ -112,7 +98,6 @@ class LLMEngine:
         self._handles: dict[str, RequestHandle] = {}
         self._queued = 0  # gate 1: submitted and not yet admitted or ended
         self._stopping = False
-        self._thread: threading.Thread | None = None
         self._loop_done: threading.Event | None = None
         self._started_at = time.time()
         self._tick_seconds = 0.0
@@ -202,19 +187,22 @@ class LLMEngine:
         A draining worker hands them to another worker while its running requests finish.
 
         Returns:
-            The withdrawn requests (empty if the engine thread did not answer within
-            ``timeout`` seconds).
+            The withdrawn requests (none if no tick began within ``timeout`` seconds).
         """
-        box: list[Request] = []
-        done = threading.Event()
+        item = ("withdraw", ([], threading.Event()))
+        box, done = item[1]
         with self._lock:
-            self._inbox.append(("withdraw", (box, done)))
-            thread = self._thread
+            self._inbox.append(item)
         self._wakeup.set()
-        if thread is None:
+        if self._loop_done is None:
             self._drain_inbox()
             self._after_tick([])
-        done.wait(timeout)
+        if not done.wait(timeout):
+            with self._lock:  # not taken by a tick yet: called off (a taken one ends at once)
+                if any(queued is item for queued in self._inbox):
+                    self._inbox = [queued for queued in self._inbox if queued is not item]
+                    return []
+            done.wait()
         return box
 
     def num_queued(self) -> int:
@@ -260,18 +248,19 @@ class LLMEngine:
             return bool(self._inbox) or self.scheduler.has_work()
 
     def start(self) -> None:
-        """Start the worker thread that ticks while there is work."""
-        if self._thread is not None:
+        """Start the worker thread that ticks while there is work (the compute thread; one of
+        its own for an engine given its backend)."""
+        if self._loop_done is not None:
             return
-        if self._compute is not None:
-            self._thread = self._compute.thread
-            self._loop_done = self._compute.submit(self._run)
-            return
-        self._thread = threading.Thread(target=self._run, name="engine-worker", daemon=True)
-        self._thread.start()
+        if self._compute is None:
+            self._compute = ComputeThread("engine-worker")
+        self._loop_done = self._compute.submit(self._run)
 
     def shutdown(self, timeout: float = 10.0) -> list[Request]:
         """Stop taking work; end in-flight requests with a ``worker_shutdown`` error event.
+
+        The loop stops after its tick in progress, waited for ``timeout`` seconds and then up to
+        :data:`TICK_END_WAIT_S` more (logged); never ended under a running tick.
 
         Returns:
             Pending requests that were never admitted, withdrawn without any event, so the
@@ -280,16 +269,19 @@ class LLMEngine:
         with self._lock:
             self._stopping = True
         self._wakeup.set()
-        stopped = True
-        if self._loop_done is not None:
-            stopped = self._loop_done.wait(timeout)
-        elif self._thread is not None:
-            self._thread.join(timeout)
-        self._thread = None
-        # On the compute thread once its loop has returned (in place if it did not in time).
-        withdrawn = self._on_compute(self._end) if stopped else self._end()
+        # The loop ends after the tick in progress; ending the requests meanwhile would race it.
+        if not self._loop_ended(timeout):
+            log.warning("the tick in progress outlasted %g s: waiting for it", timeout)
+            if not self._loop_ended(TICK_END_WAIT_S):
+                log.error("the tick in progress did not end within %g s: its requests are "
+                          "left to the other workers", TICK_END_WAIT_S)
+                return []
+        withdrawn = self._on_compute(self._end)
         self._close_compute()
         return withdrawn
+
+    def _loop_ended(self, timeout: float) -> bool:
+        return self._loop_done is None or self._loop_done.wait(timeout)
 
     def _end(self) -> list[Request]:
         self._drain_inbox()
@@ -302,6 +294,17 @@ class LLMEngine:
             message="the inference worker shut down while serving this request", retryable=True))
         self._after_tick(self.scheduler.take_events())
         return withdrawn
+
+    def _load(self, config: EngineConfig,
+              backend: ModelBackend | None) -> tuple[ModelBackend, Scheduler]:
+        if backend is None:
+            from inference.backends import load_backend
+
+            backend = load_backend(config)
+        block_bytes = backend.kv_bytes_per_token() * config.kv_block_size
+        num_blocks = config.kv_num_blocks or max(1, config.kv_cache_bytes // block_bytes)
+        self.max_model_len = min(filter(None, (config.max_model_len, backend.max_model_len)))
+        return backend, Scheduler(config, backend, num_blocks)  # calibrates its cost model
 
     def _on_compute(self, fn: Callable[[], Any]) -> Any:
         """``fn()`` on the compute thread, or in place for an engine without one."""
@@ -372,12 +375,10 @@ class LLMEngine:
 
     def _emit(self, events: list[Event]) -> None:
         """Deliver ``events`` to their handles and the event sink (on the engine's thread)."""
-        finals = []
         with self._lock:
             handles = [self._handles.get(e.request_id) for e in events]
             for event in events:
                 if isinstance(event, FinalEvent):
-                    finals.append(event.request_id)
                     self._handles.pop(event.request_id, None)
         for handle, event in zip(handles, events, strict=True):
             if handle is not None:

@@ -8,6 +8,7 @@ about 40 % slower on a 2-core CPU (``benchmarks/overhead.py``, ``docs/engine.md`
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -92,3 +93,37 @@ def test_the_compute_thread_returns_results_raises_errors_and_runs_in_place_once
     assert compute.call(threading.get_ident) == threading.get_ident()
     with pytest.raises(RuntimeError, match="closed"):
         compute.submit(lambda: None)
+
+
+@pytest.mark.parametrize("own_backend", [True, False], ids=["loaded", "given"])
+def test_shutdown_waits_for_a_tick_that_outlasts_its_timeout_and_ends_each_request_once(
+        caplog, own_backend):
+    config = EngineConfig(backend="reference", reference_step_delay_s=0.5)
+    engine = LLMEngine(config) if own_backend else LLMEngine(
+        config, ReferenceBackend(step_delay_s=0.5))
+    handles = [engine.submit(prompt_token_ids=[5, 6, 7], sampling=SamplingParams(max_tokens=50))
+               for _ in range(3)]
+    engine.start()
+    time.sleep(0.2)  # the first tick (all three admitted) is in its pass: 0.5 s
+    assert engine.shutdown(timeout=0.05) == []
+    for handle in handles:
+        finals = [e for e in handle.events(timeout=5) if isinstance(e, FinalEvent)]
+        assert [f.error.code for f in finals] == ["worker_shutdown"]
+    assert "tick failed" not in caplog.text and "outlasted" in caplog.text
+    snapshot = engine.debug_snapshot()
+    assert not snapshot["active"] and not snapshot["prefilling"] and not snapshot["pending"]
+    assert snapshot["kv_blocks_held"] == 0 and snapshot["active_kv_reserved"] == 0
+
+
+def test_withdrawing_when_no_tick_comes_in_time_calls_the_withdrawal_off():
+    engine = LLMEngine(EngineConfig(backend="reference", reference_step_delay_s=0.5,
+                                    max_batch_size=1))
+    first = engine.submit(prompt_token_ids=[5, 6], sampling=SamplingParams(max_tokens=3))
+    second = engine.submit(prompt_token_ids=[5, 7], sampling=SamplingParams(max_tokens=3))
+    engine.start()
+    time.sleep(0.2)  # the first tick runs for 0.5 s; the second request waits in pending
+    assert engine.withdraw_pending(timeout=0.05) == []
+    # Called off, not lost: the waiting request is still the engine's and is served.
+    assert list(second.events(timeout=10))[-1].finish_reason == "length"
+    assert list(first.events(timeout=10))[-1].finish_reason == "length"
+    engine.shutdown()
