@@ -92,6 +92,11 @@ def main() -> int:
 
     from inference.engine import LLMEngine
 
+    client = redis.Redis.from_url(settings.redis_url, **redis_retry_options())
+    loaded = threading.Event()
+    threading.Thread(target=beat_while_loading, name="startup-heartbeat", daemon=True,
+                     args=(client, settings.keys.workers, worker_id,
+                           settings.heartbeat_interval_s, loaded)).start()
     log.info("loading backend %s (model %s)", config.backend, config.model_path or "default")
     if config.backend == "transformers" and not config.model_path:
         from inference.model_store import prepare_default_model
@@ -101,8 +106,10 @@ def main() -> int:
         with ThreadPoolExecutor(1) as once:
             path = once.submit(prepare_default_model, settings.model_cache_dir).result()
         config = config.model_copy(update={"model_path": str(path)})
-    engine = LLMEngine(config)
-    client = redis.Redis.from_url(settings.redis_url, **redis_retry_options())
+    try:
+        engine = LLMEngine(config)
+    finally:
+        loaded.set()
     usage_sink = None if settings.broker_url == "none" else celery_usage_sink(
         settings.broker_url, settings.celery_queue)
     bridge = WorkerBridge(engine, client, settings.keys, worker_id,
@@ -131,6 +138,24 @@ def main() -> int:
     finally:
         control_thread.stop()
     return 0
+
+
+def beat_while_loading(client: redis.Redis, workers_key: str, worker_id: str,
+                       interval_s: float, loaded: threading.Event) -> None:
+    """Keep this worker's heartbeat fresh while it loads the model and calibrates, until
+    ``loaded`` is set (then :func:`serve` beats with its stats).
+
+    A restart of the only worker can take longer than ``WORKER_HEARTBEAT_TTL_S`` on a loaded
+    machine; meanwhile the web tier would find no worker alive and refuse requests with 503
+    ``no_worker_available``. Beating from the start, the new process lets them wait in the
+    shared queue instead, for it to take once it is ready.
+    """
+    while not loaded.is_set():
+        try:
+            client.zadd(workers_key, {worker_id: time.time()})
+        except redis.RedisError as exc:  # serve() rides out the outage once loaded
+            log.debug("startup heartbeat not written: %s", exc)
+        loaded.wait(interval_s)
 
 
 def serve(bridge: WorkerBridge, stop: threading.Event, *, heartbeat_ttl_s: float,

@@ -91,3 +91,31 @@ def test_chunk_attention_counts_causal_pairs():
     assert chunk_attention(0, 1) == 1
     assert chunk_attention(0, 4) == 1 + 2 + 3 + 4
     assert chunk_attention(10, 2) == 11 + 12
+
+
+def test_calibration_fits_the_passes_own_cost_through_a_stall_of_another_process():
+    """A pass slowed by another process (a 1 s stall in one run of one shape) stays out of the
+    fit: each shape's fastest run is fitted, and the model predicts the backend's true costs."""
+    from inference.tick_budget import PassShape, calibrate, chunk_attention
+
+    true = [0.005, 0.001, 1e-5, 3e-4, 1e-8]  # c0, c_row, c_ctx, c_tok, c_attn (seconds)
+    now = [0.0]
+    calls = [0]
+
+    class Timed:
+        max_model_len = 4096
+
+        def prefill_and_decode(self, chunks, rows):
+            shape = PassShape(len(rows), sum(r.position + 1 for r in rows),
+                              sum(len(c.token_ids) for c in chunks),
+                              sum(chunk_attention(c.start_pos, len(c.token_ids)) for c in chunks))
+            calls[0] += 1
+            now[0] += sum(c * f for c, f in zip(true, shape.features(), strict=True))
+            if calls[0] == 5:
+                now[0] += 1.0  # the stall
+
+    model = calibrate(Timed(), list(range(128)), 16, clock=lambda: now[0])
+    for shape in (PassShape(8, 2000, 0, 0), PassShape(4, 1000, 256, chunk_attention(2048, 256)),
+                  PassShape(0, 0, 128, chunk_attention(0, 128))):
+        expected = sum(c * f for c, f in zip(true, shape.features(), strict=True))
+        assert abs(model.raw(shape) - expected) < 0.02 * expected + 1e-4

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ import redis
 from benchmarks.chaos import PrivateRedis
 from inference.fair_queue import FairQueue
 from inference.protocol import FinalEvent, Keys, RequestMessage, TokenEvent, queue_script
+from inference.worker import beat_while_loading
 from tests.platform.conftest import InProcessWorker
 from tests.platform.e2e_fixtures import wait_for
 
@@ -127,6 +129,28 @@ def test_a_redis_that_stalls_writes_never_stalls_the_engine(private_redis, keys)
         assert client.hlen(keys.usage_pending) == 1
     finally:
         worker.stop()
+
+
+def test_a_worker_loading_its_model_beats_so_a_restart_refuses_nothing(private_redis, keys):
+    # Loading and calibrating took 26 s on a loaded 2-core machine, past the heartbeat TTL: the
+    # web tier then saw no worker alive and refused requests. The new process beats meanwhile.
+    client = redis.Redis.from_url(private_redis.url)
+    loaded = threading.Event()
+    beat = threading.Thread(target=beat_while_loading,
+                            args=(client, keys.workers, "w-new", 0.05, loaded))
+    beat.start()
+    scores = []
+    for _ in range(6):
+        time.sleep(0.1)
+        scores.append(client.zscore(keys.workers, "w-new"))
+    assert None not in scores and scores == sorted(scores) and scores[-1] > scores[0]
+    assert time.time() - scores[-1] < 0.5  # what the web tier's alive_workers() reads
+    loaded.set()
+    beat.join(2)
+    assert not beat.is_alive()
+    last = client.zscore(keys.workers, "w-new")
+    time.sleep(0.3)
+    assert client.zscore(keys.workers, "w-new") == last  # serve() beats from here on
 
 
 def test_an_abort_published_while_the_worker_did_not_listen_still_stops_it(private_redis,
