@@ -77,6 +77,23 @@ def worker_on(server: PrivateRedis, keys: Keys, **settings: Any) -> InProcessWor
     return InProcessWorker(keys.prefix, server.url, **{**defaults, **settings}).start()
 
 
+def streaming(client: redis.Redis, keys: Keys, max_tokens: int) -> RequestMessage:
+    """A request queued and streaming: its first 10 events are in Redis."""
+    message = request(max_tokens)
+    FairQueue(client, keys, "tool", "vtc").enqueue(message)
+    assert wait_for(lambda: client.xlen(keys.events(message.request_id)) >= 10, 10)
+    return message
+
+
+def served_once(client: redis.Redis, keys: Keys, message: RequestMessage) -> FinalEvent:
+    """Wait for the request's end: every token once, in order, then one final event."""
+    assert wait_for(lambda: final_of(client, keys, message.request_id), 20)
+    events = stream(client, keys, message.request_id)
+    assert_one_run(events)
+    assert len(events) == message.sampling.max_tokens + 1
+    return FinalEvent.model_validate(events[-1])
+
+
 def gate1(client: redis.Redis, keys: Keys) -> int:
     return int(client.eval(queue_script("gate1"), 0, keys.prefix))
 
@@ -85,18 +102,12 @@ def test_a_redis_restart_mid_generation_loses_and_doubles_no_token(private_redis
     worker = worker_on(private_redis, keys)
     client = redis.Redis.from_url(private_redis.url)
     try:
-        message = request(150)
-        FairQueue(client, keys, "tool", "vtc").enqueue(message)
-        assert wait_for(lambda: client.xlen(keys.events(message.request_id)) >= 10, 10)
+        message = streaming(client, keys, 150)
         private_redis.kill(signal.SIGKILL)  # Redis dies mid-stream ...
         time.sleep(0.8)  # ... the engine goes on generating meanwhile ...
         private_redis.start()  # ... and it is back, with its data
-        assert wait_for(lambda: final_of(client, keys, message.request_id), 20)
-        events = stream(client, keys, message.request_id)
-        assert_one_run(events)
-        end = FinalEvent.model_validate(events[-1])
+        end = served_once(client, keys, message)
         assert end.finish_reason == "length" and end.usage.completion_tokens == 150
-        assert len(events) == 151
         # The worker lives on and serves the next request.
         after = request(5)
         FairQueue(client, keys, "tool", "vtc").enqueue(after)
@@ -111,9 +122,7 @@ def test_a_redis_that_stalls_writes_never_stalls_the_engine(private_redis, keys)
     worker = worker_on(private_redis, keys)
     client = redis.Redis.from_url(private_redis.url)
     try:
-        message = request(200)
-        FairQueue(client, keys, "tool", "vtc").enqueue(message)
-        assert wait_for(lambda: client.xlen(keys.events(message.request_id)) >= 10, 10)
+        message = streaming(client, keys, 200)
         client.client_pause(1500, all=False)  # every write (the events' script) waits 1.5 s
         written = client.xlen(keys.events(message.request_id))
         generated = worker.engine.stats()["tokens_generated"]
@@ -121,10 +130,7 @@ def test_a_redis_that_stalls_writes_never_stalls_the_engine(private_redis, keys)
         # Nothing reached Redis, yet the engine went on: 50 ticks a second, less a tick or two.
         assert client.xlen(keys.events(message.request_id)) == written
         assert worker.engine.stats()["tokens_generated"] - generated >= 25
-        assert wait_for(lambda: final_of(client, keys, message.request_id), 20)
-        events = stream(client, keys, message.request_id)
-        assert_one_run(events)  # the writes held back went out once each, in order
-        assert len(events) == 201
+        served_once(client, keys, message)  # the writes held back went out once each, in order
         assert gate1(client, keys) == 0
         assert client.hlen(keys.usage_pending) == 1
     finally:
