@@ -70,7 +70,7 @@ def measure(backend: Any, repeats: int) -> list[dict[str, Any]]:
 def print_fit(dtype: str, rows: list[dict[str, Any]]) -> None:
     fit, cases = rows[0]["fit_ms_per_unit"], rows[1:]
     print(f"\npass cost model, {dtype}: fit (ms per unit) " + ", ".join(
-        f"{k}={v}" for k, v in fit.items() if k != "correction"))
+        f"{k}={v}" for k, v in fit.items() if k not in ("correction", "refits")))
     print(f"{'pass':<28} {'measured':>10} {'predicted':>10} {'error':>8}")
     for row in cases:
         print(f"{row['case']:<28} {row['measured_ms']:>8.1f}ms {row['predicted_ms']:>8.1f}ms "

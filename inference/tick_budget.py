@@ -22,13 +22,17 @@ The cost model (:class:`PassCostModel`) is linear in the features of a pass
 backend (:func:`calibrate`, least squares with non-negative coefficients) and corrected as it
 runs: each pass's measured time over its prediction feeds an exponential moving average that
 scales every prediction (:meth:`PassCostModel.observe`), so a slower or busier machine than at
-start-up shrinks the budget within a few ticks.
+start-up shrinks the budget within a few ticks; every :data:`REFIT_EVERY` passes the coefficients
+are refitted on the latest measured passes, which replaces a start-up fit that a busy machine
+skewed in shape.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -44,6 +48,8 @@ MIN_PREFILL_TOKENS = 16
 CORRECTION_ALPHA = 0.2  # weight of the newest pass in the moving average of measured/predicted
 CORRECTION_RANGE = (0.5, 4.0)
 CALIBRATION_RUNS = 3  # timed runs of each calibration pass (the fastest is fitted)
+REFIT_EVERY = 64  # measured passes between two refits of the coefficients
+REFIT_WINDOW = 512  # the most recent measured passes a refit uses, with the calibration's
 FEATURES = ("c0", "c_row", "c_ctx", "c_tok", "c_attn")
 
 
@@ -75,12 +81,18 @@ class PassCostModel:
             million attention pairs).
     """
 
-    def __init__(self, coefficients: Sequence[float]):
+    def __init__(self, coefficients: Sequence[float],
+                 points: Sequence[tuple[PassShape, float]] = ()):
         if len(coefficients) != len(FEATURES):
             raise ValueError(f"expected {len(FEATURES)} coefficients, got {len(coefficients)}")
         self.coefficients = [max(0.0, float(c)) for c in coefficients]
         self.correction = 1.0
         self.passes = 0
+        self.refits = 0
+        # The calibration's passes (none: the coefficients are never refitted) and the latest
+        # measured ones: a start-up fit skewed by a busy machine is replaced as passes come.
+        self._points = [(s.features(), t) for s, t in points]
+        self._recent: deque[tuple[list[float], float]] = deque(maxlen=REFIT_WINDOW)
 
     def raw(self, shape: PassShape) -> float:
         """The calibrated prediction in seconds, before the running correction."""
@@ -98,12 +110,35 @@ class PassCostModel:
         ratio = min(max(seconds / raw, CORRECTION_RANGE[0]), CORRECTION_RANGE[1])
         self.correction += CORRECTION_ALPHA * (ratio - self.correction)
         self.passes += 1
+        if self._points:
+            self._recent.append((shape.features(), seconds))
+            if self.passes % REFIT_EVERY == 0:
+                self._refit()
+
+    def _refit(self) -> None:
+        """Refit the coefficients on the latest passes (with the calibration's while those hold
+        no prompt tokens or no decode rows), by relative error; keep the new fit only if it
+        predicts the latest passes better than the corrected current one."""
+        points = list(self._recent)
+        if not all(any(x[i] for x, _ in points) for i in (1, 3)):  # rows, prompt tokens
+            points += self._points
+        fit = _nonnegative_fit([[f / y for f in x] for x, y in points], [1.0] * len(points))
+        if not all(math.isfinite(c) for c in fit) or not any(c > 0 for c in fit):
+            return
+
+        def error(coefficients: list[float], scale: float) -> float:
+            return sum(abs(scale * sum(c * f for c, f in zip(coefficients, x, strict=True)) - y)
+                       / y for x, y in self._recent)
+
+        if error(fit, 1.0) < error(self.coefficients, self.correction):
+            self.coefficients, self.correction = fit, 1.0
+            self.refits += 1
 
     def to_dict(self) -> dict[str, float]:
         """The fit (ms per unit) and the running correction, for stats."""
         fit = {name: round(c * 1e3, 4) for name, c in zip(FEATURES, self.coefficients,
                                                           strict=True)}
-        return {**fit, "correction": round(self.correction, 3)}
+        return {**fit, "correction": round(self.correction, 3), "refits": self.refits}
 
 
 def plan_prefill(prefilling: Sequence[tuple[int, int]], decode: PassShape,
@@ -225,7 +260,7 @@ def calibrate(backend: ModelBackend, blocks: Sequence[int], block_size: int,
     cases.append(([PrefillChunk("calibrate-p", [0] * min(64, span * block_size), 0,
                                 table[:span])], mixed_rows))
     backend.prefill_and_decode(*cases[1])  # warm-up: first-call costs stay out of the fit
-    xs, ys = [], []
+    points = []
     for chunks, rows in cases:
         # Another process taking the CPU only ever adds time: the fastest of a few runs is
         # the pass's own cost (one run each fitted anything from 0 to 1 s of c0 under load).
@@ -237,9 +272,9 @@ def calibrate(backend: ModelBackend, blocks: Sequence[int], block_size: int,
         shape = PassShape(
             len(rows), sum(r.position + 1 for r in rows), sum(len(c.token_ids) for c in chunks),
             sum(chunk_attention(c.start_pos, len(c.token_ids)) for c in chunks))
-        xs.append(shape.features())
-        ys.append(seconds)
-    model = PassCostModel(_nonnegative_fit(xs, ys))
+        points.append((shape, seconds))
+    model = PassCostModel(_nonnegative_fit([p.features() for p, _ in points],
+                                           [t for _, t in points]), points)
     log.info("pass cost model fitted (ms per unit): %s", model.to_dict())
     return model
 

@@ -119,3 +119,48 @@ def test_calibration_fits_the_passes_own_cost_through_a_stall_of_another_process
                   PassShape(0, 0, 128, chunk_attention(0, 128))):
         expected = sum(c * f for c, f in zip(true, shape.features(), strict=True))
         assert abs(model.raw(shape) - expected) < 0.02 * expected + 1e-4
+
+
+def test_a_fit_skewed_at_start_up_is_refitted_from_the_passes_that_follow():
+    """A start-up fit measured on a busy machine (every calibration pass 3x slow, prompt tokens
+    8x) predicts serving passes badly; the refits on measured passes bring the predictions back
+    within 5 % of the true costs, and a refit that would fit worse is never kept."""
+    import random
+
+    from inference.tick_budget import REFIT_EVERY, PassCostModel, PassShape, chunk_attention
+
+    true = [0.008, 0.0003, 0.002, 2.7e-4, 1.2e-4]
+
+    def cost(shape: PassShape) -> float:
+        return sum(c * f for c, f in zip(true, shape.features(), strict=True))
+
+    rng = random.Random(0)
+
+    def serving_pass() -> PassShape:
+        rows = rng.randint(1, 16)
+        tokens = rng.choice([0, 0, 0, 16, 64, 256])
+        start = rng.randint(0, 3000)
+        return PassShape(rows, rows * rng.randint(50, 2000), tokens,
+                         chunk_attention(start, tokens) if tokens else 0)
+
+    calibration = [PassShape(1, 16), PassShape(16, 256), PassShape(16, 4096),
+                   PassShape(0, 0, 32, chunk_attention(0, 32)),
+                   PassShape(0, 0, 128, chunk_attention(0, 128)),
+                   PassShape(0, 0, 128, chunk_attention(1024, 128))]
+    skewed = [(s, 3 * cost(s) * (8 if s.prefill_tokens else 1)) for s in calibration]
+    model = PassCostModel([0.03, 0.0, 0.0, 6e-3, 0.0], skewed)
+    probes = [serving_pass() for _ in range(50)]
+
+    def worst_error() -> float:
+        return max(abs(model.predict(s) - cost(s)) / cost(s) for s in probes)
+
+    assert worst_error() > 0.5
+    for _ in range(4 * REFIT_EVERY):
+        shape = serving_pass()
+        model.observe(shape, cost(shape))
+    assert model.refits >= 1 and worst_error() < 0.05
+    kept = list(model.coefficients)
+    for _ in range(REFIT_EVERY):  # passes a refit cannot improve on: the fit stays
+        shape = serving_pass()
+        model.observe(shape, cost(shape))
+    assert model.coefficients == kept or worst_error() < 0.05
