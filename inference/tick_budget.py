@@ -49,6 +49,7 @@ CORRECTION_ALPHA = 0.2  # weight of the newest pass in the moving average of mea
 CORRECTION_RANGE = (0.5, 4.0)
 CALIBRATION_RUNS = 3  # timed runs of each calibration pass (the fastest is fitted)
 REFIT_EVERY = 64  # measured passes between two refits of the coefficients
+FIRST_REFIT = 16  # measured passes before the first (a start-up fit may be far off)
 REFIT_WINDOW = 512  # the most recent measured passes a refit uses, with the calibration's
 FEATURES = ("c0", "c_row", "c_ctx", "c_tok", "c_attn")
 
@@ -112,16 +113,16 @@ class PassCostModel:
         self.passes += 1
         if self._points:
             self._recent.append((shape.features(), seconds))
-            if self.passes % REFIT_EVERY == 0:
+            if self.passes % REFIT_EVERY == 0 or self.passes == FIRST_REFIT:
                 self._refit()
 
     def _refit(self) -> None:
-        """Refit the coefficients on the latest passes (with the calibration's while those hold
-        no prompt tokens or no decode rows), by relative error; keep the new fit only if it
-        predicts the latest passes better than the corrected current one."""
-        points = list(self._recent)
-        if not all(any(x[i] for x, _ in points) for i in (1, 3)):  # rows, prompt tokens
-            points += self._points
+        """Refit the coefficients on the latest passes and the calibration's, by relative error;
+        keep the new fit only if it predicts the latest passes better than the corrected current
+        one. The calibration's passes (1 to 16 rows, prompt chunks shallow and deep) pin what the
+        latest ones do not vary: serving often runs the same row count for minutes, or no long
+        prompt, and a fit on those alone puts any cost on ``c0`` or none on attention."""
+        points = [*self._recent, *self._points]
         fit = _nonnegative_fit([[f / y for f in x] for x, y in points], [1.0] * len(points))
         if not all(math.isfinite(c) for c in fit) or not any(c > 0 for c in fit):
             return

@@ -164,3 +164,47 @@ def test_a_fit_skewed_at_start_up_is_refitted_from_the_passes_that_follow():
         shape = serving_pass()
         model.observe(shape, cost(shape))
     assert model.coefficients == kept or worst_error() < 0.05
+
+
+def test_refits_keep_what_the_latest_passes_do_not_vary():
+    """Serving often runs one row count for minutes and no long prompt for a while: refits on
+    such passes alone moved every cost onto c0 and none onto attention (a deep 256-token chunk
+    predicted at a quarter of its cost). The calibration's passes pin those, so every refit
+    stays near the true costs (10 % noise on each measured pass)."""
+    import random
+
+    from inference.tick_budget import PassCostModel, PassShape, chunk_attention
+
+    rng = random.Random(0)
+    true = [0.010, 0.0, 0.003, 0.0004, 0.100]
+
+    def cost(shape: PassShape) -> float:
+        return sum(c * f for c, f in zip(true, shape.features(), strict=True))
+
+    calibration = [PassShape(1, 16), PassShape(8, 128), PassShape(8, 8192),
+                   PassShape(0, 0, 32, chunk_attention(0, 32)),
+                   PassShape(0, 0, 128, chunk_attention(0, 128)),
+                   PassShape(0, 0, 128, chunk_attention(1024, 128)),
+                   PassShape(8, 128, 64, chunk_attention(0, 64))]
+    model = PassCostModel(true, [(s, cost(s)) for s in calibration])
+    deep = PassShape(3, 900, 256, chunk_attention(2048, 256))
+    wide = PassShape(32, 32 * 300)
+    contexts, left, position, refits = [60, 200, 350], 0, 0, 0
+    for i in range(64 * 60):
+        contexts = [c + 1 if c < 460 else 60 for c in contexts]
+        tokens = attention = 0
+        if not left and i % 1500 == 700:
+            left, position = 2400, 0
+        if left:
+            tokens = min(256, left)
+            attention = chunk_attention(position, tokens)
+            position, left = position + tokens, left - tokens
+        elif rng.random() < 0.02:
+            tokens, attention = 60, chunk_attention(0, 60)
+        shape = PassShape(3, sum(contexts), tokens, attention)
+        model.observe(shape, cost(shape) * rng.uniform(0.9, 1.1))
+        if model.refits != refits:
+            refits = model.refits
+            for probe in (deep, wide):
+                assert abs(model.raw(probe) - cost(probe)) < 0.25 * cost(probe), (i, probe)
+    assert refits >= 10
