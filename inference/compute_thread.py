@@ -13,12 +13,33 @@ A pool is freed when its thread exits, so :meth:`ComputeThread.close` ends the t
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import time
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+# At interpreter exit, how long the running jobs get to return (seconds): a torch operation still
+# running on a daemon thread while the process tears libtorch down aborts the process
+# ("terminate called without an active exception").
+EXIT_WAIT_S = 10.0
+_threads: weakref.WeakSet[ComputeThread] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """Ask every compute thread's running job to stop, and wait for them (bounded)."""
+    threads = list(_threads)
+    for compute in threads:
+        if compute.stop_running is not None:
+            compute.stop_running()
+        compute.close(0)
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for compute in threads:
+        compute.thread.join(max(0.0, deadline - time.monotonic()))
 
 
 class ComputeThread:
@@ -38,9 +59,12 @@ class ComputeThread:
             queue.SimpleQueue())
         self._closed = False
         self._lock = threading.Lock()  # a job is never queued behind the end mark
+        # Asks the long-running job (a tick loop) to return; called at interpreter exit.
+        self.stop_running: Callable[[], None] | None = None
         self.thread = threading.Thread(target=self._serve, args=(torch.get_num_threads(),),
                                        name=name, daemon=True)
         self.thread.start()
+        _threads.add(self)
 
     def _serve(self, threads: int) -> None:
         import torch
@@ -77,9 +101,13 @@ class ComputeThread:
             return value
         raise value
 
-    def submit(self, fn: Callable[[], Any]) -> threading.Event:
+    def submit(self, fn: Callable[[], Any],
+               stop: Callable[[], None] | None = None) -> threading.Event:
         """Queue ``fn`` without waiting; the returned event is set when it has returned (its
-        exceptions are dropped: ``fn`` handles its own)."""
+        exceptions are dropped: ``fn`` handles its own). ``stop`` asks a long-running ``fn``
+        to return; it is called at interpreter exit."""
+        if stop is not None:
+            self.stop_running = stop
         done = threading.Event()
         with self._lock:
             if self._closed:

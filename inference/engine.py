@@ -254,7 +254,7 @@ class LLMEngine:
             return
         if self._compute is None:
             self._compute = ComputeThread("engine-worker")
-        self._loop_done = self._compute.submit(self._run)
+        self._loop_done = self._compute.submit(self._run, stop=self._ask_stop)
 
     def shutdown(self, timeout: float = 10.0) -> list[Request]:
         """Stop taking work; end in-flight requests with a ``worker_shutdown`` error event.
@@ -266,9 +266,7 @@ class LLMEngine:
             Pending requests that were never admitted, withdrawn without any event, so the
             caller can hand them to another worker.
         """
-        with self._lock:
-            self._stopping = True
-        self._wakeup.set()
+        self._ask_stop()
         # The loop ends after the tick in progress; ending the requests meanwhile would race it.
         if not self._loop_ended(timeout):
             log.warning("the tick in progress outlasted %g s: waiting for it", timeout)
@@ -279,6 +277,11 @@ class LLMEngine:
         withdrawn = self._on_compute(self._end)
         self._close_compute()
         return withdrawn
+
+    def _ask_stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+        self._wakeup.set()
 
     def _loop_ended(self, timeout: float) -> bool:
         return self._loop_done is None or self._loop_done.wait(timeout)

@@ -7,8 +7,11 @@ about 40 % slower on a 2-core CPU (``benchmarks/overhead.py``, ``docs/engine.md`
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -127,3 +130,25 @@ def test_withdrawing_when_no_tick_comes_in_time_calls_the_withdrawal_off():
     assert list(second.events(timeout=10))[-1].finish_reason == "length"
     assert list(first.events(timeout=10))[-1].finish_reason == "length"
     engine.shutdown()
+
+
+def test_at_exit_the_running_job_is_asked_to_stop_and_returns_before_the_interpreter_goes():
+    """A tick still running while the interpreter tears libtorch down aborts the process
+    ("terminate called without an active exception"): the running job is asked to stop and
+    waited for first."""
+    script = (
+        "import threading, time\n"
+        "from inference.compute_thread import ComputeThread\n"
+        "stop = threading.Event()\n"
+        "def loop():\n"
+        "    while not stop.is_set():\n"
+        "        time.sleep(0.01)\n"
+        "    time.sleep(0.2)  # the tick in progress\n"
+        "    print('loop returned', flush=True)\n"
+        "ComputeThread('t').submit(loop, stop=stop.set)\n"
+        "time.sleep(0.1)\n"
+        "print('exiting', flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parents[2],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["exiting", "loop returned"]
