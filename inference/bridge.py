@@ -149,8 +149,11 @@ class WorkerBridge(Recovery, Intake):
         while not self._publisher_stop:
             self._publish_now.wait()
             self._publish_now.clear()
-            with self._send_lock:
-                self._send_unsent()
+            try:  # e.g. Redis lost after a write, reading the epoch: the thread goes on
+                with self._send_lock:
+                    self._send_unsent()
+            except Exception:  # noqa: BLE001
+                log.exception("event publisher: write failed")
 
     def on_events(self, events: list[Event]) -> None:
         """Write one tick's events to their requests' streams (only for requests it owns); with
@@ -192,13 +195,16 @@ class WorkerBridge(Recovery, Intake):
                     counts[event.request_id] = live.prompt_tokens
         try:
             lost = set(self.queue.write_events(events, EVENTS_TTL_S, counts))
-        except redis.RedisError as exc:
-            with self._unsent_lock:  # back in front of what the engine emitted meanwhile
+        except Exception as exc:  # kept, in front of what the engine emitted meanwhile
+            with self._unsent_lock:
                 self._unsent[:0] = events
                 waiting = len(self._unsent)
                 if waiting > MAX_UNSENT_EVENTS:
                     log.error("%d events wait for Redis: dropping the oldest", waiting)
                     del self._unsent[: waiting - MAX_UNSENT_EVENTS]
+            if not isinstance(exc, redis.RedisError):  # a fault of ours: logged, not fatal
+                log.exception("could not write %d event(s): kept for the next try", waiting)
+                return
             if raise_errors:
                 raise
             log.warning("could not write %d event(s) (%s): kept for the next try",

@@ -137,6 +137,26 @@ def test_a_redis_that_stalls_writes_never_stalls_the_engine(private_redis, keys)
         worker.stop()
 
 
+def test_a_failed_event_write_loses_no_event_and_keeps_the_publisher_writing(private_redis, keys):
+    worker = worker_on(private_redis, keys)
+    client = redis.Redis.from_url(private_redis.url)
+    write, failures = worker.bridge.queue.write_events, []
+
+    def flaky(*args, **kwargs):  # a write that fails other than on Redis, three times
+        if len(failures) < 3:
+            failures.append(1)
+            raise ValueError("an unexpected write failure")
+        return write(*args, **kwargs)
+
+    try:
+        message = streaming(client, keys, 60)
+        worker.bridge.queue.write_events = flaky
+        served_once(client, keys, message)  # the events of the failed writes went out later
+        assert len(failures) == 3
+    finally:
+        worker.stop()
+
+
 def test_a_worker_loading_its_model_beats_so_a_restart_refuses_nothing(private_redis, keys):
     # Loading and calibrating took 26 s on a loaded 2-core machine, past the heartbeat TTL: the
     # web tier then saw no worker alive and refused requests. The new process beats meanwhile.
