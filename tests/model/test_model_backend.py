@@ -13,6 +13,7 @@ import torch
 
 from inference.backends.base import DecodeRow, PrefillChunk
 from inference.backends.hf import TransformersBackend
+from inference.backends.hf.batch import _make_batch
 from inference.config import EngineConfig
 from inference.model_store import ModelLoadError, resolve_model_path, validate_model_dir
 from inference.request import SamplingParams
@@ -76,6 +77,29 @@ def test_greedy_output_equals_transformers_generate(backend, chat_prompt):
     ours = run_alone(backend, chat_prompt, SamplingParams(max_tokens=max_new))
     assert ours.tokens, "no tokens generated"
     assert_same_greedy(reference, ours.tokens, "engine vs transformers generate")
+
+
+def test_a_deep_chunk_a_new_prompt_and_a_decode_row_in_one_pass_match_the_plain_forward(
+        backend, corpus_ids):
+    # A long prompt's late chunk (its keys: 600 positions) beside a new 40-token prompt: gathered
+    # together, the short prompt would attend over 600 padded keys and the chunk be padded to 40
+    # queries; they are gathered apart, and the logits are the plain forward's either way.
+    backend.allocate_kv_pool(128, 16)
+    long, short, other = corpus_ids[:600], corpus_ids[700:740], corpus_ids[800:830]
+    tables = {"L": list(range(40, 78)), "s": [90, 3, 91], "o": [100, 101]}
+    backend.prefill([PrefillChunk("L", long[:570], 0, tables["L"])])
+    backend.prefill([PrefillChunk("o", other, 0, tables["o"])])
+    chunks = [PrefillChunk("L", long[570:], 570, tables["L"]),
+              PrefillChunk("s", short, 0, tables["s"])]
+    rows = [(list(c.token_ids), c.start_pos, c.block_table) for c in chunks]
+    batch = _make_batch(rows + [([7], 30, tables["o"])], block_size=16, num_blocks=128,
+                        num_kv_heads=backend.num_kv_heads, group=backend.group,
+                        max_model_len=backend.max_model_len, max_groups=1,
+                        device=torch.device("cpu"), decode_from=2)
+    assert [(p.token_start, p.token_end) for p in batch.parts] == [(0, 30), (30, 70), (70, 71)]
+    logits = backend.prefill_and_decode(chunks, [DecodeRow("o", 7, 30, tables["o"])])
+    for i, ids in enumerate((long, short, [*other, 7])):
+        torch.testing.assert_close(logits[i], hf_logits(backend, ids)[-1], atol=LOGIT_ATOL, rtol=0)
 
 
 def test_pool_is_one_tensor_sized_by_blocks(backend):

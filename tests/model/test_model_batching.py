@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from inference.backends.hf.batch import MAX_ATTENTION_GROUPS, _attention_groups
+from inference.backends.hf.batch import MAX_ATTENTION_GROUPS, _attention_groups, _prefill_parts
 from inference.request import SamplingParams
 from tests.model.helpers import assert_same_greedy, make_engine, run_alone, run_requests
 
@@ -128,3 +128,16 @@ def test_attention_groups_split_rows_by_length_only_when_it_pays():
     assert len(many) == MAX_ATTENTION_GROUPS
     assert [s for s, _ in many][0] == 0 and many[-1][1] == len(range(1, 200, 3))
     assert all(a[1] == b[0] for a, b in zip(many, many[1:], strict=False))  # in order
+
+
+def test_prefill_rows_share_an_attention_run_only_when_it_pays():
+    # a deep chunk (40 new tokens over 1,952 keys) and a new 100-token prompt: apart
+    assert _prefill_parts([40, 100], [1952, 112]) == [(0, 1), (1, 2)]
+    # prompts of similar shape, or many tiny ones: one run (a run per row costs more calls)
+    assert _prefill_parts([64, 70, 66], [64, 80, 80]) == [(0, 3)]
+    assert _prefill_parts([8] * 32, [16] * 32) == [(0, 32)]
+    # two similar new prompts around a deep chunk: the order is kept, so three runs
+    assert _prefill_parts([100, 30, 96], [112, 2048, 96]) == [(0, 1), (1, 2), (2, 3)]
+    runs = _prefill_parts([5, 300, 6, 7, 250, 4], [16, 3000, 16, 16, 256, 2000])
+    assert runs[0][0] == 0 and runs[-1][1] == 6
+    assert all(a[1] == b[0] for a, b in zip(runs, runs[1:], strict=False))

@@ -116,6 +116,48 @@ def _attention_groups(blocks: Sequence[int], block_size: int,
     return ranges[::-1]
 
 
+# A further prefill part costs about as much as this many more (query, key) pairs of padded
+# attention: a gather, an attention call and the output's reordering per layer.
+PART_OVERHEAD_PAIRS = 4096
+
+
+def _prefill_parts(new_tokens: Sequence[int], ctx_tokens: Sequence[int],
+                   overhead: int = PART_OVERHEAD_PAIRS) -> list[tuple[int, int]]:
+    """Split consecutive prefill rows into runs whose attention is gathered together.
+
+    A run pads every row's queries to its most new tokens ``T`` and its keys to its longest
+    context ``L``, so its attention computes ``rows * T * L`` (query, key) pairs: a deep chunk
+    of a long prompt in one run with a new short prompt would give the short one the long one's
+    context, and the long one the short one's tokens. This picks the split into runs of rows,
+    in their order, that minimises ``sum(rows * T * L) + overhead * runs`` (dynamic programming
+    over the rows, ``O(R^2)``).
+
+    Args:
+        new_tokens: each row's new tokens (``T`` of the row alone).
+        ctx_tokens: each row's context after the pass (its keys, whole blocks).
+        overhead: the cost of one more run, in (query, key) pairs.
+
+    Returns:
+        ``[(start, end), ...]`` half-open row ranges covering ``range(len(new_tokens))``.
+    """
+    n = len(new_tokens)
+    best = [0.0] + [float("inf")] * n
+    cut = [0] * (n + 1)
+    for i in range(1, n + 1):
+        t_max = l_max = 0
+        for j in range(i - 1, -1, -1):  # the last run is rows [j, i)
+            t_max, l_max = max(t_max, new_tokens[j]), max(l_max, ctx_tokens[j])
+            cost = best[j] + (i - j) * t_max * l_max + overhead
+            if cost < best[i]:
+                best[i], cut[i] = cost, j
+    ranges: list[tuple[int, int]] = []
+    end = n
+    while end > 0:
+        ranges.append((cut[end], end))
+        end = cut[end]
+    return ranges[::-1]
+
+
 def _make_batch(rows: list[tuple[list[int], int, Sequence[int]]], *, block_size: int,
                 num_blocks: int, num_kv_heads: int, group: int, max_model_len: int,
                 max_groups: int, device: torch.device, grouped: bool = False,
@@ -123,8 +165,9 @@ def _make_batch(rows: list[tuple[list[int], int, Sequence[int]]], *, block_size:
                 all_logits: Sequence[bool] = (), native_prefill: bool = False) -> _Batch:
     """Index tensors for ``rows``.
 
-    Rows ``[0, decode_from)`` are prefill rows: their attention is gathered in one group, each
-    query attending causally to its own row. Rows ``[decode_from, R)`` are decode rows (one new
+    Rows ``[0, decode_from)`` are prefill rows: their attention is gathered per run of
+    consecutive rows (:func:`_prefill_parts`; one part each), each query attending causally to
+    its own row. Rows ``[decode_from, R)`` are decode rows (one new
     token each): ``native``, their attention is the native kernel's, read from block tables;
     ``grouped``, gathered per group of similar-length rows (the caller sorted them by length);
     else gathered in one group. ``decode_from`` None: every row is a prefill row unless all have
@@ -176,7 +219,12 @@ def _make_batch(rows: list[tuple[list[int], int, Sequence[int]]], *, block_size:
     heads = torch.arange(2 * num_kv_heads)[:, None]
     parts = []
     token_start = 0
-    for r0, r1, kind in ((0, decode_from, "prefill"), (decode_from, len(rows), "decode")):
+    runs = [(0, decode_from, "prefill")]
+    if decode_from > 1 and not native_prefill:  # gathered: similar rows share a run
+        runs = [(r0, r1, "prefill") for r0, r1 in _prefill_parts(
+            [len(rows[r][0]) for r in range(decode_from)],
+            [need_blocks[r] * bs for r in range(decode_from)])]
+    for r0, r1, kind in (*runs, (decode_from, len(rows), "decode")):
         if r1 <= r0:
             continue
         if kind == "decode" and any(len(rows[r][0]) != 1 for r in range(r0, r1)):
