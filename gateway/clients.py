@@ -24,8 +24,8 @@ _async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aioredis.Re
 def aredis() -> aioredis.Redis:
     """The async Redis client of the running event loop (one connection pool per loop).
 
-    Every streaming request holds a connection while it waits for events (``XREAD BLOCK``), so
-    the pool holds ``REDIS_MAX_CONNECTIONS``: the whole gate-1 queue plus the running batch.
+    Its calls are short (events are read on a connection of their own:
+    :mod:`gateway.event_reader`); the pool holds up to ``REDIS_MAX_CONNECTIONS``.
     """
     loop = asyncio.get_running_loop()
     client = _async_clients.get(loop)

@@ -2,7 +2,8 @@
 
 A worker appends each request's events to ``{prefix}:events:{request_id}``:
 :class:`~inference.protocol.TokenEvent` ... then exactly one
-:class:`~inference.protocol.FinalEvent`, each validated here as it is read.
+:class:`~inference.protocol.FinalEvent`, each validated here as it is read. The streams of all the
+requests of an event loop are read together by its one reader (:mod:`gateway.event_reader`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import redis
 import redis.exceptions
 from asgiref.sync import sync_to_async
 
-from gateway import monitor, usage
+from gateway import event_reader, monitor, usage
 from gateway.clients import aredis
 from gateway.conf import redis_keys
 from gateway.errors import APIError
@@ -32,8 +33,8 @@ from inference.protocol import (
 
 log = logging.getLogger(__name__)
 
-# Blocks stay well below the client's socket timeout (5 s by default in redis-py 8), and short
-# enough that a lost request (Redis lost its data) is noticed within a second or so.
+# A request waits this long at most for its next entries before it looks again at its deadlines
+# and epoch: a lost request (Redis lost its data) is noticed within a second or so (seconds).
 XREAD_BLOCK_S = 1.0
 WITHDRAW_LUA = queue_script("withdraw")
 # Backoff between reads while Redis is unreachable (seconds).
@@ -137,57 +138,60 @@ async def events(
             or lost the request.
         pydantic.ValidationError: an entry that is not a valid event.
     """
-    client = aredis()
     stream = redis_keys().events(request_id)
     watcher = monitor.current()
-    last_id = "0-0"
     start = time.monotonic()
     deadline = start + idle_timeout_s
     # When to yield the next Waiting: the first-event timeout, then every keepalive period.
     beat_at = start + first_timeout_s if first_timeout_s is not None else None
     failures = 0
     failing_since: float | None = None
-    while True:
-        wake = deadline if beat_at is None else min(deadline, beat_at)
-        block_ms = max(1, int(min(XREAD_BLOCK_S, wake - time.monotonic()) * 1000))
-        try:
-            reply = await client.xread({stream: last_id}, block=block_ms, count=256)
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+    # The loop's one reader reads every request's stream; this request waits for its entries.
+    subscription = event_reader.subscribe(stream)
+    try:
+        while True:
+            wake = deadline if beat_at is None else min(deadline, beat_at)
+            block_ms = max(1, int(min(XREAD_BLOCK_S, wake - time.monotonic()) * 1000))
+            try:
+                entries = await subscription.read(block_ms / 1000)
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+                _raise_if_cancelled()
+                now = time.monotonic()
+                failing_since = failing_since or now
+                if now - failing_since > outage_tolerance_s:
+                    raise APIError(503, "The server lost its connection to the request store; "
+                                   "retry the request.", code="service_unavailable",
+                                   retry_after_s=1) from exc
+                await asyncio.sleep(OUTAGE_BACKOFF_S[min(failures, len(OUTAGE_BACKOFF_S) - 1)])
+                failures += 1
+                deadline += time.monotonic() - now  # an outage is not the worker's silence
+                if beat_at is not None and time.monotonic() >= beat_at:
+                    beat_at = time.monotonic() + keepalive_s if keepalive_s else None
+                    yield Waiting()  # the client's connection stays open through the outage
+                continue
             _raise_if_cancelled()
+            failures, failing_since = 0, None
             now = time.monotonic()
-            failing_since = failing_since or now
-            if now - failing_since > outage_tolerance_s:
-                raise APIError(503, "The server lost its connection to the request store; "
-                               "retry the request.", code="service_unavailable",
-                               retry_after_s=1) from exc
-            await asyncio.sleep(OUTAGE_BACKOFF_S[min(failures, len(OUTAGE_BACKOFF_S) - 1)])
-            failures += 1
-            deadline += time.monotonic() - now  # an outage is not the worker's silence
-            if beat_at is not None and time.monotonic() >= beat_at:
-                beat_at = time.monotonic() + keepalive_s if keepalive_s else None
-                yield Waiting()  # the client's connection stays open through the outage
-            continue
-        _raise_if_cancelled()
-        failures, failing_since = 0, None
-        now = time.monotonic()
-        if not reply:
-            if epoch is not None and watcher.epoch is not None and watcher.epoch != epoch:
-                raise lost_error()
-            if beat_at is not None and now >= beat_at:
-                beat_at = now + keepalive_s if keepalive_s else None
-                yield Waiting()
-            if now >= deadline:
-                raise APIError(504, f"No answer from the inference worker within "
-                               f"{idle_timeout_s:g} s.", code="worker_timeout")
-            continue
-        deadline = now + idle_timeout_s
-        if keepalive_s:
-            beat_at = now + keepalive_s
-        elif first_timeout_s is not None:
-            beat_at = None
-        for entry_id, fields in reply[0][1]:
-            last_id = entry_id
-            event = decode_event(fields)
-            yield event
-            if event.type == "final":
-                return
+            if not entries:
+                if epoch is not None and watcher.epoch is not None and watcher.epoch != epoch:
+                    raise lost_error()
+                if beat_at is not None and now >= beat_at:
+                    beat_at = now + keepalive_s if keepalive_s else None
+                    yield Waiting()
+                if now >= deadline:
+                    raise APIError(504, f"No answer from the inference worker within "
+                                   f"{idle_timeout_s:g} s.", code="worker_timeout")
+                continue
+            deadline = now + idle_timeout_s
+            if keepalive_s:
+                beat_at = now + keepalive_s
+            elif first_timeout_s is not None:
+                beat_at = None
+            for _entry_id, fields in entries:
+                event = decode_event(fields)
+                yield event
+                if event.type == "final":
+                    return
+    finally:
+        # Also on a cancellation (client disconnect) or a closed generator: stop reading it.
+        subscription.close()

@@ -21,7 +21,8 @@ interface; the ``*_here`` functions count in the calling process, for the counti
 
 **Byte bounds.** A byte-level BPE token covers at least one byte of the prompt and at most the
 longest token of the vocabulary (:class:`ByteBounds`, derived from ``tokenizer.json``), so a
-prompt of ``b`` bytes has between ``ceil(b / longest)`` and ``b`` tokens. A prompt whose lower
+prompt of ``b`` bytes has between ``ceil(b / longest)`` and ``b`` tokens (bytes the vocabulary
+cannot hold count for none: :mod:`gateway.byte_bounds`). A prompt whose lower
 bound is already over the most it may have is not tokenized at all: a 2.4 MB prompt against a
 context of 8,192 tokens costs a byte count, not 2.7 s of tokenizing.
 """
@@ -48,6 +49,7 @@ from typing import Any, TypeVar
 
 from django.core.signals import request_started
 
+from gateway.byte_bounds import ByteBounds, byte_bounds
 from inference.tokenization import Tokenizer, TokenizerLoadError
 
 # Settings and errors are imported where used: a counting process needs neither (0.5 s).
@@ -63,64 +65,6 @@ ESTIMATE_TOKENS_PER_MESSAGE = 5
 ESTIMATE_TOKENS_PER_PROMPT = 3
 # Counting processes per web process (``LLM_PLATFORM["TOKENIZER_PROCESSES"]`` overrides it).
 POOL_PROCESSES = 2
-
-
-@dataclass(frozen=True)
-class ByteBounds:
-    """Token count bounds of a text from its UTF-8 length, for a byte-level BPE tokenizer.
-
-    Attributes:
-        max_token_bytes: bytes of the longest token (vocabulary and added tokens).
-        prefix_bytes: bytes the pre-tokenizer adds before the text (1 with
-            ``add_prefix_space``, else 0).
-    """
-
-    max_token_bytes: int
-    prefix_bytes: int = 0
-
-    def at_least(self, n_bytes: int) -> int:
-        """The fewest tokens a text of ``n_bytes`` bytes can have."""
-        return -(-n_bytes // self.max_token_bytes)
-
-    def at_most(self, n_bytes: int) -> int:
-        """The most tokens a text of ``n_bytes`` bytes can have (each token has a byte)."""
-        return n_bytes + self.prefix_bytes
-
-
-def _byte_level(pre_tokenizer: Any) -> dict[str, Any] | None:
-    """The ``ByteLevel`` step of a pre-tokenizer (alone or in a ``Sequence``), or None."""
-    if not isinstance(pre_tokenizer, dict):
-        return None
-    if pre_tokenizer.get("type") == "ByteLevel":
-        return pre_tokenizer
-    if pre_tokenizer.get("type") == "Sequence":
-        for step in pre_tokenizer.get("pretokenizers") or []:
-            if (found := _byte_level(step)) is not None:
-                return found
-    return None
-
-
-def byte_bounds(spec: dict[str, Any]) -> ByteBounds | None:
-    """The byte bounds of the tokenizer described by ``spec`` (``tokenizer.json``'s content).
-
-    Only a byte-level BPE tokenizer without a normalizer (which could change the text's length)
-    and without added tokens that swallow neighbouring whitespace (``lstrip``/``rstrip``) has
-    them: each vocabulary entry is written in the byte-level alphabet, one character per byte, and
-    an added token matches its own UTF-8 bytes. Anything else: None (no bound is used).
-    """
-    model = spec.get("model") or {}
-    byte_level = _byte_level(spec.get("pre_tokenizer"))
-    if model.get("type") != "BPE" or byte_level is None or spec.get("normalizer") is not None:
-        return None
-    added = spec.get("added_tokens") or []
-    if any(token.get("lstrip") or token.get("rstrip") for token in added):
-        return None
-    longest = max([*map(len, model.get("vocab") or {}),
-                   *(len(token["content"].encode()) for token in added)], default=0)
-    if longest < 1:
-        return None
-    return ByteBounds(max_token_bytes=longest,
-                      prefix_bytes=1 if byte_level.get("add_prefix_space") else 0)
 
 
 def utf8_length(text: str) -> int:
@@ -214,8 +158,8 @@ def bounds_here(messages: Sequence[dict[str, str]] | None,
     text = prompt_text(messages, prompt) if bounds is not None else None
     if bounds is None or text is None:
         return None
-    n_bytes = utf8_length(text)
-    return bounds.at_least(n_bytes), bounds.at_most(n_bytes)
+    data = text.encode("utf-8", "surrogatepass")
+    return bounds.at_least(bounds.countable_bytes(data)), bounds.at_most(len(data))
 
 
 @dataclass(frozen=True)
@@ -258,10 +202,12 @@ def measure_here(messages: Sequence[dict[str, str]] | None, prompt: str | None,
     if text is None:  # no tokenizer, or no template: an estimate
         size = utf8_length(prompt or "") + sum(utf8_length(m["content"]) for m in messages or ())
         return PromptCount(_estimate(messages, prompt), True, size, os.getpid(), estimated=True)
-    n_bytes = utf8_length(text)
+    data = text.encode("utf-8", "surrogatepass")
+    n_bytes = len(data)
     bounds = local_bounds()
-    if bounds is not None and most is not None and bounds.at_least(n_bytes) > most:
-        return PromptCount(bounds.at_least(n_bytes), False, n_bytes, os.getpid())
+    if bounds is not None and most is not None and (
+            fewest := bounds.at_least(bounds.countable_bytes(data))) > most:
+        return PromptCount(fewest, False, n_bytes, os.getpid())
     return PromptCount(len(tokenizer().encode(text)), True, n_bytes, os.getpid())
 
 

@@ -78,14 +78,35 @@ def test_counts_run_in_another_process_and_match_the_tokenizer(real_tokenizer, m
 def test_byte_bounds_are_derived_from_the_vocabulary(real_tokenizer):
     folder = model_folder()
     bounds = tokens.byte_bounds(json.loads((folder / "tokenizer.json").read_text()))
-    assert bounds == tokens.ByteBounds(max_token_bytes=longest_token_bytes(folder))
+    # The bytes the tokenizer drops: a text of one of them alone has no token.
+    dropped = {b for b in range(128) if not real_tokenizer.encode(chr(b))}
+    assert dropped and 0x16 in dropped
+    assert bounds.max_token_bytes == longest_token_bytes(folder) and bounds.prefix_bytes == 0
+    assert {b for b in bounds.unencoded if b < 128} == dropped
+    # The others: bytes UTF-8 never writes (0xC0, 0xC1, 0xF5-0xFF) and leading bytes of
+    # characters from U+40000 on, which this vocabulary has no token for either.
+    assert all(b in (0xC0, 0xC1) or b >= 0xF1 for b in bounds.unencoded if b >= 128)
+    assert len(real_tokenizer.encode(chr(0x40000))) == 3  # F1 80 80 80: the F1 is dropped
     assert bounds.at_least(2_400_000) == -(-2_400_000 // bounds.max_token_bytes)
+
+
+def test_a_prompt_of_bytes_the_vocabulary_lacks_is_tokenized_not_refused(real_tokenizer,
+                                                                        monkeypatch):
+    # 40,000 bytes the tokenizer drops: no token at all, so a bound by bytes alone would
+    # refuse as "at least 2,000 tokens" a prompt that fits any context.
+    monkeypatch.setattr(tokens, "_process_folder", str(model_folder()))
+    text = "\x16" * 20_000 + "\x04\x13" * 10_000
+    count = tokens.measure_here(None, text, most=100)
+    assert count.exact and count.tokens == len(real_tokenizer.encode(text)) == 0
+    fewest, most = tokens.bounds_here(None, text + "ab")
+    assert fewest == 1 and most == 40_002
 
 
 def test_tokenizers_that_can_change_a_texts_length_get_no_bounds():
     spec = {"model": {"type": "BPE", "vocab": {"ab": 0}}, "added_tokens": [],
             "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False}}
-    assert tokens.byte_bounds(spec) == tokens.ByteBounds(2)
+    every_byte = frozenset(range(256))  # "ab" is the only token: a lone byte has none
+    assert tokens.byte_bounds(spec) == tokens.ByteBounds(2, unencoded=every_byte)
     assert tokens.byte_bounds({**spec, "normalizer": {"type": "NFC"}}) is None
     assert tokens.byte_bounds({**spec, "pre_tokenizer": {"type": "Metaspace"}}) is None
     assert tokens.byte_bounds({**spec, "model": {"type": "Unigram", "vocab": []}}) is None
@@ -93,12 +114,14 @@ def test_tokenizers_that_can_change_a_texts_length_get_no_bounds():
     assert tokens.byte_bounds({**spec, "added_tokens": swallowing}) is None
     spaced = {"type": "Sequence", "pretokenizers": [
         {"type": "Split"}, {"type": "ByteLevel", "add_prefix_space": True}]}
-    assert tokens.byte_bounds({**spec, "pre_tokenizer": spaced}) == tokens.ByteBounds(2, 1)
+    assert tokens.byte_bounds({**spec, "pre_tokenizer": spaced}) == tokens.ByteBounds(
+        2, 1, every_byte)
 
 
 pieces = st.one_of(
     st.text(st.characters(exclude_categories=("Cs",)), max_size=20),
-    st.sampled_from([" ", "\n", "\t", "#", "-", "=", "<|im_start|>", "<|im_end|>", "é", "中"]),
+    st.sampled_from([" ", "\n", "\t", "#", "-", "=", "<|im_start|>", "<|im_end|>", "é", "中",
+                     "\x16", "\x04", chr(0x40000)]),  # bytes the vocabulary lacks
 )
 texts = st.lists(pieces, max_size=40).map("".join)
 
@@ -106,11 +129,11 @@ texts = st.lists(pieces, max_size=40).map("".join)
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(text=texts, run=st.integers(0, 300))
 def test_byte_bounds_hold_for_any_text(real_tokenizer, text, run):
-    bounds = tokens.ByteBounds(longest_token_bytes(model_folder()))
+    bounds = tokens.byte_bounds(json.loads((model_folder() / "tokenizer.json").read_text()))
     for sample in (text, text + " " * run, "\n" + " " * run + text, "#" * run + text):
         n = len(real_tokenizer.encode(sample))
-        size = len(sample.encode())
-        assert bounds.at_least(size) <= n <= bounds.at_most(size)
+        data = sample.encode()
+        assert bounds.at_least(bounds.countable_bytes(data)) <= n <= bounds.at_most(len(data))
 
 
 def test_a_prompt_far_over_the_context_is_not_tokenized(real_tokenizer, monkeypatch):
