@@ -71,6 +71,10 @@ class ReaderFailed(redis.exceptions.ConnectionError):
     logged); to its subscriptions it is an outage, and their next read starts a new reader."""
 
 
+class ReaderLate(redis.exceptions.ConnectionError):
+    """The reader's read in flight is past its block and the caller's patience: an outage."""
+
+
 def _id(entry_id: bytes | str) -> tuple[int, int]:
     """A stream entry id (``ms-seq``) as a comparable pair."""
     text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
@@ -109,17 +113,20 @@ class Subscription:
         self._items: collections.deque[list[Entry] | BaseException] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
 
-    async def read(self, timeout_s: float) -> list[Entry]:
+    async def read(self, timeout_s: float, patience_s: float | None = None) -> list[Entry]:
         """The stream's next entries ``(id, fields)`` in order, after those already returned;
         waits up to ``timeout_s`` seconds for some, and is empty when none came meanwhile.
 
         Past ``timeout_s``, it waits on for a read of the reader's that is late (Redis may be
         unreachable, the client retrying) and raises its failure, as a blocking read of the
-        stream would have.
+        stream would have; with ``patience_s``, for at most that long in all (seconds from the
+        call), then it raises :class:`ReaderLate` (so that a caller can keep its client's
+        connection alive through an outage the Redis client has not reported yet).
 
         Raises:
             redis.ConnectionError, redis.TimeoutError: a read of the reader failed (Redis
-                unreachable) since the last call; the next call goes on where this one stopped.
+                unreachable) since the last call, or :class:`ReaderLate`; the next call goes on
+                where this one stopped.
             RuntimeError: the subscription is closed.
         """
         if self.closed:
@@ -134,8 +141,11 @@ class Subscription:
             if now >= deadline:
                 if self.answered_at >= started or self._reader.healthy(now):
                     return []
+                if patience_s is not None and now >= started + patience_s:
+                    raise ReaderLate(f"no answer from Redis for the events of {self.stream}")
                 self.overdue = True
-                delay = BLOCK_S  # look again at the reader now and then (it may have died)
+                delay = BLOCK_S if patience_s is None else min(BLOCK_S,
+                                                               started + patience_s - now)
             else:
                 delay = deadline - now
             self._reader.ensure_running()

@@ -151,9 +151,13 @@ async def events(
     try:
         while True:
             wake = deadline if beat_at is None else min(deadline, beat_at)
-            block_ms = max(1, int(min(XREAD_BLOCK_S, wake - time.monotonic()) * 1000))
+            now = time.monotonic()
+            block_ms = max(1, int(min(XREAD_BLOCK_S, wake - now) * 1000))
+            # While Redis does not answer, the client's own retries take seconds before they
+            # fail: wait no longer than the next Waiting is due, so it goes out on time.
+            patience_s = max(block_ms / 1000, beat_at - now) if beat_at is not None else None
             try:
-                entries = await subscription.read(block_ms / 1000)
+                entries = await subscription.read(block_ms / 1000, patience_s)
             except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
                 _raise_if_cancelled()
                 now = time.monotonic()

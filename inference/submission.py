@@ -117,8 +117,9 @@ def build_request(tokenizer: Tokenizer, eos_token_ids: Collection[int], max_mode
         ids = tokenizer.encode(prompt)
     else:
         ids = tokenizer.apply_chat_template(list(messages or ()))
-    if not ids:
-        raise _invalid("the prompt is empty", param="prompt")
+    if not ids:  # an empty text, or only characters the tokenizer drops (e.g. "\x16")
+        raise _invalid("the prompt has no tokens (it is empty, or holds only characters the "
+                       "tokenizer drops)", param="prompt")
     if not fairness_weight > 0:
         raise _invalid(f"fairness_weight must be > 0, got {fairness_weight}",
                        param="fairness_weight")

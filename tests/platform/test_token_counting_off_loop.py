@@ -241,3 +241,18 @@ def test_an_estimate_without_the_models_tokenizer_refuses_nothing(tmp_path, monk
     count = tokens.measure_here([{"role": "user", "content": "word " * 300}], None, most=10)
     assert count.estimated and count.tokens > 256
     assert lifecycle.context_refusal(count, None, 256, "messages") is None
+
+
+def test_a_prompt_of_only_dropped_characters_is_refused_as_having_no_tokens(real_tokenizer):
+    # Not refused as too long (above), but it has no token to start from: a clear 400 that
+    # says why, where the text itself is not empty.
+    from inference.engine import InvalidRequestError
+    from inference.submission import build_request
+
+    with pytest.raises(InvalidRequestError) as refused:
+        build_request(real_tokenizer, [], 8192, prompt_token_ids=None, prompt="\x16\x04" * 500,
+                      messages=None, sampling=None, tenant="t", fairness_key="t", priority=0,
+                      fairness_weight=1.0, request_id=None, queue_wait_s=None)
+    error = refused.value.error
+    assert error.details == {"param": "prompt"} and "no tokens" in error.message
+    assert error.code == "invalid_request"

@@ -287,3 +287,35 @@ async def test_redis_unreachable_past_the_tolerance_ends_the_stream_with_503(key
         await asyncio.wait_for(reader, 30)
     assert caught.value.status == 503 and caught.value.code == "service_unavailable"
     assert event_reader.current().streams() == set()
+
+
+async def test_keepalives_go_out_on_time_while_redis_does_not_answer(keys, quiet_redis,
+                                                                     settings):
+    # A stopped (not killed) Redis: the reader's read hangs until the client's timeout, and a
+    # streaming response must still send its keep-alive comments on schedule meanwhile.
+    request_id = uuid.uuid4().hex
+    seen: list[tuple[float, str]] = []
+
+    async def consume() -> None:
+        async for event in events(request_id, 60, keepalive_s=0.5, outage_tolerance_s=60):
+            seen.append((time.monotonic(), "wait" if isinstance(event, Waiting) else "event"))
+            if not isinstance(event, Waiting) and event.type == "final":
+                return
+
+    consumer = asyncio.ensure_future(consume())
+    async with aioredis.Redis.from_url(settings.REDIS_URL) as writer:
+        await run_ticks(writer, keys, [request_id], 0, 3)
+        await until(lambda: len(seen) >= 3)
+        stopped = time.monotonic()
+        quiet_redis.proc.send_signal(signal.SIGSTOP)
+        try:
+            await asyncio.sleep(3.5)
+        finally:
+            quiet_redis.proc.send_signal(signal.SIGCONT)
+        resumed = time.monotonic()
+        await run_ticks(writer, keys, [request_id], 3, 5, end=True)
+    await asyncio.wait_for(consumer, 30)
+    waits = [t for t, kind in seen if kind == "wait" and stopped <= t <= resumed]
+    assert len(waits) >= 4, f"keep-alives during a 3.5 s stall: {len(waits)}"
+    assert max(b - a for a, b in zip([stopped, *waits], [*waits, resumed], strict=True)) < 1.5
+    assert sum(kind == "event" for _, kind in seen) == 6  # nothing lost or repeated
