@@ -12,25 +12,10 @@ only the bytes the vocabulary can hold (:meth:`ByteBounds.countable_bytes`).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
-
-@functools.cache
-def byte_alphabet() -> tuple[str, ...]:
-    """The character of each byte value 0-255 in the byte-level alphabet (GPT-2's
-    ``bytes_to_unicode``): printable Latin-1 bytes stand for themselves, the other 68 take the
-    characters from U+0100 on, in byte order."""
-    visible = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-               *range(ord("®"), ord("ÿ") + 1)]
-    chars = {b: chr(b) for b in visible}
-    extra = 0
-    for b in range(256):
-        if b not in chars:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return tuple(chars[b] for b in range(256))
+from inference.tokenization import byte_level_table
 
 
 @dataclass(frozen=True)
@@ -96,7 +81,7 @@ def byte_bounds(spec: dict[str, Any]) -> ByteBounds | None:
                   default=0)
     if longest < 1:
         return None
-    unencoded = frozenset(b for b, char in enumerate(byte_alphabet()) if char not in vocab)
+    unencoded = frozenset(b for char, b in byte_level_table().items() if char not in vocab)
     return ByteBounds(max_token_bytes=longest,
                       prefix_bytes=1 if byte_level.get("add_prefix_space") else 0,
                       unencoded=unencoded)

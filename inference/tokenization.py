@@ -97,7 +97,7 @@ def _compile_template(source: str) -> Any:  # -> jinja2.Template
 
 
 @functools.cache
-def _byte_level_table() -> dict[str, int]:
+def byte_level_table() -> dict[str, int]:
     """GPT-2's byte-level BPE map, character -> byte (the inverse of its ``bytes_to_unicode``):
     printable Latin-1 bytes stand for themselves, the others for ``chr(256 + n)``."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
@@ -192,7 +192,7 @@ class Tokenizer:
             from tokenizers import decoders
 
             self._byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
-        table = _byte_level_table()
+        table = byte_level_table()
         if self._byte_level and all(c in table for c in piece):
             return bytes(table[c] for c in piece)
         if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
