@@ -200,11 +200,11 @@ def plot(runs: list[dict[str, Any]], overall: dict[str, float],
     save_figure(fig, "overhead", out_dir)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     formatter_class=HelpFormatter)
+def add_workload_flags(parser: argparse.ArgumentParser) -> None:
+    """The workload's flags (``--requests``, ``--warmup``, ``--input-len``, ``--output-len``,
+    ``--concurrency``), shared with ``benchmarks/cpu_contention.py``."""
     parser.add_argument("--requests", type=positive_int, default=48,
-                        help="measured requests per system and repeat")
+                        help="measured requests per run")
     parser.add_argument("--warmup", type=non_negative_int, default=4,
                         help="warm-up requests before each measured run")
     parser.add_argument("--input-len", type=int, nargs=2, default=(64, 192),
@@ -212,6 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=64, help="generated tokens")
     parser.add_argument("--concurrency", type=positive_int, default=8,
                         help="requests in flight")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=HelpFormatter)
+    add_workload_flags(parser)
     parser.add_argument("--repeats", type=positive_int, default=3,
                         help="repeats of each system, alternating which goes first")
     parser.add_argument("--seed", type=int, default=6, help="workload seed")

@@ -104,6 +104,7 @@ class WorkerBridge(Recovery, Intake):
         self._wiped: dict[str, LiveRequest] = {}
         # Origins (web processes) first seen without a heartbeat: origin -> monotonic time.
         self._origin_missing: dict[str, float] = {}
+        self._audit_stopped: set[str] = set()
         # Monotonic time since which Redis has answered without a break (the main loop sets it
         # after an outage): heartbeats are judged only when every process could have written
         # them for a whole TTL since, so an outage is never taken for deaths.

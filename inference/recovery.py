@@ -60,6 +60,7 @@ class Recovery:
     _live_lock: threading.Lock
     _wiped: dict[str, LiveRequest]
     _origin_missing: dict[str, float]
+    _audit_stopped: set[str]
     _ended: queue.SimpleQueue[str]
     _unsent: list
     _held: int
@@ -76,21 +77,26 @@ class Recovery:
         """
         with self._live_lock:
             live = {rid: r.message.origin for rid, r in self._live.items()}
+        # A stop ordered at an earlier heartbeat may still wait for a slow tick to end: it is
+        # ordered again (abort is idempotent) but logged only the first time.
+        self._audit_stopped &= live.keys()
         if live:
             pipe = self.client.pipeline(transaction=False)
             for rid in live:
                 pipe.exists(self.keys.aborted(rid))
             marks = pipe.execute()
-            for (rid, _origin), marked in zip(live.items(), marks, strict=True):
-                if marked:
-                    log.info("request %s has an abort mark: stopping it", rid)
-                    self.engine.abort(rid)
             gone = {o for o in set(live.values()) if o and not self._origin_alive(o)}
-            for rid, origin in live.items():
-                if origin in gone:
-                    log.warning("the web process %s streaming request %s is gone: stopping it",
-                                origin, rid)
-                    self.engine.abort(rid)
+            for (rid, origin), marked in zip(live.items(), marks, strict=True):
+                if not marked and origin not in gone:
+                    continue
+                if rid not in self._audit_stopped:
+                    self._audit_stopped.add(rid)
+                    if marked:
+                        log.info("request %s has an abort mark: stopping it", rid)
+                    else:
+                        log.warning("the web process %s streaming request %s is gone: "
+                                    "stopping it", origin, rid)
+                self.engine.abort(rid)
         taken, _running = self.queue.owned()
         with self._live_lock:
             strays = [rid for rid in taken if rid not in self._live]

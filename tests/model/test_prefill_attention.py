@@ -98,6 +98,17 @@ def test_the_kernel_is_causal_attention_over_the_rows_own_blocks(lib, rows, kv_h
     assert (got.float() - ref).abs().max().item() < MAX_ABS
 
 
+@pytest.mark.parametrize("block", [1, 8, 32, 48])
+def test_the_kernel_reads_blocks_of_any_size(lib, block):
+    # The keys of one 64-key chunk span several blocks (or part of one), each found by its row's
+    # table: contexts that end inside a chunk and inside a block.
+    rows = [(70, 5), (0, 129), (190, 3)]
+    q, pool, tables, offsets, starts, lists = paged_case(rows, 3, 3, block, block=block)
+    got = kernel.prefill_attention(lib, q, pool, tables, offsets, starts, 0.125)
+    ref = reference(q, pool, lists, offsets.tolist(), rows, 3, 3, block=block)
+    assert (got.float() - ref).abs().max().item() < MAX_ABS
+
+
 def test_rows_and_block_ids_outside_the_pool_are_refused(lib):
     q, pool, tables, offsets, starts, _ = paged_case([(10, 6)], 3, 3, 1)
     with pytest.raises(ValueError, match="past its block table"):  # 20 + 6 > one block's 16

@@ -195,6 +195,34 @@ def test_an_abort_published_while_the_worker_did_not_listen_still_stops_it(priva
         worker.stop()
 
 
+def test_a_stop_waiting_for_a_slow_tick_is_ordered_at_each_audit_but_logged_once(
+        private_redis, keys, caplog):
+    # A tick slower than a heartbeat: the abort ordered at one audit has not taken effect by the
+    # next, which orders it again; the worker's log said so at every heartbeat.
+    worker = worker_on(private_redis, keys)
+    client = redis.Redis.from_url(private_redis.url)
+    engine = worker.bridge.engine
+    real_abort, ordered = engine.abort, []
+    try:
+        message = request(1000)
+        FairQueue(client, keys, "tool", "vtc").enqueue(message)
+        assert wait_for(lambda: client.xlen(keys.events(message.request_id)) >= 3, 10)
+        engine.abort = ordered.append  # the stop is not carried out yet: the tick is slow
+        client.set(keys.aborted(message.request_id), 1)
+        with caplog.at_level("INFO", logger="inference.recovery"):
+            for _ in range(3):
+                worker.bridge.audit()
+        assert ordered.count(message.request_id) >= 3
+        logged = [r for r in caplog.records if "has an abort mark" in r.getMessage()]
+        assert len(logged) == 1
+        engine.abort = real_abort  # the tick ends: the next audit's order takes effect
+        end = wait_for(lambda: final_of(client, keys, message.request_id), 5)
+        assert end and end.finish_reason == "abort"
+    finally:
+        engine.abort = real_abort
+        worker.stop()
+
+
 def test_a_generation_stops_when_the_web_process_streaming_it_dies(private_redis, keys):
     worker = worker_on(private_redis, keys, web_ttl_s=1)
     client = redis.Redis.from_url(private_redis.url)

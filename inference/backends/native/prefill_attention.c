@@ -26,14 +26,16 @@
  * the sum and rounded once to bf16 (nearest even).
  *
  * Return codes: 0 done; 1 a size out of range (rows, tokens, a position past the block table);
- * 2 out of memory; 3 unsupported here (built without AVX512-BF16, head_dim not 64, or group
- * above 24); 4 a block id outside the pool.
+ * 2 out of memory; 3 unsupported here (built without AVX512-BF16 and AVX512-BW, head_dim not
+ * 64, or group above 24); 4 a block id outside the pool.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512BF16__
+/* The packing's permutes need AVX512-BW, which every CPU with AVX512-BF16 has. */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define PREFILL_KERNEL 1
 #include <immintrin.h>
 #endif
 
@@ -44,31 +46,74 @@
 #define MAX_ROWS 24  /* query rows per work item */
 #define MASKED (-1e30f) /* a finite "minus infinity": built with -ffinite-math-only */
 
-#ifdef __AVX512BF16__
-/* K and V of row r, KV head h, chunk c into kp and vp (CHUNK_U32 pairs each; 0 past ctx). */
+#ifdef PREFILL_KERNEL
+/* r[0..15], 16 rows of 16 uint32, become its columns: r[j] lane i = old r[i] lane j. Unpacks of
+ * 32- then 64-bit elements, then two rounds of 128-bit lane shuffles. */
+static inline __attribute__((always_inline)) void transpose16(__m512i *r)
+{
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 16; i += 8)
+        for (int j = 0; j < 4; j++) {
+            t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+            t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+        r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+    }
+}
+
+/* K and V of row r, KV head h, chunk c into kp and vp (CHUNK_U32 pairs each; 0 past ctx). K:
+ * per 16 keys and 16 pairs of dims, a 16 x 16 transpose in registers; V: each pair of keys'
+ * rows interleaved word by word with one two-source permute per 16 dims. */
 static void pack_chunk(const uint16_t *pool, const int64_t *table, int64_t h, int64_t kv_heads,
                        int64_t num_blocks, int64_t bs, int64_t c, int64_t ctx, uint32_t *kp,
                        uint32_t *vp)
 {
-    uint16_t vrows[KC][HD];
+    static const uint16_t zero[HD];
+    const uint16_t *krow[KC], *vrow[KC];
     for (int k = 0; k < KC; k++) {
         const int64_t pos = c * KC + k;
         if (pos >= ctx) {
-            for (int p = 0; p < HD / 2; p++) kp[p * KC + k] = 0;
-            memset(vrows[k], 0, sizeof vrows[k]);
+            krow[k] = vrow[k] = zero;
             continue;
         }
         const int64_t block = table[pos / bs], slot = pos % bs;
-        const uint16_t *kr = pool + ((h * num_blocks + block) * bs + slot) * HD;
-        const uint16_t *vr = pool + (((kv_heads + h) * num_blocks + block) * bs + slot) * HD;
-        uint32_t pairs[HD / 2];
-        memcpy(pairs, kr, sizeof pairs);
-        for (int p = 0; p < HD / 2; p++) kp[p * KC + k] = pairs[p];
-        memcpy(vrows[k], vr, sizeof vrows[k]);
+        krow[k] = pool + ((h * num_blocks + block) * bs + slot) * HD;
+        vrow[k] = pool + (((kv_heads + h) * num_blocks + block) * bs + slot) * HD;
     }
+    for (int g = 0; g < KC; g += 16)
+        for (int half = 0; half < 2; half++) {
+            __m512i r[16];
+            for (int k = 0; k < 16; k++) r[k] = _mm512_loadu_si512(krow[g + k] + 32 * half);
+            transpose16(r);
+            for (int p = 0; p < 16; p++)
+                _mm512_storeu_si512(kp + (16 * half + p) * KC + g, r[p]);
+        }
+    /* Word 2d of a permute's result: dim d of the first key (index d), word 2d + 1: of the
+     * second (index 32 + d); lo covers dims 0-15 of a 32-dim half, hi dims 16-31. */
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
+                                        40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
+                                        32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
     for (int i = 0; i < KC / 2; i++)
-        for (int d = 0; d < HD; d++)
-            vp[i * HD + d] = (uint32_t)vrows[2 * i][d] | ((uint32_t)vrows[2 * i + 1][d] << 16);
+        for (int half = 0; half < 2; half++) {
+            const __m512i a = _mm512_loadu_si512(vrow[2 * i] + 32 * half);
+            const __m512i b = _mm512_loadu_si512(vrow[2 * i + 1] + 32 * half);
+            _mm512_storeu_si512(vp + i * HD + 32 * half, _mm512_permutex2var_epi16(a, lo, b));
+            _mm512_storeu_si512(vp + i * HD + 32 * half + 16,
+                                _mm512_permutex2var_epi16(a, hi, b));
+        }
 }
 
 /* Scores of nr (<= 6) query rows against one packed K chunk, into s[nr][64] (unscaled). */
@@ -211,7 +256,7 @@ int prefill_attention_bf16(const uint16_t *q, const uint16_t *pool, const int64_
                            int64_t num_blocks, int64_t block_size, int64_t max_blocks,
                            float scale, int64_t threads)
 {
-#ifndef __AVX512BF16__
+#ifndef PREFILL_KERNEL
     (void)q; (void)pool; (void)tables; (void)token_start; (void)pos_start; (void)out;
     (void)rows; (void)kv_heads; (void)group; (void)num_blocks; (void)block_size;
     (void)max_blocks; (void)scale; (void)threads;
