@@ -115,6 +115,12 @@ def message(model: type[BaseModel], error: ErrorDetails, name: str | None) -> st
         if kind in EXPECTED_BY_ERROR and expected in ("an integer", "a number"):
             expected = number_range(model, error["loc"]) or expected
         return f"Invalid type for '{name}': expected {expected}, but got {json_type(value)}."
+    if kind in ("too_short", "too_long") and isinstance(value, list):
+        bound = (error.get("ctx") or {}).get("min_length" if kind == "too_short" else
+                                             "max_length")
+        least = "at least" if kind == "too_short" else "at most"
+        return (f"Invalid value for '{name}': expected {least} {bound} "
+                f"item{'' if bound == 1 else 's'}, but got {len(value)}.")
     if kind in RANGE_ERRORS and (expected := number_range(model, error["loc"])):
         return f"Invalid value for '{name}': expected {expected}, but got {_shown(value)}."
     text = error["msg"].removeprefix("Value error, ")

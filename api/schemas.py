@@ -43,6 +43,8 @@ class ChatMessage(BodyObject):
 
     role: Literal["system", "developer", "user", "assistant"]
     content: Text
+    # The participant's name (OpenAI's field); checked, not used.
+    name: Annotated[str, Field(max_length=256), AfterValidator(unicode_text)] | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -313,7 +315,7 @@ def validate(model: type[GenerationRequest], body: dict[str, Any]) -> Generation
                    else UNSUPPORTED_COMPLETION_FIELDS)
     _refuse_unsupported(body, unsupported)
     try:
-        return model.model_validate(body)
+        req = model.model_validate(body)
     except RecursionError as exc:
         raise _too_deep() from exc
     except ValidationError as exc:
@@ -321,3 +323,9 @@ def validate(model: type[GenerationRequest], body: dict[str, Any]) -> Generation
         param = field_errors.param(first["loc"])
         raise APIError(400, field_errors.message(model, first, param), param=param,
                        code="invalid_value") from exc
+    most = req.requested_max_tokens
+    if most is not None and req.min_tokens > most:
+        raise APIError(400, f"Invalid value for 'min_tokens': expected at most "
+                            f"'{req.max_tokens_param}' ({most}), but got {req.min_tokens}.",
+                       param="min_tokens", code="invalid_value")
+    return req

@@ -160,7 +160,7 @@ async def _generate(
         Principal.for_api_key(key), request_id=request_id, messages=messages, prompt=prompt,
         sampling=Sampling(**req.sampling(req.requested_max_tokens)),
         default_max_tokens=platform_settings()["DEFAULT_MAX_TOKENS"], user=req.user,
-        meta={"model": model, "public_id": shape.id})
+        meta={"model": model, "public_id": shape.id, "stream": bool(req.stream)})
     worker_error = functools.partial(_worker_error, req)
     limits = ratelimits.response_headers(generation.meta)
     try:

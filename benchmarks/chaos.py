@@ -1024,7 +1024,11 @@ def check(results: list[Result], streams: dict[str, StreamSummary],
                 findings.add("usage_missing", evidence(result, rid, produced_tokens=tokens))
             continue
         got = usage[rid][0]["completion_tokens"]
-        if rid in whole:
+        finals = streams[rid].finals if rid in streams else []
+        if finals and finals[-1]["finish_reason"] == "error" and result is not None and (
+                not result.stream or streams[rid].tokens == 0):
+            want = 0  # an error leaves the client nothing: billed nothing (gateway.usage.billed)
+        elif rid in whole:
             want = streams[rid].tokens
         elif result is not None and result.outcome == "complete":
             want = len(result.text)

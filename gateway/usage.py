@@ -28,7 +28,7 @@ from gateway import admission
 from gateway.clients import sync_redis
 from gateway.conf import redis_keys
 from gateway.errors import final_status
-from inference.protocol import FinalEvent, RequestMessage, UsageReport
+from inference.protocol import FinalEvent, RequestMessage, Usage, UsageReport
 from tenants.models import UsageRecord
 
 log = logging.getLogger(__name__)
@@ -48,10 +48,25 @@ def report_from_entry(request_id: str, raw: bytes | str) -> UsageReport:
     final = FinalEvent.model_validate_json(entry["final"])
     message = RequestMessage.from_json(entry["body"])
     return UsageReport(
-        request_id=request_id, meta=message.meta, usage=final.usage,
+        request_id=request_id, meta=message.meta, usage=billed(final, message.meta),
         finish_reason=final.finish_reason, error=final.error, enqueued_at=message.enqueued_at,
         first_token_at=entry.get("first_at") or None,
         finished_at=float(entry.get("finished_at") or time.time()))
+
+
+def billed(final: FinalEvent, meta: dict[str, Any]) -> Usage:
+    """What a request is billed, from its final event and its message's ``meta``.
+
+    A request that ends with an error is billed only when its client got tokens of it: a stream
+    its prompt and the tokens it was sent; a stream sent none, and a request not streamed
+    (``meta["stream"]`` false: its answer goes out only whole, so an error leaves the client
+    nothing), are billed nothing. Every other end is billed as the worker counted it (an abort:
+    the prompt tokens computed and the tokens generated).
+    """
+    if final.error is not None and (meta.get("stream") is False
+                                    or final.usage.completion_tokens == 0):
+        return Usage()
+    return final.usage
 
 
 def save(report: UsageReport) -> bool:

@@ -214,6 +214,7 @@ class LLMEngine:
         """The stats snapshot published after the latest tick (never waits for a tick)."""
         snapshot = dict(self._stats)
         snapshot["num_queued"] = self.num_queued()
+        snapshot["uptime_s"] = time.time() - self._started_at  # now, not at that tick
         return snapshot
 
     def debug_snapshot(self) -> dict[str, Any]:
@@ -395,6 +396,5 @@ class LLMEngine:
     def _build_stats(self) -> dict[str, Any]:
         snapshot = self.scheduler.stats()
         snapshot["last_tick_s"] = self._tick_seconds
-        snapshot["uptime_s"] = time.time() - self._started_at
         snapshot["max_model_len"] = self.max_model_len
         return snapshot

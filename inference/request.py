@@ -252,11 +252,15 @@ class Request:
 
     def usage(self) -> Usage:
         """Token counts as the client is billed: each token once, however often the request
-        was preempted (a recomputed prompt is neither prompt nor cached tokens again)."""
+        was preempted (a recomputed prompt is neither prompt nor cached tokens again). A request
+        stopped before its prompt was all computed (aborted while pending or prefilling) counts
+        the prompt tokens computed or found in the prefix cache so far."""
         resume = self.resume
         if resume is None:
-            return Usage(prompt_tokens=self.prompt_len,
-                         cached_prompt_tokens=self.num_cached_tokens,
+            computed = (self.prompt_len if self.output_token_ids
+                        else min(self.prompt_len, self.num_computed_tokens))
+            return Usage(prompt_tokens=computed,
+                         cached_prompt_tokens=min(self.num_cached_tokens, computed),
                          completion_tokens=len(self.output_token_ids))
         return Usage(prompt_tokens=resume.prompt_len,
                      cached_prompt_tokens=resume.cached_prompt_tokens,

@@ -103,12 +103,25 @@ class DrainingServer(Server):
         reactor.callLater(DRAIN_POLL_S, self._stop_when_drained)
 
 
+def add_reason_phrases() -> None:
+    """Give every standard status twisted has no reason phrase for its phrase (RFC 9110 and
+    those after it, as Python's ``http.HTTPStatus`` names them): daphne writes the status line
+    from twisted's table, where 429, 422, 431 and a few more read "Unknown Status"."""
+    from http import HTTPStatus
+
+    from twisted.web import http
+
+    for status in HTTPStatus:
+        http.RESPONSES.setdefault(status.value, status.phrase.encode("ascii"))
+
+
 class DrainingCommandLine(CommandLineInterface):
     server_class = DrainingServer
 
 
 def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llm_platform.settings")
+    add_reason_phrases()
     DrainingCommandLine().run(sys.argv[1:] if argv is None else argv)
 
 

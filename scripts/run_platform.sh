@@ -67,7 +67,11 @@ DEMO_LOGIN=$(echo "$demo" | sed -n 2p)
 # The worker needs more than its SHUTDOWN_TIMEOUT_S (default 10 s) to hand its requests back.
 worker_stopwaitsecs=$(awk -v t="${SHUTDOWN_TIMEOUT_S:-10}" \
   'BEGIN { s = int(t); if (s < t) s++; print s + 10 }')
-for name in daphne worker celery celery-beat redis supervisord; do : >"var/$name.log"; done
+# Each start begins fresh logs; the previous run's stay beside them as var/<name>.log.1.
+for name in daphne worker celery celery-beat redis supervisord; do
+  if [ -s "var/$name.log" ]; then mv -f "var/$name.log" "var/$name.log.1"; fi
+  : >"var/$name.log"
+done
 
 sup_pid=""
 stop_all() {

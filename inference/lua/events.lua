@@ -20,7 +20,11 @@ for i = 4, #ARGV, 5 do
       local rec = cjson.decode(raw)
       -- A request preempted and taken again keeps its first run's (its prompt, its TTFT).
       rec.prompt_tokens = tonumber(ARGV[i + 4]) or rec.prompt_tokens
-      rec.first_at = rec.first_at or now
+      -- Its first token's time: a final event first (a stop before any token) has none.
+      local usage = final and cjson.decode(event).usage
+      if not final or (type(usage) == 'table' and (tonumber(usage.completion_tokens) or 0) > 0) then
+        rec.first_at = rec.first_at or now
+      end
       raw = cjson.encode(rec)
       redis.call('HDEL', taken, id)
       redis.call('HSET', running, id, raw)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -71,11 +72,18 @@ def test_abort_in_any_phase_frees_the_reservation_and_ends_with_one_final_event(
             break
     else:
         pytest.fail(f"victim never reached {phase}")
+    computed = next(r for r in snap[phase] if r["request_id"] == "victim")["num_computed_tokens"]
     reserved_before = engine.stats()["active_kv_reserved"]
     engine.abort("victim")
     log.add(engine.step())
     final = log.final("victim")
     assert final is not None and final.finish_reason is FinishReason.ABORT
+    # Billed for the prompt tokens computed before the stop: none while pending, part of the
+    # prompt while prefilling, all of it once it decodes.
+    expected_prompt = {"pending": 0, "prefilling": computed, "active": 40}[phase]
+    assert final.usage.prompt_tokens == expected_prompt
+    if phase == "prefilling":
+        assert 0 < computed < 40
     if phase != "pending":
         assert engine.stats()["active_kv_reserved"] <= reserved_before - 90
     run_until_idle(engine, log)
@@ -222,3 +230,15 @@ def test_a_first_token_reaches_its_client_before_the_ticks_decode_step():
     _, rest, final = handle.result(timeout=10)  # the events after the one read above
     assert final.finish_reason is FinishReason.LENGTH and len([first, *rest]) == 5
     engine.shutdown()
+
+
+def test_uptime_grows_while_the_engine_is_idle():
+    # The snapshot is built after each tick; an idle engine runs none, but its uptime goes on.
+    engine = make_engine()
+    engine.start()
+    try:
+        first = engine.stats()["uptime_s"]
+        time.sleep(0.3)
+        assert engine.stats()["uptime_s"] >= first + 0.25
+    finally:
+        engine.shutdown()

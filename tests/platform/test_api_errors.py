@@ -116,6 +116,29 @@ def test_error_param_is_the_field_as_written(client, tenant_key, path, body, par
     assert ".str" not in error["message"] and "list[" not in error["message"]
 
 
+@pytest.mark.parametrize(("path", "body", "param", "words"), [
+    (CHAT, {**chat(), "messages": []}, "messages", ("at least 1 item", "got 0")),
+    (CHAT, {**chat(), "messages": [{"role": "user", "content": "hi", "name": 5}]},
+     "messages[0].name", ("a string",)),
+    (CHAT, chat(min_tokens=10), "min_tokens", ("at most 'max_tokens' (4)", "got 10")),
+    (CHAT, {**chat(min_tokens=10), "max_completion_tokens": 6}, "min_tokens",
+     ("at most 'max_completion_tokens' (6)",)),
+    (TEXT, text("Once", min_tokens=5), "min_tokens", ("at most 'max_tokens' (4)",)),
+])
+def test_fields_that_contradict_or_break_the_shape_get_400_with_the_limit(
+        client, tenant_key, path, body, param, words):
+    error = assert_400(post(client, tenant_key[2], body, path=path), param, *words)
+    assert "validation" not in error["message"]  # the validator's own words stay inside
+
+
+def test_min_tokens_up_to_max_tokens_and_a_named_message_are_accepted():
+    req = validate(ChatCompletionRequest, {**chat(min_tokens=4), "messages": [
+        {"role": "user", "content": "hi", "name": "ada"}]})
+    assert req.min_tokens == 4 and req.messages[0].as_dict() == {"role": "user", "content": "hi"}
+    unbounded = validate(CompletionRequest, text("Once", max_tokens=None, min_tokens=50))
+    assert unbounded.min_tokens == 50
+
+
 @pytest.mark.parametrize("raw", ["1e30", "1" + "0" * 400, "-1", "0"])
 def test_out_of_range_integer_gets_a_short_message_with_the_limit(client, tenant_key, raw):
     body = json.dumps(chat()).replace('"max_tokens": 4', f'"max_tokens": {raw}')

@@ -203,3 +203,22 @@ def test_usage_is_checked_against_what_the_client_received_when_the_stream_says_
     assert run_checks([result], {"u1": stream}, [],
                       timeline=chaos.Timeline(redis_kills=[1.5], daphne_down=[[1.9, 2.5]]),
                       persistence="none") == {"usage_missing": 1}
+
+
+@pytest.mark.parametrize("stream, billed, finding", [
+    (False, 0, None), (False, 5, "usage_token_mismatch"),  # it got nothing: billed nothing
+    (True, 5, None), (True, 0, "usage_token_mismatch"),  # it got 5 tokens: billed them
+])
+def test_an_answer_ended_by_its_worker_dying_is_billed_what_its_client_got(stream, billed,
+                                                                          finding):
+    result = chaos.Result(index=0, tenant="alpha", prompt=0, max_tokens=12, stream=stream,
+                          status=200 if stream else 503, ending="eof" if stream else "body",
+                          start=1.0, end=2.0, error={"code": "worker_lost", "retryable": True})
+    if stream:
+        sse(result, *(chunk("r1", c) for c in "abcde"))
+    summary = events_stream("abcde")
+    summary.finals = [{"seq": 5, "finish_reason": "error", "error": "worker_lost",
+                       "completion_tokens": 5}]
+    result.request_id = "r1"
+    found = run_checks([result], {"r1": summary}, [usage("r1", billed)])
+    assert (finding in found) if finding else ("usage_token_mismatch" not in found), found

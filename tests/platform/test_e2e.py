@@ -92,6 +92,8 @@ def test_burst_over_max_queue_size_gets_429_and_the_queue_never_exceeds_it(
             return "ok"
         except openai.RateLimitError as exc:
             assert exc.response.headers.get("retry-after")
+            # The status line as daphne wrote it (twisted's table lacks 429).
+            assert exc.response.reason_phrase == "Too Many Requests"
             return exc.code or exc.body["code"]
 
     watcher = threading.Thread(target=watch)

@@ -18,17 +18,25 @@ from gateway import admission, usage
 from gateway.admission import Principal
 from gateway.tasks import record_usage
 from inference.fair_queue import FairQueue
-from inference.protocol import FinalEvent, FinishReason, RequestMessage, TokenEvent, Usage
+from inference.protocol import (
+    ErrorCode,
+    ErrorInfo,
+    FinalEvent,
+    FinishReason,
+    RequestMessage,
+    TokenEvent,
+    Usage,
+)
 from tenants.models import UsageRecord
 
 pytestmark = pytest.mark.django_db
 
 
-def admitted(key, cost: int) -> RequestMessage:
+def admitted(key, cost: int, **meta) -> RequestMessage:
     """A request of ``key`` admitted (reserving ``cost`` tokens) and waiting in the queue."""
     message = RequestMessage(request_id=uuid.uuid4().hex, tenant=key.tenant.slug,
                              fairness_key=key.tenant.slug, prompt="hi",
-                             meta={"tenant_id": key.tenant.pk, "api_key_id": key.pk})
+                             meta={"tenant_id": key.tenant.pk, "api_key_id": key.pk, **meta})
     return asyncio.run(admission.admit(Principal.for_api_key(key), message, cost))
 
 
@@ -121,3 +129,62 @@ def test_a_request_withdrawn_while_waiting_is_billed_nothing_and_frees_its_slot(
     assert record.finish_reason == "abort" and record.completion_tokens == 0
     assert usage.pending() == 0
     admitted(key, 50)  # the slot is free for the next one
+
+
+def end_with(rclient, keys, message: RequestMessage, tokens: int, final: FinalEvent) -> None:
+    """A worker takes the request, writes ``tokens`` token events, then ``final``."""
+    queue = FairQueue(rclient, keys, "w1", "vtc")
+    [taken] = queue.take(1)
+    assert taken.request_id == message.request_id
+    events = [TokenEvent(request_id=message.request_id, seq=i, token_id=97, text="a")
+              for i in range(tokens)]
+    assert queue.write_events([*events, final], 60, {message.request_id: 30}) == []
+
+
+def lost(message: RequestMessage, completion: int) -> FinalEvent:
+    return FinalEvent(request_id=message.request_id, seq=completion,
+                      finish_reason=FinishReason.ERROR,
+                      error=ErrorInfo(code=ErrorCode.WORKER_LOST, message="stopped",
+                                      retryable=True),
+                      usage=Usage(prompt_tokens=30, completion_tokens=completion))
+
+
+@pytest.mark.parametrize("stream, billed", [(False, (0, 0)), (True, (30, 5))])
+def test_an_error_bills_only_what_the_client_got(metered, rclient, keys, stream, billed):
+    # A worker died after 5 tokens: a stream got them; an answer not streamed got nothing (it
+    # goes out only whole), so it is billed nothing, and its budget gets back its reservation.
+    message = admitted(metered, 300, stream=stream)
+    end_with(rclient, keys, message, 5, lost(message, 5))
+    assert record_usage(message.request_id) is True
+    row = UsageRecord.objects.get(request_id=message.request_id)
+    assert (row.prompt_tokens, row.completion_tokens) == billed
+    assert row.status == 503 and row.error_code == "worker_lost"
+    assert budget_used(rclient, message) == sum(billed)
+
+
+def test_a_stream_that_ends_with_an_error_before_any_token_is_billed_nothing(metered, rclient,
+                                                                            keys):
+    message = admitted(metered, 300, stream=True)
+    end_with(rclient, keys, message, 0, lost(message, 0))
+    record_usage(message.request_id)
+    row = UsageRecord.objects.get(request_id=message.request_id)
+    assert (row.prompt_tokens, row.completion_tokens) == (0, 0)
+    assert budget_used(rclient, message) == 0
+
+
+def test_a_stop_before_the_first_token_has_no_ttft(metered, rclient, keys):
+    # The worker's first event for it is its final one: no token was ever produced.
+    message = admitted(metered, 300, stream=True)
+    end_with(rclient, keys, message, 0, FinalEvent(
+        request_id=message.request_id, finish_reason=FinishReason.ABORT,
+        usage=Usage(prompt_tokens=12)))
+    record_usage(message.request_id)
+    row = UsageRecord.objects.get(request_id=message.request_id)
+    assert row.ttft_s is None and row.finish_reason == "abort" and row.prompt_tokens == 12
+    # One whose final event carries its only token has one.
+    other = admitted(metered, 300, stream=True)
+    end_with(rclient, keys, other, 0, FinalEvent(
+        request_id=other.request_id, finish_reason=FinishReason.LENGTH,
+        usage=Usage(prompt_tokens=12, completion_tokens=1)))
+    record_usage(other.request_id)
+    assert UsageRecord.objects.get(request_id=other.request_id).ttft_s is not None
