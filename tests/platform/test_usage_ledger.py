@@ -42,15 +42,20 @@ def admitted(key, cost: int, **meta) -> RequestMessage:
 
 def run_to_end(rclient, keys, message: RequestMessage, prompt: int, completion: int) -> None:
     """A worker takes the request, streams ``completion`` tokens and ends it."""
+    end_with(rclient, keys, message, completion, FinalEvent(
+        request_id=message.request_id, seq=completion, finish_reason=FinishReason.LENGTH,
+        usage=Usage(prompt_tokens=prompt, completion_tokens=completion)), prompt)
+
+
+def end_with(rclient, keys, message: RequestMessage, tokens: int, final: FinalEvent,
+             prompt: int = 30) -> None:
+    """A worker takes the request, writes ``tokens`` token events, then ``final``."""
     queue = FairQueue(rclient, keys, "w1", "vtc")
     [taken] = queue.take(1)
     assert taken.request_id == message.request_id
-    tokens = [TokenEvent(request_id=message.request_id, seq=i, token_id=97, text="a")
-              for i in range(completion)]
-    end = FinalEvent(request_id=message.request_id, seq=completion,
-                     finish_reason=FinishReason.LENGTH,
-                     usage=Usage(prompt_tokens=prompt, completion_tokens=completion))
-    assert queue.write_events([*tokens, end], 60, {message.request_id: prompt}) == []
+    events = [TokenEvent(request_id=message.request_id, seq=i, token_id=97, text="a")
+              for i in range(tokens)]
+    assert queue.write_events([*events, final], 60, {message.request_id: prompt}) == []
 
 
 @pytest.fixture
@@ -129,16 +134,6 @@ def test_a_request_withdrawn_while_waiting_is_billed_nothing_and_frees_its_slot(
     assert record.finish_reason == "abort" and record.completion_tokens == 0
     assert usage.pending() == 0
     admitted(key, 50)  # the slot is free for the next one
-
-
-def end_with(rclient, keys, message: RequestMessage, tokens: int, final: FinalEvent) -> None:
-    """A worker takes the request, writes ``tokens`` token events, then ``final``."""
-    queue = FairQueue(rclient, keys, "w1", "vtc")
-    [taken] = queue.take(1)
-    assert taken.request_id == message.request_id
-    events = [TokenEvent(request_id=message.request_id, seq=i, token_id=97, text="a")
-              for i in range(tokens)]
-    assert queue.write_events([*events, final], 60, {message.request_id: 30}) == []
 
 
 def lost(message: RequestMessage, completion: int) -> FinalEvent:
