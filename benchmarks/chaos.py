@@ -1025,8 +1025,13 @@ def check(results: list[Result], streams: dict[str, StreamSummary],
             continue
         got = usage[rid][0]["completion_tokens"]
         finals = streams[rid].finals if rid in streams else []
-        if finals and finals[-1]["finish_reason"] == "error" and result is not None and (
-                not result.stream or streams[rid].tokens == 0):
+        errored = bool(finals) and finals[-1]["finish_reason"] == "error"
+        if errored and result is None and got in (0, streams[rid].tokens):
+            # Ended by an error and unknown to the client (an error body carries no id): a
+            # stream is billed its tokens, an answer not streamed nothing (gateway.usage.billed).
+            info["usage_unverifiable"] += 1
+            continue
+        if errored and result is not None and (not result.stream or streams[rid].tokens == 0):
             want = 0  # an error leaves the client nothing: billed nothing (gateway.usage.billed)
         elif rid in whole:
             want = streams[rid].tokens

@@ -222,3 +222,15 @@ def test_an_answer_ended_by_its_worker_dying_is_billed_what_its_client_got(strea
     result.request_id = "r1"
     found = run_checks([result], {"r1": summary}, [usage("r1", billed)])
     assert (finding in found) if finding else ("usage_token_mismatch" not in found), found
+
+
+@pytest.mark.parametrize("billed, finding", [(0, None), (5, None),
+                                             (3, "usage_token_mismatch")])
+def test_an_answer_ended_by_an_error_and_unknown_to_the_client_is_billed_0_or_its_stream(
+        billed, finding):
+    # A 503 body names no request id: whether it streamed is unknown, so both bills are right.
+    summary = events_stream("abcde")
+    summary.finals = [{"seq": 5, "finish_reason": "error", "error": "worker_lost",
+                       "completion_tokens": 5}]
+    found = run_checks([], {"r1": summary}, [usage("r1", billed)])
+    assert (finding in found) if finding else ("usage_token_mismatch" not in found), found
