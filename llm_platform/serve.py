@@ -39,6 +39,14 @@ class DrainingServer(Server):
 
     def __init__(self, *args: Any, **kwargs: Any):
         kwargs["signal_handlers"] = False  # ours, installed in run()
+        # Every frame the chat's consumer reads to the end of (MAX_FRAME_CHARS characters, up
+        # to 4 bytes each in UTF-8) reaches it, so that a longer one gets the consumer's error
+        # frame; daphne's default of 1 MiB dropped the connection of some instead.
+        from chat.consumers import MAX_FRAME_CHARS
+
+        least = 4 * MAX_FRAME_CHARS + 1024
+        for name in ("websocket_max_message_size", "websocket_max_frame_size"):
+            kwargs[name] = max(int(kwargs.get(name) or 0), least)
         super().__init__(*args, **kwargs)
         self._ports: list[Any] = []
         self._draining_since: float | None = None
