@@ -26,6 +26,7 @@ workers (the shared queue's Lua library) can change behind them.
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -128,6 +129,7 @@ def build_limits(
         period = token_budgets.budget_period(tenant, p, now)
         budgets.append({"key": slot(period.key), "limit": tenant.token_budget,
                         "cost": token_cost, "ttl_s": period.seconds,
+                        "ends_at": (period.index + 1) * period.seconds,  # unix seconds
                         "what": f"token budget per {tenant.budget_period}"})
     concurrency_keys = []
     if tenant.max_concurrent_requests:
@@ -166,6 +168,12 @@ def refusal(verdict: dict[str, Any]) -> APIError:
     elif code == "token_budget_exhausted":
         message = (f"Token budget exhausted: {used} of {limit} {what} used, this request "
                    f"reserves {cost} (prompt + max_tokens).")
+        if verdict.get("retry_after_ms"):
+            resets_s = math.ceil(verdict["retry_after_ms"] / 1000)
+            message += f" The budget starts again in {resets_s} s."
+            return APIError(429, message, code=code, retry_after_s=resets_s, should_retry=False,
+                            details={"limit": limit, "used": used, "requested": cost,
+                                     "scope": what, "resets_in_s": resets_s})
     elif not verdict["retryable"]:
         message = (f"This request needs {cost} of a limit of {limit} {what}; it can never be "
                    "admitted. Lower max_tokens or the prompt.")

@@ -52,7 +52,9 @@ end
 for _, b in ipairs(spec.budgets) do
   local used = tonumber(redis.call('GET', KEYS[b.key]) or '0')
   if used + b.cost > b.limit then
-    return refuse('token_budget_exhausted', b.what, b.limit, used, b.cost, 0, false)
+    -- Not retryable before the period ends, when the counter starts again from 0.
+    local resets_ms = b.ends_at and math.max(0, b.ends_at * 1000 - now) or 0
+    return refuse('token_budget_exhausted', b.what, b.limit, used, b.cost, resets_ms, false)
   end
 end
 

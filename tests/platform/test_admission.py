@@ -102,7 +102,12 @@ def test_budget_exhausted_is_not_retryable(make_tenant, live_worker):
     assert admit_many(key, 1, cost=60) == [None]
     [refused] = admit_many(key, 1, cost=60)
     assert refused.code == "token_budget_exhausted"
-    assert refused.headers() == {"x-should-retry": "false"}
+    headers = refused.headers()
+    assert headers["x-should-retry"] == "false"  # not before the period ends ...
+    # ... which the refusal names: the budget counter starts again then.
+    resets = refused.details["resets_in_s"]
+    assert 1 <= resets <= key.tenant.budget_period_seconds
+    assert int(headers["Retry-After"]) == resets and f"again in {resets} s" in refused.message
 
 
 def test_request_larger_than_the_token_limit_can_never_pass(make_tenant, live_worker):
