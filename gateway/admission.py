@@ -162,30 +162,25 @@ def refusal(verdict: dict[str, Any]) -> APIError:
     """The 429 for a refused admission verdict of ``admit.lua``."""
     code = verdict["code"]
     what, limit, used, cost = verdict["what"], verdict["limit"], verdict["used"], verdict["cost"]
+    retryable = bool(verdict["retryable"])
+    retry_after_s = verdict["retry_after_ms"] / 1000 if retryable else None
+    details = {"limit": limit, "used": used, "requested": cost, "scope": what}
     if code == "queue_full":
         message = (f"The server's queue is full ({used} of {limit} requests waiting); "
                    "retry shortly.")
     elif code == "token_budget_exhausted":
         message = (f"Token budget exhausted: {used} of {limit} {what} used, this request "
                    f"reserves {cost} (prompt + max_tokens).")
-        if verdict.get("retry_after_ms"):
-            resets_s = math.ceil(verdict["retry_after_ms"] / 1000)
-            message += f" The budget starts again in {resets_s} s."
-            return APIError(429, message, code=code, retry_after_s=resets_s, should_retry=False,
-                            details={"limit": limit, "used": used, "requested": cost,
-                                     "scope": what, "resets_in_s": resets_s})
-    elif not verdict["retryable"]:
+        if verdict.get("retry_after_ms"):  # when the period ends: not retryable before
+            retry_after_s = details["resets_in_s"] = math.ceil(verdict["retry_after_ms"] / 1000)
+            message += f" The budget starts again in {retry_after_s} s."
+    elif not retryable:
         message = (f"This request needs {cost} of a limit of {limit} {what}; it can never be "
                    "admitted. Lower max_tokens or the prompt.")
     else:
         message = f"Rate limit reached: {limit} {what} (in use: {used}); retry later."
-    retryable = bool(verdict["retryable"])
-    return APIError(
-        429, message, code=code,
-        retry_after_s=verdict["retry_after_ms"] / 1000 if retryable else None,
-        should_retry=None if retryable else False,
-        details={"limit": limit, "used": used, "requested": cost, "scope": what},
-    )
+    return APIError(429, message, code=code, retry_after_s=retry_after_s,
+                    should_retry=None if retryable else False, details=details)
 
 
 def refused_counter_key() -> str:
