@@ -17,7 +17,7 @@ import codecs
 from collections.abc import Sequence
 from typing import Any
 
-from inference.protocol import PositionLogprobs
+from inference.protocol.events import PositionLogprobs
 
 
 def chat_entry(entry: PositionLogprobs) -> dict[str, Any]:

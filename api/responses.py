@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from api.logprobs import CompletionLogprobs, chat_logprobs
-from inference.protocol import Event, FinalEvent, PositionLogprobs, TokenEvent, Usage
+from inference.protocol.events import Event, FinalEvent, PositionLogprobs, TokenEvent, Usage
 
 
 @dataclass(frozen=True)

@@ -149,7 +149,8 @@ class GenerationRequest(BodyObject):
         return None
 
     def sampling(self, max_tokens: int | None) -> dict[str, Any]:
-        """Fields of ``inference.request.SamplingParams``; a None max_tokens: the worker decides."""
+        """Fields of ``inference.engine.request.SamplingParams``; a None max_tokens: the worker
+        decides."""
         return {
             "max_tokens": max_tokens,
             "temperature": self.temperature,

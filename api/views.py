@@ -39,7 +39,8 @@ from gateway.credentials import bearer_token
 from gateway.errors import APIError, unexpected_error
 from gateway.events import Waiting
 from gateway.lifecycle import Generation
-from inference.protocol import ErrorInfo, Event, FinalEvent, Sampling, TokenEvent
+from inference.protocol.events import ErrorInfo, Event, FinalEvent, TokenEvent
+from inference.protocol.messages import Sampling
 from tenants.models import ApiKey
 from tenants.selectors import aauthenticate_key
 

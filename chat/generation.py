@@ -33,7 +33,8 @@ from gateway.admission import Principal
 from gateway.conf import platform_settings
 from gateway.errors import APIError
 from gateway.events import events
-from inference.protocol import FinalEvent, FinishReason, Sampling, TokenEvent
+from inference.protocol.events import FinalEvent, FinishReason, TokenEvent
+from inference.protocol.messages import Sampling
 from tenants.models import Tenant
 
 log = logging.getLogger(__name__)

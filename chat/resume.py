@@ -30,7 +30,7 @@ from chat.models import Conversation, Message
 from gateway import grace
 from gateway.clients import aredis
 from gateway.conf import redis_keys
-from inference.protocol import Event, FinalEvent, TokenEvent
+from inference.protocol.events import Event, FinalEvent, TokenEvent
 from tenants.models import Tenant
 
 log = logging.getLogger(__name__)

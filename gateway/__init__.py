@@ -9,8 +9,8 @@ never import each other:
   generate): build the message, admit it, read its events, abort it if unfinished, release its
   leases; the worker reports its usage, recorded by :mod:`gateway.tasks`.
 - :mod:`gateway.admission`: rate limits, concurrency, token budgets and gate 1, checked and
-  recorded all-or-nothing by one Lua script (``gateway/lua/``) that also dispatches the request to
-  the workers; the settlement of token reservations and the release of leases.
+  recorded all-or-nothing by one Lua script (``inference/protocol/lua/``) that also dispatches the
+  request to the workers; the settlement of token reservations and the release of leases.
 - :mod:`gateway.events`: a request's event stream, and aborts.
 - :mod:`gateway.workers`: worker liveness, their stats snapshots and the one aggregation of them.
 - :mod:`gateway.tokens`: prompt token counts, with the worker's own tokenizer and chat template.

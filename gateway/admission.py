@@ -1,16 +1,16 @@
 """Admission and dispatch: every limit of a request and gate 1, all-or-nothing, then the queue.
 
-One Lua script (``gateway/lua/admit.lua``) checks every limit that applies to a request and, only
-when all pass, records the request in each of them and puts it in the shared queue that feeds the
-workers in the deployment's fair order (:mod:`inference.protocol`), atomically. A refused request
-so consumes nothing, and 20 concurrent requests against a limit of 5 admit exactly 5. Libraries
-such as ``limits`` check one window at a time; the all-or-nothing check across several windows plus
-the global queue counter is why this is one script.
+One Lua script (``inference/protocol/lua/admit.lua``) checks every limit that applies to a request
+and, only when all pass, records the request in each of them and puts it in the shared queue that
+feeds the workers in the deployment's fair order (:mod:`inference.protocol`), atomically. A refused
+request so consumes nothing, and 20 concurrent requests against a limit of 5 admit exactly 5.
+Libraries such as ``limits`` check one window at a time; the all-or-nothing check across several
+windows plus the global queue counter is why this is one script.
 
 - rate limits (requests and tokens per minute, per key and per tenant): a moving window (a sorted
   set of the admitted requests, scored by time), so no 60-second span ever admits more than the
   limit; tokens are reserved as ``prompt + max_tokens`` and settled to the real usage afterwards
-  (``gateway/lua/settle.lua``).
+  (``inference/protocol/lua/settle.lua``).
 - max concurrent requests: a sorted set of leases (scored by expiry), released when the request
   ends in the queue (``fq_finish``, whoever ends it: its worker, a reclaim, a withdrawal) and when
   the response ends; the expiry (``REQUEST_IDLE_TIMEOUT_S`` and a minute) is the last resort.
@@ -30,7 +30,6 @@ import math
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import redis
@@ -41,13 +40,13 @@ from gateway.clients import aredis, sync_redis
 from gateway.conf import platform_settings, redis_keys
 from gateway.errors import APIError
 from gateway.workers import alive_workers
-from inference.protocol import RequestMessage, queue_library_with
+from inference.protocol.keys import lua_script, queue_script
+from inference.protocol.messages import RequestMessage
 from tenants.models import ApiKey, Tenant
 
 RATE_WINDOW_MS = 60_000
-_LUA = Path(__file__).parent / "lua"
-ADMIT_LUA = queue_library_with((_LUA / "admit.lua").read_text())
-SETTLE_LUA = (_LUA / "settle.lua").read_text()
+ADMIT_LUA = queue_script("admit")
+SETTLE_LUA = lua_script("settle")
 # An admission retried after its reply was lost gets its first verdict for this long (s).
 ADMITTED_MARKER_TTL_S = 600
 # Where the web tier's copy of a request message keeps the Redis epoch it was queued in.

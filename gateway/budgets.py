@@ -2,8 +2,9 @@
 
 A tenant's budget counter (``{prefix}:budget:{tenant_pk}:{period_index}``) holds the tokens
 reserved and used in the current period, where the period index is ``int(unix_time // period)``
-(:attr:`tenants.models.Tenant.budget_period_seconds`). ``gateway/lua/admit.lua`` reads it,
-reserves into it and sets its expiry; ``gateway/lua/settle.lua`` settles it to the real usage.
+(:attr:`tenants.models.Tenant.budget_period_seconds`). ``inference/protocol/lua/admit.lua`` reads
+it, reserves into it and sets its expiry; ``inference/protocol/lua/settle.lua`` settles it to the
+real usage.
 
 Redis is not persistent, but the usage records in the database are billing's source of truth: a
 counter that is missing (a Redis restart, a flush, or simply the period's first request) is

@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from django.conf import settings
 
 from gateway.conf import platform_settings
-from inference.protocol import redis_retry_options
+from inference.protocol.keys import redis_retry_options
 
 _async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aioredis.Redis] = (
     weakref.WeakKeyDictionary()

@@ -6,7 +6,7 @@ from typing import Any
 
 from django.conf import settings
 
-from inference.protocol import Keys
+from inference.protocol.keys import Keys
 
 
 def platform_settings() -> dict[str, Any]:

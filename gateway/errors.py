@@ -15,7 +15,7 @@ from typing import Any
 import redis.exceptions
 from django.http import JsonResponse
 
-from inference.protocol import ErrorCode, ErrorInfo, FinishReason
+from inference.protocol.events import ErrorCode, ErrorInfo, FinishReason
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ from django.conf import settings
 
 from gateway.clients import aredis
 from gateway.conf import redis_keys
-from inference.protocol import redis_retry_options
+from inference.protocol.keys import redis_retry_options
 
 log = logging.getLogger(__name__)
 

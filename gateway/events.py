@@ -22,14 +22,9 @@ from gateway import event_reader, monitor, usage
 from gateway.clients import aredis
 from gateway.conf import redis_keys
 from gateway.errors import APIError
-from inference.protocol import (
-    ABORT_MARK_TTL_S,
-    EVENTS_TTL_S,
-    ControlMessage,
-    Event,
-    decode_event,
-    queue_script,
-)
+from inference.protocol.events import Event, decode_event
+from inference.protocol.keys import ABORT_MARK_TTL_S, EVENTS_TTL_S, queue_script
+from inference.protocol.messages import ControlMessage
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,8 @@ import redis
 
 from gateway.clients import aredis, sync_redis
 from gateway.conf import redis_keys
-from inference.protocol import EVENTS_TTL_S, Event, FinalEvent, decode_event
+from inference.protocol.events import Event, FinalEvent, decode_event
+from inference.protocol.keys import EVENTS_TTL_S
 
 log = logging.getLogger(__name__)
 

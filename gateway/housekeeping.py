@@ -23,7 +23,7 @@ from asgiref.sync import sync_to_async
 from gateway import grace
 from gateway.clients import sync_redis
 from gateway.conf import platform_settings, redis_keys
-from inference.protocol import EVENTS_TTL_S, queue_script
+from inference.protocol.keys import EVENTS_TTL_S, queue_script
 
 log = logging.getLogger(__name__)
 

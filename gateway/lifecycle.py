@@ -38,16 +38,8 @@ from gateway.conf import platform_settings, redis_keys
 from gateway.errors import APIError
 from gateway.events import Waiting, abort_later, events
 from gateway.tokens import PromptCount, count_chat_tokens, count_text_tokens
-from inference.protocol import (
-    ChatTurn,
-    ErrorCode,
-    ErrorInfo,
-    Event,
-    FinalEvent,
-    FinishReason,
-    RequestMessage,
-    Sampling,
-)
+from inference.protocol.events import ErrorCode, ErrorInfo, Event, FinalEvent, FinishReason
+from inference.protocol.messages import ChatTurn, RequestMessage, Sampling
 from tenants.models import Tenant
 
 log = logging.getLogger(__name__)
@@ -311,9 +303,9 @@ def context_refusal(count: PromptCount, max_tokens: int | None, context: int | N
 
     The worker refuses a prompt that leaves no room in its context (``max_tokens`` omitted), or
     whose tokens plus ``max_tokens`` exceed it; the message and numbers are the worker's
-    (``inference.preparation``, ``inference.engine``). A count that is not exact (the prompt's
-    bytes alone put it over the context) gives its lower bound, said as "at least". An estimated
-    count (no tokenizer) refuses nothing.
+    (``inference.worker.preparation``, ``inference.engine.llm_engine``). A count that is not exact
+    (the prompt's bytes alone put it over the context) gives its lower bound, said as "at least". An
+    estimated count (no tokenizer) refuses nothing.
 
     Args:
         count: the prompt's tokens.

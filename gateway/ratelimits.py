@@ -1,9 +1,9 @@
 """What the rate limiter holds for a request, as OpenAI's ``x-ratelimit-*`` response headers.
 
-The admission script (``gateway/lua/admit.lua``) reports, for every moving window that applies to
-a request (requests and tokens per minute, per API key and per tenant), the use it counted (this
-request included when admitted) and the milliseconds until the window is empty again. The headers
-tell the client, for requests and for tokens:
+The admission script (``inference/protocol/lua/admit.lua``) reports, for every moving window that
+applies to a request (requests and tokens per minute, per API key and per tenant), the use it
+counted (this request included when admitted) and the milliseconds until the window is empty again.
+The headers tell the client, for requests and for tokens:
 
 - ``x-ratelimit-limit-*``: the limit (per minute);
 - ``x-ratelimit-remaining-*``: what the window has left (tokens count as reserved at admission,

@@ -10,7 +10,7 @@ from celery import shared_task
 
 from gateway import grace, housekeeping, usage
 from gateway.conf import platform_settings
-from inference.protocol import USAGE_TASK_NAME
+from inference.protocol.keys import USAGE_TASK_NAME
 
 RECONCILE_TASK = "gateway.tasks.reconcile_usage"
 SWEEP_TASK = "gateway.tasks.sweep_queue"

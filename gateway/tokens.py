@@ -75,7 +75,7 @@ def utf8_length(text: str) -> int:
 def tokenizer_folder() -> Path:
     """The folder whose tokenizer counts prompt tokens (see the module docstring)."""
     from gateway.conf import platform_settings
-    from inference.protocol import model_folder
+    from inference.protocol.models import model_folder
 
     conf = platform_settings()
     if configured := (conf.get("TOKENIZER_PATH") or "").strip():

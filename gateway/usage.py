@@ -1,10 +1,10 @@
 """Usage records, exactly once per request whatever process dies when.
 
 Every end of every request (a worker's final event, a reclaim, an expiry, a withdrawal) is written
-by one Lua function (``fq_finish`` in ``inference/lua/fair_queue.lua``) that, in the same atomic
-step, adds the request's usage entry to the ledger ``{prefix}:usage:pending``. An entry leaves the
-ledger only in :func:`record`, after its database row is written, in the same atomic step as the
-settlement of the request's token reservations (``gateway/lua/settle.lua``). So:
+by one Lua function (``fq_finish`` in ``inference/protocol/lua/fair_queue.lua``) that, in the same
+atomic step, adds the request's usage entry to the ledger ``{prefix}:usage:pending``. An entry
+leaves the ledger only in :func:`record`, after its database row is written, in the same atomic step
+as the settlement of the request's token reservations (``inference/protocol/lua/settle.lua``). So:
 
 - the row is written at least once: the ledger keeps the entry until it is; whoever ends a request
   asks the Celery task :func:`gateway.tasks.record_usage` for it (by request id), and the periodic
@@ -28,7 +28,8 @@ from gateway import admission
 from gateway.clients import sync_redis
 from gateway.conf import redis_keys
 from gateway.errors import final_status
-from inference.protocol import FinalEvent, RequestMessage, Usage, UsageReport
+from inference.protocol.events import FinalEvent, Usage
+from inference.protocol.messages import RequestMessage, UsageReport
 from tenants.models import UsageRecord
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ import redis
 
 from gateway.clients import aredis, sync_redis
 from gateway.conf import platform_settings, redis_keys
-from inference.protocol import queue_script
+from inference.protocol.keys import queue_script
 
 
 class Rule(Enum):

@@ -5,7 +5,7 @@ file at the repository root is read too when present. The variables that the inf
 reads too (Redis, gate 1, the admission deadline, heartbeats, the model's folder) come from
 :class:`inference.protocol.PlatformSettings`, where their defaults are written once; Django's own
 and the web tier's come through django-environ. Engine settings (``MAX_BATCH_SIZE``,
-``BACKEND``, ...) are the worker's alone (:mod:`inference.settings`).
+``BACKEND``, ...) are the worker's alone (:mod:`inference.worker.settings`).
 """
 
 from pathlib import Path
@@ -13,7 +13,7 @@ from pathlib import Path
 import environ
 
 from dashboard.conf import beat_schedule
-from inference.protocol import PlatformSettings
+from inference.protocol.settings import PlatformSettings
 from llm_platform.secret_key import load_secret_key
 
 BASE_DIR = Path(__file__).resolve().parent.parent

@@ -57,5 +57,5 @@ fi
 case ",$EXTRAS," in *,worker,*) ;; *) SKIP_MODEL=1 ;; esac
 if [ "${SKIP_MODEL:-0}" != "1" ]; then
   echo "==> preparing the default model"
-  "$VENV/bin/python" -m inference.model_store prepare
+  "$VENV/bin/python" -m inference.worker.prepare_model
 fi

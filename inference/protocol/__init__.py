@@ -1,20 +1,35 @@
 """The contract between the web tier and the inference workers: keys, messages and settings.
 
-The two processes speak only through Redis, in the terms of this module: the key names
-(:class:`Keys`), the messages both sides build and validate (pydantic models: a request, the
-events of its answer, an abort, a usage report), and the settings both read
-(:class:`PlatformSettings`). It imports neither torch nor Django; the web tier imports it, and so
-do the engine and the worker. ``docs/design.md`` describes the processes around it.
+The two processes speak only through Redis, in the terms of this package's modules:
+
+- :mod:`~inference.protocol.events`: what an engine emits (token and final events, errors as an
+  :class:`~inference.protocol.events.ErrorCode`, usage, log-probabilities). The only part the
+  engine itself imports: pydantic only, no Redis, no environment;
+- :mod:`~inference.protocol.messages`: the other messages both sides build and validate (a
+  request, an abort, a usage report);
+- :mod:`~inference.protocol.keys`: the Redis key names (:class:`~inference.protocol.keys.Keys`),
+  the Lua scripts of ``lua/`` (every atomic change of shared state, the web tier's admission
+  included) and how a client rides out an outage;
+- :mod:`~inference.protocol.settings`: the settings both processes read from the environment
+  (:class:`~inference.protocol.settings.PlatformSettings`), and
+  :mod:`~inference.protocol.models`: where a model's folder is.
+
+It imports neither torch nor Django; the web tier imports it, and so do the engine (its events
+only) and the worker. This file imports nothing, so that importing the events loads neither Redis
+nor the settings. ``docs/design.md`` describes the processes around it.
 
 Keys, under a configurable prefix (``REDIS_PREFIX``, default ``llm``):
 
 ================================  ===========================================================
 ``{p}:fq:*``                      the shared request queue: requests waiting, in the
                                   deployment's fair order, and those each worker took or runs
-                                  (``inference/lua/fair_queue.lua`` lists its keys)
-``{p}:events:{request_id}``       stream of one request's events, in order: :class:`TokenEvent`
-                                  ... then exactly one :class:`FinalEvent`
-``{p}:control``                   pub/sub channel of :class:`ControlMessage` (aborts)
+                                  (``inference/protocol/lua/fair_queue.lua`` lists its keys)
+``{p}:events:{request_id}``       stream of one request's events, in order:
+:class:`~inference.protocol.events.TokenEvent`
+                                  ... then exactly one
+                                  :class:`~inference.protocol.events.FinalEvent`
+``{p}:control``                   pub/sub channel of
+:class:`~inference.protocol.messages.ControlMessage` (aborts)
 ``{p}:aborted:{request_id}``      set when a request is aborted, so a worker that reads it later
                                   drops it
 ``{p}:workers``                   sorted set: worker id -> time of its last heartbeat (unix s)
@@ -32,64 +47,16 @@ The queue hands requests out in one order for the whole deployment: priority tie
 (with VTC) the fairness key with the least weighted service, counters shared by every worker, then
 arrival. A worker takes only what it can start soon (its free rows and ``WORKER_PREFETCH``
 more), so a request's place is decided by the queue, not by which worker read it. Every change of
-the queue is a Lua script made of one library (``inference/lua/fair_queue.lua``) and the script's
-own body (:func:`queue_script`), the web tier's admission script included: each state change is
-written once. A request a worker took stays its own until the worker writes the request's first
-event; if the worker's heartbeat lapses first, the request goes back to its place, once.
+the queue is a Lua script made of one library (``inference/protocol/lua/fair_queue.lua``) and the
+script's own body (:func:`~inference.protocol.keys.queue_script`), the web tier's admission script
+included: each state change is written once. A request a worker took stays its own until the worker
+writes the request's first event; if the worker's heartbeat lapses first, the request goes back to
+its place, once.
 
 Gate 1 (requests accepted and not yet admitted by any worker) is the number of requests waiting
 plus those each worker holds taken and not yet admitted by its engine: the web tier refuses when
 it would pass ``MAX_QUEUE_SIZE``.
 
-Errors carry a :class:`ErrorCode`, never an HTTP status: the web tier maps codes to statuses.
+Errors carry an :class:`~inference.protocol.events.ErrorCode`, never an HTTP status: the web tier
+maps codes to statuses.
 """
-
-from inference.protocol.keys import (
-    ABORT_MARK_TTL_S,
-    EVENTS_TTL_S,
-    FAIR_QUEUE_LUA,
-    REDIS_RETRY_WINDOW_S,
-    USAGE_TASK_NAME,
-    Keys,
-    queue_library_with,
-    queue_script,
-    redis_retry_options,
-)
-from inference.protocol.messages import (
-    LOGPROB_FLOOR,
-    MAX_LOGPROBS,
-    ChatTurn,
-    ControlMessage,
-    ErrorCode,
-    ErrorInfo,
-    Event,
-    FinalEvent,
-    FinishReason,
-    Message,
-    PositionLogprobs,
-    RequestMessage,
-    Sampling,
-    TokenEvent,
-    TokenLogprob,
-    Usage,
-    UsageReport,
-    decode_event,
-    encode_event,
-)
-from inference.protocol.settings import (
-    DEFAULT_MODEL_DIRNAME,
-    REPO_ROOT,
-    PlatformSettings,
-    model_cache_dir,
-    model_folder,
-)
-
-__all__ = [
-    "ABORT_MARK_TTL_S", "DEFAULT_MODEL_DIRNAME", "EVENTS_TTL_S", "FAIR_QUEUE_LUA",
-    "LOGPROB_FLOOR", "MAX_LOGPROBS", "PositionLogprobs", "TokenLogprob",
-    "REDIS_RETRY_WINDOW_S", "REPO_ROOT", "USAGE_TASK_NAME", "ChatTurn", "ControlMessage",
-    "ErrorCode", "ErrorInfo", "Event", "FinalEvent", "FinishReason", "Keys", "Message",
-    "PlatformSettings", "RequestMessage", "Sampling", "TokenEvent", "Usage", "UsageReport",
-    "decode_event", "encode_event", "model_cache_dir", "model_folder", "queue_library_with",
-    "queue_script", "redis_retry_options",
-]

@@ -12,7 +12,7 @@ ABORT_MARK_TTL_S = 600
 # The Celery task (by name: the worker does not import Django) that records a UsageReport.
 USAGE_TASK_NAME = "gateway.tasks.record_usage"
 
-_LUA = Path(__file__).resolve().parents[1] / "lua"
+_LUA = Path(__file__).resolve().parent / "lua"
 # The shared queue's state changes, written once (see queue_script).
 FAIR_QUEUE_LUA = (_LUA / "fair_queue.lua").read_text()
 
@@ -24,7 +24,7 @@ class Keys:
     prefix: str = "llm"
 
     def fq(self, *parts: str | int) -> str:
-        """A key of the shared request queue (``inference/lua/fair_queue.lua``)."""
+        """A key of the shared request queue (``inference/protocol/lua/fair_queue.lua``)."""
         return ":".join([self.prefix, "fq", *map(str, parts)])
 
     @property
@@ -83,12 +83,17 @@ def redis_retry_options(asyncio: bool = False) -> dict[str, Any]:
             "retry_on_error": [RedisConnectionError], "retry_on_timeout": False}
 
 
-def queue_script(name: str) -> str:
-    """The Lua source of the queue script ``inference/lua/{name}.lua``, after the queue library.
+def lua_script(name: str) -> str:
+    """The Lua source of ``inference/protocol/lua/{name}.lua`` on its own (a script that does
+    not change the queue)."""
+    return (_LUA / f"{name}.lua").read_text()
 
-    The web tier's admission script is built the same way from its own body.
+
+def queue_script(name: str) -> str:
+    """The Lua source of the queue script ``inference/protocol/lua/{name}.lua``, after the queue
+    library. The worker's scripts and the web tier's admission (``admit``) are built this way.
     """
-    return FAIR_QUEUE_LUA + "\n" + (_LUA / f"{name}.lua").read_text()
+    return FAIR_QUEUE_LUA + "\n" + lua_script(name)
 
 
 def queue_library_with(body: str) -> str:

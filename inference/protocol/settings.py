@@ -1,4 +1,4 @@
-"""The settings the web tier and the workers both read, and where the model lives."""
+"""The settings the web tier and the workers both read, from the environment."""
 
 from __future__ import annotations
 
@@ -8,10 +8,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from inference.protocol.keys import Keys
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-# The default model's folder under the model cache (prepared by ``inference.model_store``).
-DEFAULT_MODEL_DIRNAME = "SmolLM2-135M-Instruct"
+from inference.protocol.models import model_cache_dir, model_folder
 
 
 class PlatformSettings(BaseSettings):
@@ -73,19 +70,3 @@ class PlatformSettings(BaseSettings):
     def model_cache_dir(self) -> Path:
         """The folder holding prepared models (``LLM_CACHE_DIR``)."""
         return model_cache_dir(self.llm_cache_dir)
-
-
-def model_cache_dir(llm_cache_dir: str = "") -> Path:
-    """The folder holding prepared models: ``llm_cache_dir``, else ``<repo>/.cache/models``."""
-    if llm_cache_dir.strip():
-        return Path(llm_cache_dir.strip()).expanduser()
-    return REPO_ROOT / ".cache" / "models"
-
-
-def model_folder(model_path: str = "", llm_cache_dir: str = "") -> Path:
-    """The model's folder: ``model_path``, else the default model's under the model cache."""
-    if model_path.strip():
-        return Path(model_path.strip()).expanduser()
-    return model_cache_dir(llm_cache_dir) / DEFAULT_MODEL_DIRNAME
-
-

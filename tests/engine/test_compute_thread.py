@@ -1,8 +1,8 @@
-"""An engine does all its tensor work on one OS thread (``inference.compute_thread``).
+"""An engine does all its tensor work on one OS thread (``inference.engine.compute_thread``).
 
 Why it matters: with the model loaded on one thread and run on another, torch's OpenMP runtime
 keeps two worker pools and stops spinning between parallel regions, and a decode pass gets
-about 40 % slower on a 2-core CPU (``benchmarks/overhead.py``, ``docs/engine.md``).
+about 40 % slower on a 2-core CPU (``benchmarks/serving/overhead.py``, ``docs/engine.md``).
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from inference.backends.reference import ReferenceBackend
-from inference.compute_thread import ComputeThread
-from inference.config import EngineConfig
-from inference.engine import LLMEngine
-from inference.request import FinalEvent, SamplingParams
+from inference.engine.backends.reference import ReferenceBackend
+from inference.engine.compute_thread import ComputeThread
+from inference.engine.config import EngineConfig
+from inference.engine.llm_engine import LLMEngine
+from inference.engine.request import FinalEvent, SamplingParams
 
 
 @pytest.fixture
@@ -138,7 +138,7 @@ def test_at_exit_the_running_job_is_asked_to_stop_and_returns_before_the_interpr
     waited for first."""
     script = (
         "import threading, time\n"
-        "from inference.compute_thread import ComputeThread\n"
+        "from inference.engine.compute_thread import ComputeThread\n"
         "stop = threading.Event()\n"
         "def loop():\n"
         "    while not stop.is_set():\n"

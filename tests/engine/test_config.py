@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from inference.backends.reference import ReferenceBackend
-from inference.config import EngineConfig, PrefillMode
-from inference.engine import LLMEngine
-from inference.settings import WorkerSettings
+from inference.engine.backends.reference import ReferenceBackend
+from inference.engine.config import EngineConfig, PrefillMode
+from inference.engine.llm_engine import LLMEngine
+from inference.worker.settings import WorkerSettings
 
 
 def test_the_worker_reads_the_engine_settings_from_environment_variables(monkeypatch):

@@ -5,10 +5,10 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from inference.backends.reference import ByteTokenizer
-from inference.detokenizer import IncrementalDetokenizer
-from inference.request import SamplingParams
-from inference.sampling import sample
+from inference.engine.backends.reference import ByteTokenizer
+from inference.engine.detokenizer import IncrementalDetokenizer
+from inference.engine.request import SamplingParams
+from inference.engine.sampling import sample
 
 TOKENIZER = ByteTokenizer()
 
@@ -57,7 +57,7 @@ def test_stop_strings_never_leak_into_the_stream(text):
 
 
 def _request(**params):
-    from inference.request import Request
+    from inference.engine.request import Request
 
     return Request("r", [1], SamplingParams(**params))
 

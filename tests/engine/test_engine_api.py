@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from inference.backends.reference import ReferenceBackend
-from inference.engine import EngineStoppedError, InvalidRequestError
-from inference.request import FinalEvent, FinishReason, SamplingParams, TokenEvent
-from tests.engine.helpers import EventLog, make_engine, run_until_idle
+from inference.engine.backends.reference import ReferenceBackend
+from inference.engine.llm_engine import EngineStoppedError, InvalidRequestError
+from inference.engine.request import FinalEvent, FinishReason, SamplingParams, TokenEvent
+from tests.support.engine import EventLog, make_engine, run_until_idle
 
 
 class GatedBackend(ReferenceBackend):

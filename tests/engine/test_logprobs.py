@@ -8,11 +8,12 @@ import pydantic
 import pytest
 import torch
 
-import inference.logprobs
-from inference.backends.reference import ByteTokenizer, ReferenceBackend
-from inference.protocol import LOGPROB_FLOOR, Sampling, decode_event, encode_event
-from inference.request import FinalEvent, SamplingParams, TokenEvent
-from tests.engine.helpers import EventLog, make_engine, run_until_idle
+import inference.engine.logprobs
+from inference.engine.backends.reference import ByteTokenizer, ReferenceBackend
+from inference.engine.request import FinalEvent, SamplingParams, TokenEvent
+from inference.protocol.events import LOGPROB_FLOOR, decode_event, encode_event
+from inference.protocol.messages import Sampling
+from tests.support.engine import EventLog, make_engine, run_until_idle
 
 PROMPT = list(b"The lighthouse keeper climbed the spiral stairs at dusk.")
 
@@ -85,8 +86,8 @@ class FlagLog(ReferenceBackend):
 
 def test_rows_that_do_not_ask_cost_nothing(monkeypatch):
     computed = []
-    real = inference.logprobs._positions
-    monkeypatch.setattr(inference.logprobs, "_positions",
+    real = inference.engine.logprobs._positions
+    monkeypatch.setattr(inference.engine.logprobs, "_positions",
                         lambda *args: computed.append(1) or real(*args))
     backend = FlagLog()
     engine = make_engine(backend)

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference.backends.reference import ByteTokenizer
-from inference.request import SAMPLING_EPS, ErrorInfo, FinishReason, Request, SamplingParams
-from inference.sampling import sample
-from tests.engine.helpers import EventLog, make_engine, run_until_idle
+from inference.engine.backends.reference import ByteTokenizer
+from inference.engine.request import SAMPLING_EPS, ErrorInfo, FinishReason, Request, SamplingParams
+from inference.engine.sampling import sample
+from tests.support.engine import EventLog, make_engine, run_until_idle
 
 PROMPTS = {"a": "hello there", "b": "another prompt", "c": "x"}
 

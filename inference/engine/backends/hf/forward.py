@@ -1,0 +1,185 @@
+"""The decoder's forward pass: RMSNorm, the projections' matmul, and one pass over all layers.
+
+:func:`_rms_norm` normalises the last dimension; :func:`_linear_cpu` computes ``F.linear`` in the
+orientation that runs fastest on CPU for the few tokens of a decode pass; :class:`_Forward` (a base
+class of :class:`~inference.engine.backends.hf.backend.TransformersBackend`) runs the pass:
+embedding, per layer an RMSNorm, fused q/k/v projection, rotary embedding, paged attention
+(:mod:`inference.engine.backends.hf.attention`), output projection, RMSNorm, gated MLP; final norm
+and LM head.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from inference.engine.backends import native as native_kernels
+from inference.engine.backends.hf.attention import _attend
+from inference.engine.backends.hf.batch import _Batch
+from inference.engine.backends.hf.loading import _Layer
+from inference.engine.backends.native import gemm as native_gemm
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+# Rows (tokens in a pass) up to which ``W @ x^T`` beats ``F.linear``, per dtype; a dtype not
+# named here always takes ``F.linear``. fp32: crossover measured at 512 (see _linear_cpu).
+# bf16: none. Each projection of the default model (qkv 960x576, o 576x576, gate_up 3072x576,
+# down 576x1536, lm_head 49152x576), fastest of 21 interleaved rounds, 2 threads, on an AVX-512
+# CPU without native bf16 (oneDNN converts): ``W @ x^T`` takes 0.95 to 1.11 of ``F.linear``'s
+# time at every M of 1, 16, 32, ..., 1024 rows, 1.4 to 1.7 at 8 rows and 4 to 5 at 2 rows.
+SMALL_GEMM_MAX_ROWS = {torch.float32: 512}
+
+
+def _linear_cpu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, w, b)`` for ``x [M, K]``, ``w [N, K]``, in the orientation that runs faster
+    on CPU for ``M`` rows in ``x``'s dtype (:data:`SMALL_GEMM_MAX_ROWS`).
+
+    Returns a contiguous ``[M, N]`` tensor. In fp32 up to 512 rows it computes ``(w @ x^T)^T``:
+    on CPU (MKL's SGEMM) this orientation runs markedly faster when ``M`` (tokens in the pass) is
+    small, as in decode. ``M`` of 8 or more is padded to a multiple of 8 rows (the GEMM kernels'
+    register-block width); padded rows are dropped. Above 512 rows, and in bf16 at any ``M``,
+    plain ``F.linear`` is used. Measured on a 2-core x86 CPU with the default model in fp32 (the
+    four projections of 30 layers): 2 rows take about 1/3 of the time they take with
+    ``F.linear``, 24 to 256 rows 0.73 to 0.85 of it; at 1,024 rows ``F.linear`` takes 0.83 of
+    this orientation's time, at 4,096 rows 0.75.
+    """
+    m = x.shape[0]
+    if m > SMALL_GEMM_MAX_ROWS.get(x.dtype, 0):
+        return F.linear(x, w, b)
+    padded = m if m < 8 else -(-m // 8) * 8
+    if padded != m:
+        x = F.pad(x, (0, 0, 0, padded - m))
+    out = torch.mm(w, x.t()) if b is None else torch.addmm(b[:, None], w, x.t())
+    return out.t()[:m].contiguous()
+
+
+class _Forward:
+    """The forward pass of :class:`~inference.engine.backends.hf.backend.TransformersBackend`.
+
+    A base class of the backend, which sets the attributes below (its constructor, and
+    :meth:`~inference.engine.backends.hf.backend.TransformersBackend.allocate_kv_pool` for ``_kv``
+    and
+    ``block_size``).
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    group: int  # query heads per KV head
+    scale: float  # softmax scale, ``head_dim ** -0.5``
+    block_size: int
+    small_batch_gemm: bool
+    _native: Any  # the native kernel library (False: unavailable; None: not tried)
+    _kv: torch.Tensor | None  # [layers, 2 * kv_heads, blocks, block_size, D]
+    _cos: torch.Tensor  # [max_model_len, head_dim]
+    _sin: torch.Tensor
+    _embed: torch.Tensor
+    _layers: list[_Layer]
+    _act: Any
+    _norm: tuple[torch.Tensor, float]
+    _lm_head_w: torch.Tensor
+    _lm_head_b: torch.Tensor | None
+    # (final norm weight, eps, LM head bias) in fp32 for a bf16/fp16 model on CPU
+    _head_fp32: tuple[torch.Tensor, float, torch.Tensor | None] | None = None
+    # the LM head's weight in fp32, for passes with more logit rows than the native kernel takes
+    _head_w_fp32: torch.Tensor | None = None
+    # the LM head over its packed weight (a bf16 model on a CPU with AVX512-BF16), see _logits
+    _lm_head_packed: Any = None
+    packed_gemm: bool = False
+
+    def _forward(self, b: _Batch) -> torch.Tensor:
+        """Run the decoder over batch ``b``: write its new tokens' K/V into the pool and return
+        ``[R + extra, vocab]`` logits of the tokens ``b.logit_index`` names (each row's last new
+        token, then the other tokens of rows that asked for all; fp32 on CPU, see
+        :meth:`_logits`; the model's dtype elsewhere)."""
+        assert self._kv is not None
+        n_heads, kv_heads, dim, group = self.num_heads, self.num_kv_heads, self.head_dim, self.group
+        num_tokens = b.tokens.shape[0]
+        qk_heads = n_heads + kv_heads
+        cos = self._cos[b.positions][:, None, :]  # [N, 1, D]
+        sin = self._sin[b.positions][:, None, :]
+        half = dim // 2
+        kv_all = self._kv  # [layers, 2 * kv_heads, blocks, block_size, D]
+        slot_rows = kv_all[0].numel() // dim
+        native_lib, block_size, scale = self._native, self.block_size, self.scale
+
+        linear = _linear_cpu if self.small_batch_gemm else F.linear
+        packed_gemm = self.packed_gemm
+        h = F.embedding(b.tokens, self._embed)  # [N, hidden]
+        for i, layer in enumerate(self._layers):
+            packed = layer.packed if packed_gemm else None
+            x = _rms_norm(h, layer.ln1_w, layer.ln1_eps)
+            # [N, (H + 2 KV) * D]
+            qkv = packed[0](x) if packed else linear(x, layer.w_qkv, layer.b_qkv)
+            qk = qkv[:, : qk_heads * dim].reshape(num_tokens, qk_heads, dim)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                qk = torch.cat([
+                    _rms_norm(qk[:, :n_heads], *layer.q_norm),
+                    _rms_norm(qk[:, n_heads:], *layer.k_norm),
+                ], dim=1)
+            rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
+            qk = qk * cos + rotated * sin  # [N, H + KV, D]
+            q = qk[:, :n_heads]
+            kv_new = torch.cat(
+                [qk[:, n_heads:], qkv[:, qk_heads * dim:].reshape(num_tokens, kv_heads, dim)], dim=1
+            )  # [N, 2 KV, D]
+
+            pool = kv_all[i]  # [2 KV, blocks, block_size, D]
+            kv_new = kv_new.transpose(0, 1).reshape(-1, dim)  # [2 KV * N, D]
+            pool.view(slot_rows, dim).index_copy_(0, b.write_index, kv_new)
+
+            o = _attend(native_lib, b, q, pool, n_heads, kv_heads, group, dim, block_size,
+                        scale)  # [N, H * D]
+            h = h + (packed[1](o) if packed else linear(o, layer.w_o, layer.b_o))
+
+            x = _rms_norm(h, layer.ln2_w, layer.ln2_eps)
+            gate_up = (packed[2](x) if packed
+                       else linear(x, layer.w_gate_up, layer.b_gate_up))
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = self._act(gate) * up
+            h = h + (packed[3](act) if packed else linear(act, layer.w_down, layer.b_down))
+
+        return self._logits(h.index_select(0, b.logit_index), linear)  # [R + extra, vocab]
+
+    def _logits(self, h: torch.Tensor, linear: Any) -> torch.Tensor:
+        """``[R, vocab]`` logits of the hidden states ``h [R, hidden]``: final norm and LM head.
+
+        On CPU a model in bf16 (or fp16) gets fp32 logits: the final norm and the LM head run in
+        fp32 over ``h`` widened exactly to fp32. The head's product: with ``packed_gemm``, the
+        packed kernel (:mod:`inference.engine.backends.native.gemm`) over the normed ``x`` split in
+        bf16 hi and lo parts (within 2^-17 of it), summed in fp32; else up to
+        :func:`~inference.engine.backends.native.bf16_weight_matmul_max_rows` rows, the native
+        kernel over the bf16 weight (fp32 results from half the bytes: on VDPBF16PS with the fp32
+        input split in two bf16 parts, within 2^-17 of it, or over exactly widened weights); more
+        rows, or without the kernel, an fp32 matmul over an fp32 copy of the weight (made on first
+        use;
+        ``vocab * hidden * 4`` bytes). A bf16 matmul would round every logit to bf16 (8
+        significant bits: up to 0.06 off at a logit of 16, and many exact ties), and PyTorch
+        2.13 has no CPU matmul of bf16 inputs with an fp32 output. Elsewhere (fp32, or CUDA and
+        MPS) they run in the model's dtype.
+        """
+        if h.dtype == torch.float32 or h.device.type != "cpu":
+            return linear(_rms_norm(h, *self._norm), self._lm_head_w, self._lm_head_b)
+        if self._head_fp32 is None:
+            norm_w, eps = self._norm
+            bias = None if self._lm_head_b is None else self._lm_head_b.float()
+            self._head_fp32 = (norm_w.float(), eps, bias)
+        norm_w, eps, bias = self._head_fp32
+        x = _rms_norm(h.float(), norm_w, eps)
+        if self.packed_gemm and self._lm_head_packed is not None:
+            # VDPBF16PS over the packed head, x split in bf16 hi and lo: fp32 logits at the
+            # speed of a bf16 product (inference.engine.backends.native.gemm).
+            return self._lm_head_packed(native_gemm.split_fp32(x), out_fp32=True)
+        lib, w = self._native, self._lm_head_w
+        if (lib and w.dtype == torch.bfloat16
+                and x.shape[0] <= native_kernels.bf16_weight_matmul_max_rows(lib)):
+            # Half the bytes of the fp32 copy: at decode the head is bound by memory bandwidth.
+            return native_kernels.bf16_weight_matmul(lib, x.contiguous(), w.contiguous(), bias)
+        if self._head_w_fp32 is None:
+            self._head_w_fp32 = w.float()
+        return linear(x, self._head_w_fp32, bias)

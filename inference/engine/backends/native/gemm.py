@@ -1,0 +1,167 @@
+"""A bf16 model's projections on a CPU with AVX512-BF16, over weights packed at load time.
+
+:func:`pack_bf16_weight` lays a ``[out, in]`` bf16 weight out in the order the kernel of
+``bf16_gemm.c`` reads it (tiles of 64 output features, each pair of inputs of a tile's features
+side by side); :func:`bf16_packed_matmul` computes ``x W^T (+ bias)`` from it. The kernel is
+the usual broadcast micro-kernel of a CPU GEMM (6 rows by 64 features in 24 fp32 accumulators,
+VDPBF16PS, as in oneDNN's and BLIS's kernels), with the weight streamed in memory order: a
+decode step's few rows are bound by reading the weights, and the plain layout read a few rows
+at a time reached half the memory bandwidth. ``python -m benchmarks.kernels.bf16_gemm`` measures it
+against ``F.linear`` in bf16 (oneDNN) on the default model's projections.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from inference.engine.backends import native as native_kernels
+
+TILE = 64  # output features per packed tile (bf16_gemm.c's TILE)
+
+
+def packed_matmul_available(lib: ctypes.CDLL | None) -> bool:
+    """Whether ``lib`` (from :func:`inference.engine.backends.native.load`) was built with
+    AVX512-BF16, so that :func:`bf16_packed_matmul` computes; ``False`` for no library."""
+    return bool(lib) and bool(lib.bf16_packed_matmul_available())
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is a 2-d bf16 CPU tensor the kernel takes: ``out`` a multiple of
+    :data:`TILE`, ``in`` even."""
+    return (weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+            and weight.shape[0] % TILE == 0 and weight.shape[1] % 2 == 0
+            and min(weight.shape) > 0)
+
+
+def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [out, in]`` bf16 packed as ``[out / 64, in / 2, 64, 2]`` (a new tensor, the same
+    bytes as the weight).
+
+    Raises:
+        ValueError: if :func:`can_pack` is false for ``weight``.
+    """
+    if not can_pack(weight):
+        raise ValueError(f"bf16 packed matmul: cannot pack a {tuple(weight.shape)} "
+                         f"{weight.dtype} tensor on {weight.device} (bf16 on CPU, out a multiple "
+                         f"of {TILE}, in even)")
+    out, inp = weight.shape
+    return weight.detach().reshape(out // TILE, TILE, inp // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def split_fp32(x: torch.Tensor) -> torch.Tensor:
+    """``x [rows, in]`` fp32 as ``[rows, 2, in]`` bf16: ``hi = bf16(x)`` and ``lo = bf16(x - hi)``
+    (both rounded to nearest even), whose sum carries 16 significant bits of ``x``."""
+    hi = x.to(torch.bfloat16)
+    lo = (x - hi.float()).to(torch.bfloat16)
+    return torch.stack([hi, lo], dim=1)
+
+
+def bf16_packed_matmul(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor,
+                       bias: torch.Tensor | None = None, *, out_fp32: bool = False,
+                       threads: int = 0) -> torch.Tensor:
+    """``x W^T (+ bias)`` over ``packed`` (:func:`pack_bf16_weight` of ``W [out, in]``).
+
+    Every product of two bf16 numbers is exact in fp32 and summed in fp32; the sums are rounded
+    once to bf16 (nearest even), or returned in fp32 with ``out_fp32``.
+
+    Args:
+        lib: the library :func:`inference.engine.backends.native.load` returned, built with
+            AVX512-BF16 (:func:`packed_matmul_available`).
+        x: ``[rows, in]`` bf16, or ``[rows, 2, in]`` bf16 whose two parts are summed
+            (:func:`split_fp32` of an fp32 ``x``); CPU, any strides (made contiguous).
+        packed: ``[out / 64, in / 2, 64, 2]`` bf16, contiguous.
+        bias: ``[out]`` (any float dtype, used in fp32), or None.
+        out_fp32: return fp32 sums instead of rounding them to bf16.
+        threads: OpenMP threads (0: ``torch.get_num_threads()``).
+
+    Returns:
+        ``[rows, out]`` bf16, or fp32 with ``out_fp32``.
+
+    Raises:
+        ValueError: for tensors of another dtype, device or shape than above, or a library built
+            without AVX512-BF16.
+    """
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() not in (2, 3):
+        raise ValueError(f"bf16 packed matmul: x must be a 2-d or 3-d bf16 CPU tensor, got "
+                         f"{tuple(x.shape)} {x.dtype} on {x.device}")
+    if (packed.dtype != torch.bfloat16 or packed.dim() != 4 or not packed.is_contiguous()
+            or packed.shape[2:] != (TILE, 2)):
+        raise ValueError(f"bf16 packed matmul: packed must be a contiguous [out / {TILE}, in / 2, "
+                         f"{TILE}, 2] bf16 tensor, got {tuple(packed.shape)} {packed.dtype}")
+    rows, parts, inp = x.shape[0], (1 if x.dim() == 2 else x.shape[1]), x.shape[-1]
+    out = packed.shape[0] * TILE
+    if parts not in (1, 2) or inp != 2 * packed.shape[1] or (
+            bias is not None and tuple(bias.shape) != (out,)):
+        bias_shape = None if bias is None else tuple(bias.shape)
+        raise ValueError(f"bf16 packed matmul: shapes do not match: x {tuple(x.shape)}, packed "
+                         f"{tuple(packed.shape)}, bias {bias_shape}")
+    x = x.contiguous()
+    if bias is not None:
+        bias = bias.to(device="cpu", dtype=torch.float32).contiguous()
+    y = torch.empty(rows, out, dtype=torch.float32 if out_fp32 else torch.bfloat16)
+    rc = getattr(lib, native_kernels.GEMM_SYMBOL)(
+        packed.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+        rows, parts, out, inp, int(out_fp32), threads or torch.get_num_threads())
+    if rc == 3:
+        raise ValueError("bf16 packed matmul: the kernel library was built without AVX512-BF16")
+    if rc:
+        raise ValueError(f"bf16 packed matmul: error {rc}")
+    return y
+
+
+class PackedLinear:
+    """One projection ``x W^T (+ bias)`` over ``W`` packed once (:func:`pack_bf16_weight`), for
+    the forward pass: the shapes are checked here, so a call checks only ``x``.
+
+    Attributes:
+        packed: ``[out / 64, in / 2, 64, 2]`` bf16.
+        bias: ``[out]`` fp32, or None.
+        out_features, in_features: ``W``'s shape.
+    """
+
+    __slots__ = ("_fn", "bias", "in_features", "out_features", "packed")
+
+    def __init__(self, lib: ctypes.CDLL, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> None:
+        """Pack ``weight [out, in]`` (bf16, CPU) for ``lib``.
+
+        Raises:
+            ValueError: if :func:`can_pack` is false for ``weight``, the bias is not ``[out]``,
+                or ``lib`` was built without AVX512-BF16.
+        """
+        if not packed_matmul_available(lib):
+            raise ValueError("bf16 packed matmul: the kernel library was built without "
+                             "AVX512-BF16")
+        self.packed = pack_bf16_weight(weight)
+        self.out_features, self.in_features = weight.shape
+        if bias is not None and tuple(bias.shape) != (self.out_features,):
+            raise ValueError(f"bf16 packed matmul: bias {tuple(bias.shape)} does not match "
+                             f"weight {tuple(weight.shape)}")
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self._fn = getattr(lib, native_kernels.GEMM_SYMBOL)
+
+    def __call__(self, x: torch.Tensor, *, out_fp32: bool = False) -> torch.Tensor:
+        """``x [rows, in]`` bf16 (or ``[rows, 2, in]``, see :func:`bf16_packed_matmul`) times
+        ``W^T`` plus the bias: ``[rows, out]`` bf16, or fp32 with ``out_fp32``.
+
+        Raises:
+            ValueError: for an ``x`` of another dtype, device or width.
+        """
+        if (x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() not in (2, 3)
+                or x.shape[-1] != self.in_features or (x.dim() == 3 and x.shape[1] not in (1, 2))):
+            raise ValueError(f"bf16 packed matmul: x must be a [rows, {self.in_features}] or "
+                             f"[rows, 2, {self.in_features}] bf16 CPU tensor, got "
+                             f"{tuple(x.shape)} {x.dtype} on {x.device}")
+        x = x.contiguous()
+        rows = x.shape[0]
+        y = torch.empty(rows, self.out_features,
+                        dtype=torch.float32 if out_fp32 else torch.bfloat16)
+        rc = self._fn(self.packed.data_ptr(), x.data_ptr(),
+                      None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), rows,
+                      1 if x.dim() == 2 else x.shape[1], self.out_features, self.in_features,
+                      int(out_fp32), torch.get_num_threads())
+        if rc:
+            raise ValueError(f"bf16 packed matmul: error {rc}")
+        return y

@@ -1,0 +1,166 @@
+"""Engine configuration: one object, given by the engine's caller, validated at construction.
+
+The engine library reads no environment variable: a caller builds :class:`EngineConfig` itself.
+The inference worker fills it from environment variables of the same names in upper case
+(``MAX_BATCH_SIZE``, ``PREFILL_CHUNK_SIZE``, ``KV_NUM_BLOCKS``, ...; see
+:mod:`inference.worker.settings`). Names follow ``docs/design.md``.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class PrefillMode(StrEnum):
+    """How a prompt is pushed through the model (``docs/design.md``, chunked prefill)."""
+
+    MONOLITHIC = "monolithic"
+    CHUNKED = "chunked"
+    # Decode rows ride in the prefill pass: one forward pass per tick, sized to TARGET_ITL_MS.
+    MIXED_BATCH = "mixed_batch"
+    # Reserved: accepted by the parser so the error can say it is not implemented.
+    DISAGGREGATED = "disaggregated"
+
+
+IMPLEMENTED_PREFILL_MODES = (PrefillMode.MONOLITHIC, PrefillMode.CHUNKED, PrefillMode.MIXED_BATCH)
+# The mode an empty PREFILL_MODE means when PREFILL_CHUNK_SIZE > 0.
+DEFAULT_CHUNKING_MODE = PrefillMode.MIXED_BATCH
+
+
+class SchedulingPolicyName(StrEnum):
+    """The admission-order policies (``docs/design.md``, scheduling policies)."""
+
+    FCFS = "fcfs"
+    VTC = "vtc"
+
+
+class EngineConfig(BaseModel):
+    """Scheduler, KV cache and model settings of one inference engine.
+
+    Units: sizes in tokens unless named ``*_bytes``; times in seconds. Unknown field names are
+    refused, so a misspelt setting fails loudly.
+
+    Raises:
+        pydantic.ValidationError: at construction, for an unknown or unimplemented
+            ``PREFILL_MODE``, a non-positive size, or an active-KV budget that does not fit in the
+            KV block pool (counting each row's rounding up to whole blocks).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Requests submitted and not yet admitted. Used on its own, the engine's gate 1; in the
+    # platform gate 1 is global (MAX_QUEUE_SIZE) and a worker's engine holds WORKER_PREFETCH.
+    max_pending: int = Field(256, ge=1, description="Bound of the pending queue.")
+    # Rows holding KV: decode rows plus rows still being prefilled.
+    max_batch_size: int = Field(32, ge=1, description="Rows in the batch, prefilling included.")
+    # 0 means monolithic prefill when PREFILL_MODE is empty.
+    prefill_chunk_size: int = Field(256, ge=0, description="Prompt tokens per prefill chunk.")
+    prefill_mode: PrefillMode | None = Field(
+        None, description="monolithic, chunked or mixed_batch; empty derives it from "
+        "PREFILL_CHUNK_SIZE."
+    )
+    # mixed_batch: the tick a running stream waits for is sized to this (0: no target, every
+    # tick takes PREFILL_CHUNK_SIZE prompt tokens).
+    target_itl_ms: float = Field(
+        500.0, ge=0, description="Target tick duration while streams run (ms), mixed_batch."
+    )
+    kv_block_size: int = Field(16, ge=1, description="Tokens per KV block.")
+    kv_num_blocks: int = Field(
+        2048, ge=0, description="KV blocks in the pool; 0 derives it from KV_CACHE_BYTES."
+    )
+    kv_cache_bytes: int = Field(
+        0, ge=0, description="Memory for the KV pool in bytes; used when KV_NUM_BLOCKS is 0."
+    )
+    # Gate 2. 0 derives the largest budget that the pool can always hold.
+    active_kv_budget: int = Field(
+        0, ge=0, description="Max sum of prompt_len + max_tokens over admitted rows (tokens)."
+    )
+    enable_prefix_caching: bool = True
+    # FCFS is the library's default (single tenant, tests); the platform's worker runs VTC.
+    scheduling_policy: SchedulingPolicyName = SchedulingPolicyName.FCFS
+    vtc_input_weight: float = Field(1.0, gt=0, description="VTC cost of one computed prompt token.")
+    vtc_output_weight: float = Field(2.0, gt=0, description="VTC cost of one generated token.")
+    # 0 means the backend's own context length.
+    max_model_len: int = Field(0, ge=0)
+    # Priority preemption (recompute): a higher-tier request that finds no row or no active-KV
+    # budget may take the rows of lower-tier decode rows, each preempted at most this often.
+    preemption: bool = Field(True, description="Preempt lower-tier rows for a higher tier.")
+    max_preemptions: int = Field(
+        2, ge=0, description="Times one request may be preempted; 0 never preempts."
+    )
+
+    # The model. BACKEND=reference is a deterministic model-free backend for tests.
+    backend: str = Field("transformers", description="transformers or reference")
+    model_path: str = Field("", description="Local Hugging Face causal-LM folder; empty: default.")
+    device: str = Field("auto", description="auto (CUDA, then MPS, then CPU), cpu, cuda, mps.")
+    dtype: str = Field("auto", description="auto (fp32 on CPU), float32, float16, bfloat16.")
+    llm_kernel_dir: str = Field("", description="Built native kernels; empty: .cache/kernels.")
+    # BACKEND=reference only: seconds each forward pass takes, to emulate a real model's pace.
+    reference_step_delay_s: float = Field(0.0, ge=0)
+
+    @field_validator("prefill_mode", mode="before")
+    @classmethod
+    def _empty_mode_is_derived(cls, value: object) -> object:
+        return None if value in ("", None) else value
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        mode = self.effective_prefill_mode
+        if mode not in IMPLEMENTED_PREFILL_MODES:
+            raise ValueError(
+                f"PREFILL_MODE={mode.value!r} is reserved but not implemented; "
+                f"use one of {[m.value for m in IMPLEMENTED_PREFILL_MODES]}"
+            )
+        if mode in (PrefillMode.CHUNKED, PrefillMode.MIXED_BATCH) and self.prefill_chunk_size < 1:
+            raise ValueError(f"PREFILL_MODE={mode.value} needs PREFILL_CHUNK_SIZE >= 1")
+        if self.kv_num_blocks == 0 and self.kv_cache_bytes == 0:
+            raise ValueError("set KV_NUM_BLOCKS or KV_CACHE_BYTES (both are 0)")
+        if self.kv_num_blocks and self.active_kv_budget:
+            self.check_budget_fits(self.kv_num_blocks)
+        return self
+
+    @property
+    def effective_prefill_mode(self) -> PrefillMode:
+        """The prefill mode in force: ``PREFILL_MODE``, or derived from ``PREFILL_CHUNK_SIZE``."""
+        if self.prefill_mode is not None:
+            return self.prefill_mode
+        return DEFAULT_CHUNKING_MODE if self.prefill_chunk_size > 0 else PrefillMode.MONOLITHIC
+
+    def max_blocks_for_budget(self, budget_tokens: int) -> int:
+        """Blocks that rows summing to ``budget_tokens`` can hold at most (tokens -> blocks).
+
+        Each of at most ``max_batch_size`` rows rounds up to whole blocks, wasting at most
+        ``kv_block_size - 1`` token slots.
+        """
+        bs = self.kv_block_size
+        return (budget_tokens + self.max_batch_size * (bs - 1)) // bs
+
+    def resolved_budget(self, num_blocks: int) -> int:
+        """The active-KV budget in tokens for a pool of ``num_blocks`` blocks.
+
+        Raises:
+            ValueError: if the configured budget does not fit in the pool, or the pool is too
+                small to hold even one block per row.
+        """
+        if self.active_kv_budget:
+            self.check_budget_fits(num_blocks)
+            return self.active_kv_budget
+        budget = num_blocks * self.kv_block_size - self.max_batch_size * (self.kv_block_size - 1)
+        if budget < 1:
+            raise ValueError(
+                f"KV pool of {num_blocks} blocks x {self.kv_block_size} tokens is too small for "
+                f"MAX_BATCH_SIZE={self.max_batch_size}"
+            )
+        return budget
+
+    def check_budget_fits(self, num_blocks: int) -> None:
+        """Raise ``ValueError`` unless ``active_kv_budget`` always fits in ``num_blocks`` blocks."""
+        need = self.max_blocks_for_budget(self.active_kv_budget)
+        if need > num_blocks:
+            raise ValueError(
+                f"ACTIVE_KV_BUDGET={self.active_kv_budget} tokens can need {need} KV blocks "
+                f"({self.max_batch_size} rows rounding up to {self.kv_block_size}-token blocks), "
+                f"but the pool has {num_blocks}; lower the budget or raise KV_NUM_BLOCKS"
+            )

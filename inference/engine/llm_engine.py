@@ -1,0 +1,400 @@
+"""The thread-safe engine: submit, abort and stats from any thread; one worker thread ticks.
+
+Submit, abort and stats never wait behind a tick: submissions and aborts go into an inbox that
+the worker drains at the start of each tick, and a stats snapshot is published after each tick.
+An engine that loads its own backend does all its tensor work (loading, calibration, ticks,
+:meth:`LLMEngine.step`) on one thread of its own (:mod:`inference.engine.compute_thread`).
+
+Example::
+
+    engine = LLMEngine(EngineConfig(backend="reference"))
+    engine.start()
+    handle = engine.submit(prompt="Hello", sampling=SamplingParams(max_tokens=8))
+    for event in handle.events(timeout=10):
+        ...
+    engine.shutdown()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from inference.engine.backends.base import ModelBackend
+from inference.engine.compute_thread import ComputeThread
+from inference.engine.config import EngineConfig
+from inference.engine.request import (
+    ErrorCode,
+    ErrorInfo,
+    Event,
+    FinalEvent,
+    Request,
+    ResumeState,
+    SamplingParams,
+)
+from inference.engine.sched.preemption import generator_state
+from inference.engine.sched.scheduler import Scheduler
+from inference.engine.submission import (
+    EngineRefusal,
+    EngineStoppedError,
+    InvalidRequestError,
+    QueueFullError,
+    RequestHandle,
+    build_request,
+)
+
+__all__ = ["EngineRefusal", "EngineStoppedError", "EventSink", "InvalidRequestError",
+           "LLMEngine", "PreemptSink", "QueueFullError", "RequestHandle"]
+
+log = logging.getLogger(__name__)
+
+EventSink = Callable[[list[Event]], None]
+# Called on the worker thread with the requests preempted in a tick, each as the state another
+# engine needs to continue it (the Redis bridge puts them back in the shared queue).
+PreemptSink = Callable[[list[ResumeState]], None]
+# Seconds shutdown waits more for a tick that outlasted its timeout (then leaves its requests).
+TICK_END_WAIT_S = 120.0
+
+
+class LLMEngine:
+    """A scheduler and a backend behind a thread-safe API.
+
+    Args:
+        config: engine settings; see :class:`inference.engine.config.EngineConfig`.
+        backend: the model; by default loaded from ``config`` (``BACKEND``, ``MODEL_PATH``).
+        event_sink: called on the worker thread with each tick's events, in order (for the
+            Redis bridge): once with the events before the tick's decode step (first tokens)
+            when there are any, once with the rest; events also go to each request's handle.
+        preempt_sink: see :attr:`preempt_sink`.
+
+    Raises:
+        ValueError: if the KV pool cannot hold the active-KV budget.
+    """
+
+    def __init__(self, config: EngineConfig | None = None, backend: ModelBackend | None = None,
+                 event_sink: EventSink | None = None, preempt_sink: PreemptSink | None = None):
+        self.config = config = config or EngineConfig()
+        # Loading its own backend, the engine does every tensor operation on one thread.
+        self._compute = ComputeThread("engine-compute") if backend is None else None
+        if self._compute is not None:  # an engine dropped without shutdown frees it too
+            weakref.finalize(self, self._compute.close, 0)
+        try:
+            self.backend, self.scheduler = self._on_compute(lambda: self._load(config, backend))
+        except BaseException:
+            self._close_compute()
+            raise
+        self.tokenizer = self.backend.tokenizer
+        self.event_sink = event_sink
+        self.preempt_sink = preempt_sink
+
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._inbox: list[tuple[str, Any]] = []
+        self._handles: dict[str, RequestHandle] = {}
+        self._queued = 0  # gate 1: submitted and not yet admitted or ended
+        self._stopping = False
+        self._loop_done: threading.Event | None = None
+        self._started_at = time.time()
+        self._tick_seconds = 0.0
+        self._stats = self._build_stats()
+
+    @property
+    def preempt_sink(self) -> PreemptSink | None:
+        """Where preempted requests go. None: each waits again in this engine's own pending
+        queue. Set (a worker's Redis bridge): each leaves the engine (no event: its client
+        sees a pause) and is handed to the sink after its tick, with what another engine needs
+        to continue it (``submit(resume=...)``). Set it before :meth:`start`."""
+        return self._preempt_sink
+
+    @preempt_sink.setter
+    def preempt_sink(self, sink: PreemptSink | None) -> None:
+        self._preempt_sink = sink
+        self.scheduler.hand_out_preempted = sink is not None
+
+    # -- public API ---------------------------------------------------------------------------
+
+    def submit(self, *, prompt_token_ids: Sequence[int] | None = None, prompt: str | None = None,
+               messages: Sequence[dict[str, str]] | None = None,
+               sampling: SamplingParams | None = None, tenant: str = "default",
+               fairness_key: str = "", priority: int = 0, fairness_weight: float = 1.0,
+               request_id: str | None = None, queue_wait_s: float | None = None,
+               resume: ResumeState | None = None) -> RequestHandle:
+        """Queue a request; never waits for a tick.
+
+        Exactly one of ``prompt_token_ids``, ``prompt`` (text) or ``messages`` (chat, rendered
+        with the model's chat template) is given. ``priority`` is the tier (higher first);
+        ``fairness_key`` defaults to the tenant; ``fairness_weight`` scales its VTC share.
+        ``queue_wait_s``: seconds from now within which it must be admitted, else it ends with
+        a ``queue_timeout`` error (None: no deadline; 0 or less: already past it).
+        ``resume``: the state of a request preempted on this engine or another (handed to the
+        :attr:`preempt_sink`): it continues from there, with its original prompt given here
+        and ``resume.sampling`` (``sampling`` is ignored).
+
+        Returns:
+            A handle whose :meth:`RequestHandle.events` yields the request's events.
+
+        Raises:
+            InvalidRequestError: empty prompt, ``prompt_len + max_tokens`` beyond the context,
+                or a ``resume`` that does not match the prompt.
+            QueueFullError: ``max_pending`` requests are already waiting (gate 1 of an engine
+                used on its own).
+            EngineStoppedError: the engine is shutting down.
+        """
+        request = build_request(
+            self.tokenizer, self.scheduler.eos_token_ids, self.max_model_len,
+            prompt_token_ids=prompt_token_ids, prompt=prompt, messages=messages,
+            sampling=sampling, tenant=tenant, fairness_key=fairness_key, priority=priority,
+            fairness_weight=fairness_weight, request_id=request_id, queue_wait_s=queue_wait_s,
+            resume=resume, clock=self.scheduler._clock)
+        handle = RequestHandle(request.request_id,
+                               resume.prompt_len if resume is not None else request.prompt_len)
+        with self._lock:
+            if self._stopping:
+                raise EngineStoppedError(ErrorInfo(
+                    code=ErrorCode.WORKER_SHUTDOWN, message="the engine is shutting down",
+                    retryable=True))
+            if self._queued >= self.config.max_pending:
+                raise QueueFullError(ErrorInfo(
+                    code=ErrorCode.QUEUE_FULL,
+                    message=f"the queue holds {self._queued} requests (max_pending="
+                    f"{self.config.max_pending}); retry later",
+                    gate=1, retryable=True,
+                    details={"queued": self._queued, "max_pending": self.config.max_pending}))
+            if request.request_id in self._handles:
+                raise InvalidRequestError(ErrorInfo(
+                    code=ErrorCode.INVALID_REQUEST,
+                    message=f"request id {request.request_id} is already live"))
+            self._queued += 1
+            self._handles[request.request_id] = handle
+            self._inbox.append(("submit", request))
+        self._wakeup.set()
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        """End a request in any phase (final event ``abort``); unknown or ended ids are ignored."""
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+        self._wakeup.set()
+
+    def withdraw_pending(self, timeout: float = 5.0) -> list[Request]:
+        """Take out the requests not yet admitted (no event emitted for them), between ticks.
+
+        A draining worker hands them to another worker while its running requests finish.
+
+        Returns:
+            The withdrawn requests (none if no tick began within ``timeout`` seconds).
+        """
+        item = ("withdraw", ([], threading.Event()))
+        box, done = item[1]
+        with self._lock:
+            self._inbox.append(item)
+        self._wakeup.set()
+        if self._loop_done is None:
+            self._drain_inbox()
+            self._after_tick([])
+        if not done.wait(timeout):
+            with self._lock:  # not taken by a tick yet: called off (a taken one ends at once)
+                if any(queued is item for queued in self._inbox):
+                    self._inbox = [queued for queued in self._inbox if queued is not item]
+                    return []
+            done.wait()
+        return box
+
+    def num_queued(self) -> int:
+        """Gate 1's figure: requests submitted and not yet admitted (or ended)."""
+        with self._lock:
+            return self._queued
+
+    def stats(self) -> dict[str, Any]:
+        """The stats snapshot published after the latest tick (never waits for a tick)."""
+        snapshot = dict(self._stats)
+        snapshot["num_queued"] = self.num_queued()
+        snapshot["uptime_s"] = time.time() - self._started_at  # now, not at that tick
+        return snapshot
+
+    def debug_snapshot(self) -> dict[str, Any]:
+        """Queue membership and reservations; only consistent between ticks (tests, ``step``)."""
+        return self.scheduler.debug_snapshot()
+
+    def step(self) -> list[Event]:
+        """Drain the inbox and run one tick on the calling thread; return its events.
+
+        For tests and benchmarks that drive the engine synchronously; do not mix with
+        :meth:`start`. An engine that loaded its own backend runs the tick on its compute thread.
+        """
+        return self._on_compute(self._step)
+
+    def _step(self) -> list[Event]:
+        self._drain_inbox()
+        started = time.perf_counter()
+        early: list[Event] = []
+
+        def emit_early(events: list[Event]) -> None:
+            # First tokens go out before the tick's decode step, not after it.
+            early.extend(events)
+            self._emit(events)
+
+        events = self.scheduler.step(emit_early)
+        self._tick_seconds = time.perf_counter() - started
+        self._after_tick(events)
+        return early + events
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._inbox) or self.scheduler.has_work()
+
+    def start(self) -> None:
+        """Start the worker thread that ticks while there is work (the compute thread; one of
+        its own for an engine given its backend)."""
+        if self._loop_done is not None:
+            return
+        if self._compute is None:
+            self._compute = ComputeThread("engine-worker")
+        self._loop_done = self._compute.submit(self._run, stop=self._ask_stop)
+
+    def shutdown(self, timeout: float = 10.0) -> list[Request]:
+        """Stop taking work; end in-flight requests with a ``worker_shutdown`` error event.
+
+        The loop stops after its tick in progress, waited for ``timeout`` seconds and then up to
+        :data:`TICK_END_WAIT_S` more (logged); never ended under a running tick.
+
+        Returns:
+            Pending requests that were never admitted, withdrawn without any event, so the
+            caller can hand them to another worker.
+        """
+        self._ask_stop()
+        # The loop ends after the tick in progress; ending the requests meanwhile would race it.
+        if not self._loop_ended(timeout):
+            log.warning("the tick in progress outlasted %g s: waiting for it", timeout)
+            if not self._loop_ended(TICK_END_WAIT_S):
+                log.error("the tick in progress did not end within %g s: its requests are "
+                          "left to the other workers", TICK_END_WAIT_S)
+                return []
+        withdrawn = self._on_compute(self._end)
+        self._close_compute()
+        return withdrawn
+
+    def _ask_stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+        self._wakeup.set()
+
+    def _loop_ended(self, timeout: float) -> bool:
+        return self._loop_done is None or self._loop_done.wait(timeout)
+
+    def _end(self) -> list[Request]:
+        self._drain_inbox()
+        withdrawn = self.scheduler.withdraw_pending()
+        for request in withdrawn:
+            with self._lock:
+                self._handles.pop(request.request_id, None)
+        self.scheduler.fail_all(ErrorInfo(
+            code=ErrorCode.WORKER_SHUTDOWN,
+            message="the inference worker shut down while serving this request", retryable=True))
+        self._after_tick(self.scheduler.take_events())
+        return withdrawn
+
+    def _load(self, config: EngineConfig,
+              backend: ModelBackend | None) -> tuple[ModelBackend, Scheduler]:
+        if backend is None:
+            from inference.engine.backends import load_backend
+
+            backend = load_backend(config)
+        block_bytes = backend.kv_bytes_per_token() * config.kv_block_size
+        num_blocks = config.kv_num_blocks or max(1, config.kv_cache_bytes // block_bytes)
+        self.max_model_len = min(filter(None, (config.max_model_len, backend.max_model_len)))
+        return backend, Scheduler(config, backend, num_blocks)  # calibrates its cost model
+
+    def _on_compute(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on the compute thread, or in place for an engine without one."""
+        return fn() if self._compute is None else self._compute.call(fn)
+
+    def _close_compute(self) -> None:
+        if self._compute is not None:
+            self._compute.close()
+
+    # -- worker loop -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                stopping = self._stopping
+            if stopping:
+                return
+            if not self.has_work():
+                self._wakeup.wait(timeout=0.5)
+                self._wakeup.clear()
+                continue
+            try:
+                self._step()
+            except Exception:  # keep serving: fail what was live, then go on
+                # Not reached by one request's own values (the scheduler contains those); the
+                # log has the exception, the clients a message without its (torch) text.
+                log.exception("tick failed")
+                self.scheduler.fail_all(ErrorInfo(
+                    code=ErrorCode.ENGINE_ERROR,
+                    message="the engine failed while serving this request", retryable=True,
+                    details={"phase": "tick"}))
+                self._after_tick(self.scheduler.take_events())
+
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        for kind, item in inbox:
+            if kind == "submit":
+                self.scheduler.add_request(item)
+            elif kind == "withdraw":
+                box, done = item
+                box.extend(self.scheduler.withdraw_pending())
+                with self._lock:
+                    for request in box:
+                        self._handles.pop(request.request_id, None)
+                done.set()
+            elif not self.scheduler.abort_request(item):
+                log.debug("abort of unknown request %s ignored", item)
+
+    def _after_tick(self, events: list[Event]) -> None:
+        left = self.scheduler.left_pending
+        self.scheduler.left_pending = 0
+        preempted, self.scheduler.preempted_out = self.scheduler.preempted_out, []
+        # The snapshot first: a reader never sees rows freed here but pending not yet left.
+        self._stats = self._build_stats()
+        with self._lock:
+            self._queued -= left
+            for state in preempted:
+                self._handles.pop(state.request_id, None)
+        self._emit(events)
+        if preempted and self._preempt_sink is not None:
+            try:  # after the tick's events: the sink's requests have all of theirs out
+                self._preempt_sink([dataclasses.replace(
+                    s, sampler_state=generator_state(s.generator), generator=None,
+                    detokenizer=None) for s in preempted])
+            except Exception:
+                log.exception("preempt sink failed")
+
+    def _emit(self, events: list[Event]) -> None:
+        """Deliver ``events`` to their handles and the event sink (on the engine's thread)."""
+        with self._lock:
+            handles = [self._handles.get(e.request_id) for e in events]
+            for event in events:
+                if isinstance(event, FinalEvent):
+                    self._handles.pop(event.request_id, None)
+        for handle, event in zip(handles, events, strict=True):
+            if handle is not None:
+                handle._put(event)
+        if self.event_sink is not None and events:
+            try:
+                self.event_sink(events)
+            except Exception:
+                log.exception("event sink failed")
+
+    def _build_stats(self) -> dict[str, Any]:
+        snapshot = self.scheduler.stats()
+        snapshot["last_tick_s"] = self._tick_seconds
+        snapshot["max_model_len"] = self.max_model_len
+        return snapshot

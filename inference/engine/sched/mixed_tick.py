@@ -1,0 +1,140 @@
+"""``PREFILL_MODE=mixed_batch``: one forward pass per tick, carrying decode rows and prompt chunks.
+
+The tick (``docs/design.md``, "Mixed batch"): expire, admit (gates 2 and 3), then ONE pass: every
+active row's decode token and this tick's prompt tokens, sized by
+:func:`inference.engine.sched.tick_budget.plan_prefill` to keep the pass near ``TARGET_ITL_MS``
+while streams run; then evict the rows that stopped. After the pass each decode row appends its next
+token; a row whose final prompt chunk was in the pass is promoted (``_promote_to_decode``) and
+streams its first token in this same tick (and its final event too, if that token ends it); it
+decodes from the next tick on. Eviction after the pass frees blocks that admission reuses from the
+next tick.
+
+:class:`MixedTick` is a base class of :class:`inference.engine.sched.scheduler.Scheduler`; it uses
+the scheduler's queues and helpers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from inference.engine.backends.base import ModelBackend, PrefillChunk
+from inference.engine.config import PrefillMode
+from inference.engine.logprobs import keep_prompt_logprobs
+from inference.engine.sched.tick_budget import (
+    PassCostModel,
+    PassShape,
+    calibrate,
+    chunk_attention,
+    plan_prefill,
+)
+
+if TYPE_CHECKING:
+    from inference.engine.sched.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+# Blocks of the (still empty) pool the start-up calibration writes into, at most.
+CALIBRATION_BLOCKS = 128
+# One cost model per backend and block size in a process: engines re-created over the same
+# loaded backend (tests, benchmarks) do not calibrate again.
+_cost_models: weakref.WeakKeyDictionary[Any, dict[int, PassCostModel | None]] = (
+    weakref.WeakKeyDictionary())
+
+
+def pass_cost_model(backend: ModelBackend, num_blocks: int,
+                    block_size: int) -> PassCostModel | None:
+    """The backend's calibrated pass cost model (None if it cannot be measured).
+
+    A backend may name another object whose speed it has as ``cost_model_key`` (a wrapper
+    naming the backend it forwards to); the model is cached per key and block size. Runs
+    before the first request: the pool's first blocks are free and their content is scratch.
+    """
+    fixed = backend.fixed_pass_seconds
+    if fixed is not None:
+        return PassCostModel([fixed, 0.0, 0.0, 0.0, 0.0])
+    key = getattr(backend, "cost_model_key", backend)
+    cached = _cost_models.setdefault(key, {})
+    if block_size not in cached:
+        blocks = list(range(min(num_blocks, CALIBRATION_BLOCKS)))
+        model = None
+        if len(blocks) >= 8:
+            try:
+                # Timed on the key itself where it is a backend (a wrapper's bookkeeping stays
+                # out of it); the pool is shared, so the blocks are the same.
+                model = calibrate(key if isinstance(key, ModelBackend) else backend, blocks,
+                                  block_size)
+            except Exception:  # noqa: BLE001 - no model: every row takes the chunk cap
+                log.warning("pass cost calibration failed; ticks take PREFILL_CHUNK_SIZE",
+                            exc_info=True)
+        cached[block_size] = model
+    return cached[block_size]
+
+
+class MixedTick:
+    """The mixed-batch phase of the scheduler's tick (module docstring)."""
+
+    cost_model: PassCostModel | None
+    target_itl_s: float
+    last_pass: dict[str, float]
+
+    def _init_mixed(self: Scheduler) -> None:
+        self.target_itl_s = self.config.target_itl_ms / 1000.0
+        self.cost_model = None
+        if self.target_itl_s > 0 and self.prefill_mode is PrefillMode.MIXED_BATCH:
+            self.cost_model = pass_cost_model(self.backend, self.kv.num_blocks,
+                                              self.config.kv_block_size)
+        self.last_pass = {}
+
+    def _mixed_pass(self: Scheduler) -> None:
+        decode_rows = list(self._active)
+        prefilling = list(self._prefilling)
+        decode_shape = PassShape(len(decode_rows),
+                                 sum(r.num_tokens for r in decode_rows), 0, 0)
+        take = plan_prefill(
+            [(r.num_computed_tokens, r.prompt_len - r.num_computed_tokens) for r in prefilling],
+            decode_shape, self.cost_model, self.target_itl_s, self.chunk_size)
+        prefill_rows, chunks = [], []
+        for request, n in zip(prefilling, take, strict=True):
+            if n == 0:
+                continue
+            start = request.num_computed_tokens
+            self.kv.ensure_slots(request, start + n)
+            prefill_rows.append(request)
+            chunks.append(PrefillChunk(request.request_id,
+                                       request.prompt_token_ids[start:start + n], start,
+                                       tuple(request.block_table),
+                                       all_logits=request.needs_prompt_logprobs))
+        batch = self._decode_rows(decode_rows)
+        if not chunks and not batch:
+            return
+        shape = PassShape(decode_shape.decode_rows, decode_shape.decode_context, sum(take),
+                          sum(chunk_attention(c.start_pos, len(c.token_ids)) for c in chunks))
+        started = time.perf_counter()
+        logits = self._forward("mixed", prefill_rows + decode_rows,
+                               lambda: keep_prompt_logprobs(
+                                   self.backend.prefill_and_decode(chunks, batch), chunks,
+                                   prefill_rows, len(chunks) + len(batch)))
+        elapsed = time.perf_counter() - started
+        predicted = self.cost_model.predict(shape) if self.cost_model is not None else 0.0
+        # A pass that computed prompt logprobs (every position's logits) is not a usual pass.
+        if (self.cost_model is not None and logits is not None
+                and not any(c.all_logits for c in chunks)):
+            self.cost_model.observe(shape, elapsed)
+        self.last_pass = {"decode_rows": len(batch), "prefill_tokens": shape.prefill_tokens,
+                          "seconds": round(elapsed, 4), "predicted_s": round(predicted, 4)}
+        if logits is None:
+            return
+        self._apply_prefill(prefill_rows, chunks, logits[:len(chunks)])
+        self._apply_decode(decode_rows, logits[len(chunks):])
+
+    def tick_budget_stats(self: Scheduler) -> dict[str, Any]:
+        """The mixed-batch tick's target, cost model and last pass, for stats."""
+        return {
+            "target_itl_ms": self.config.target_itl_ms,
+            "prefill_token_cap": self.chunk_size,
+            "cost_model": self.cost_model.to_dict() if self.cost_model is not None else None,
+            "last_pass": dict(self.last_pass),
+        }

@@ -1,0 +1,27 @@
+"""Where a model lives: the folder conventions that the web tier (its tokenizer) and the workers
+(the weights) share. Pure functions of their arguments: no environment is read here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# The default model's folder under the model cache (prepared by ``inference.engine.model_store``).
+DEFAULT_MODEL_DIRNAME = "SmolLM2-135M-Instruct"
+
+
+def model_cache_dir(llm_cache_dir: str = "") -> Path:
+    """The folder holding prepared models: ``llm_cache_dir``, else ``<repo>/.cache/models``."""
+    if llm_cache_dir.strip():
+        return Path(llm_cache_dir.strip()).expanduser()
+    return REPO_ROOT / ".cache" / "models"
+
+
+def model_folder(model_path: str = "", llm_cache_dir: str = "") -> Path:
+    """The model's folder: ``model_path``, else the default model's under the model cache."""
+    if model_path.strip():
+        return Path(model_path.strip()).expanduser()
+    return model_cache_dir(llm_cache_dir) / DEFAULT_MODEL_DIRNAME
+
+

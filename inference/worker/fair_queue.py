@@ -1,0 +1,223 @@
+"""A worker's side of the shared request queue: take in the fair order, own, hand back, charge.
+
+The queue (``inference/protocol/lua/fair_queue.lua``, see :mod:`inference.protocol`) holds every
+request waiting for a worker in one order for the whole deployment: priority tier, then the fairness
+key with the least weighted service (VTC, Sheng et al., OSDI 2024; counters shared by every worker),
+then arrival; or priority then arrival (FCFS). Each method is one Lua script, so each change of the
+queue is atomic. Only the worker's main thread calls :meth:`take`, :meth:`requeue`,
+:meth:`preempt`, :meth:`charge`, :meth:`expire` and :meth:`reclaim`; the engine thread calls
+:meth:`write_events` and :meth:`nudge`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from pydantic import ValidationError
+
+from inference.protocol.events import Event, FinalEvent, Usage
+from inference.protocol.keys import Keys, queue_script
+from inference.protocol.messages import RequestMessage
+
+log = logging.getLogger(__name__)
+
+
+def _ids(values: Iterable[bytes | str]) -> list[str]:
+    return [v.decode() if isinstance(v, bytes) else str(v) for v in values]
+
+
+@dataclass(frozen=True)
+class QueuedRequest:
+    """A request as the queue holds it: its id, fairness key, tier, arrival and message.
+
+    ``message`` is None when the stored message does not validate (it is then dropped).
+    """
+
+    request_id: str
+    fairness_key: str
+    priority: int
+    arrival: int
+    message: RequestMessage | None
+
+    @classmethod
+    def from_record(cls, raw: bytes | str) -> QueuedRequest:
+        record = json.loads(raw)
+        try:
+            message = RequestMessage.from_json(record["body"])
+        except ValidationError:
+            log.exception("dropping malformed request message %s", record.get("id"))
+            message = None
+        return cls(record["id"], record["key"], int(record["prio"]), int(record["seq"]),
+                   message)
+
+
+class FairQueue:
+    """The shared queue as one worker uses it.
+
+    Args:
+        client: a Redis client (``decode_responses=False``).
+        keys: key names of the deployment.
+        worker_id: this worker's id (its heartbeat member and consumer name).
+        policy: ``vtc`` or ``fcfs``: the order this worker takes requests in.
+    """
+
+    def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, policy: str):
+        self.client = client
+        self.keys = keys
+        self.worker_id = worker_id
+        self.policy = str(policy)
+        self._scripts = {name: client.register_script(queue_script(name))
+                         for name in ("take", "events", "requeue", "charge", "withdraw",
+                                      "reclaim", "enqueue", "gate1", "preempt")}
+        self.wake_self = keys.fq("wake", worker_id)
+        self._tiers: list[int] = []
+        self._tiers_read_at = float("-inf")
+
+    def _run(self, name: str, *args: Any) -> Any:
+        return self._scripts[name](args=[self.keys.prefix, *args])
+
+    def take(self, n: int, above: int | None = None) -> list[QueuedRequest]:
+        """Take up to ``n`` requests in the fair order; they are this worker's until handed back.
+
+        With ``above``, only requests of a higher tier than it are taken (the fair order's
+        head first, so none when the head's tier is not higher). Each counts as held (gate 1)
+        until :meth:`release_held` says its engine admitted it.
+        """
+        if n <= 0:
+            return []
+        extra = [] if above is None else [int(above)]
+        raw = self._run("take", self.worker_id, n, self.policy, *extra)
+        return [QueuedRequest.from_record(r) for r in raw]
+
+    def wait(self, timeout_s: float, above: int | None = None) -> bool:
+        """Block until a request is enqueued (with ``above``: in a higher tier than it) or this
+        worker is nudged (:meth:`nudge`), or ``timeout_s`` passes; True if either happened.
+
+        A worker whose rows are full waits with ``above``, so that it never takes the wake-up
+        of an enqueue it would not take from a worker that would.
+        """
+        if above is None:
+            wakes = [self.keys.fq("wake")]
+        else:
+            wakes = [self.keys.fq("wake_tier", t) for t in self.known_tiers() if t > above]
+        return self.client.blpop([*wakes, self.wake_self], timeout=timeout_s) is not None
+
+    def known_tiers(self) -> list[int]:
+        """Every tier a request was ever queued in (read at most once a second)."""
+        now = time.monotonic()
+        if now - self._tiers_read_at > 1.0:
+            self._tiers = sorted(int(t) for t in self.client.smembers(self.keys.fq("known_tiers")))
+            self._tiers_read_at = now
+        return self._tiers
+
+    def nudge(self) -> None:
+        """Wake this worker's :meth:`wait` (a row freed, a row preempted): one entry, kept
+        briefly."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.lpush(self.wake_self, "1")
+        pipe.ltrim(self.wake_self, 0, 3)
+        pipe.expire(self.wake_self, 60)
+        pipe.execute()
+
+    def preempt(self, message: RequestMessage, usage: Usage) -> bool:
+        """Put a request this worker preempted back at its place in the queue, with ``message``
+        (its resume state) for the next worker and its ``usage`` so far; False when this worker
+        does not own it any more (then nothing changed)."""
+        deadline = message.deadline() or 0
+        return bool(self._run("preempt", self.worker_id, message.request_id, message.to_json(),
+                              usage.model_dump_json(), deadline))
+
+    def requeue(self, request_ids: Sequence[str]) -> int:
+        """Hand taken requests back to their places for any worker; return how many went back."""
+        if not request_ids:
+            return 0
+        return int(self._run("requeue", self.worker_id, *request_ids))
+
+    def release_held(self, n: int) -> None:
+        """``n`` held requests left this worker's pending queue (admitted, or ended)."""
+        if n:
+            self.client.hincrby(self.keys.fq("held"), self.worker_id, -n)
+
+    def write_events(self, events: Iterable[Event], ttl_s: int,
+                     prompt_tokens: dict[str, int] | None = None) -> list[str]:
+        """Append events to their requests' streams, for the requests this worker owns.
+
+        A request's final event ends it (its usage entry goes to the ledger, its leases are
+        released). Writing the same events again (a retry after a lost reply) writes nothing
+        twice.
+
+        Args:
+            prompt_tokens: request id -> its prompt's tokens, recorded with its first event (a
+                request that ends with its worker is billed for its prompt).
+
+        Returns:
+            The ids of requests the worker no longer owns (reclaimed while it was silent, or
+            lost with Redis's data): their events were dropped, and the caller should stop them.
+        """
+        counts = prompt_tokens or {}
+        args: list[Any] = []
+        for event in events:
+            args += [event.request_id, "1" if isinstance(event, FinalEvent) else "0",
+                     event.seq, event.model_dump_json(), counts.get(event.request_id, "")]
+        if not args:
+            return []
+        lost = self._run("events", self.worker_id, ttl_s, *args)
+        return [i.decode() if isinstance(i, bytes) else i for i in lost]
+
+    def charge(self, service: dict[str, float]) -> None:
+        """Add weighted tokens (``w_in`` x computed prompt + ``w_out`` x generated, divided by
+        the key's weight) to each fairness key's shared counter."""
+        args: list[Any] = []
+        for key, amount in service.items():
+            if amount:
+                args += [key, repr(float(amount))]
+        if args:
+            self._run("charge", *args)
+
+    def expire(self, ttl_s: int, limit: int = 256) -> list[str]:
+        """End the waiting requests whose admission deadline has passed (``queue_timeout``).
+
+        Returns:
+            The ids of the requests ended (their usage entries are in the ledger).
+        """
+        return _ids(self._run("withdraw", ttl_s, "expired", limit))
+
+    def reclaim(self, ttl_s: float, events_ttl_s: int, *,
+                include_self: bool = False) -> tuple[int, list[str], list[str]]:
+        """Reclaim the requests of workers whose heartbeat is older than ``ttl_s`` (and, with
+        ``include_self``, what an earlier process left under this worker's own id).
+
+        Requests they took and had not started go back to their places; those they were running
+        end with a retryable ``worker_lost`` error saying how many tokens their stream holds.
+
+        Returns:
+            (requests put back in the queue, the workers reclaimed, the ids of the requests
+            ended: their usage entries are in the ledger).
+        """
+        extra = [self.worker_id] if include_self else []
+        reply = self._run("reclaim", ttl_s, events_ttl_s, *extra)
+        workers = json.loads(reply[1])  # cjson writes an empty list as {}
+        return int(reply[0]), list(workers or []), _ids(reply[2:])
+
+    def owned(self) -> tuple[list[str], list[str]]:
+        """(ids this worker took and has not started, ids it runs), as the queue records them."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hkeys(self.keys.fq("taken", self.worker_id))
+        pipe.hkeys(self.keys.fq("running", self.worker_id))
+        taken, running = pipe.execute()
+        return _ids(taken), _ids(running)
+
+    def enqueue(self, message: RequestMessage) -> int:
+        """Put a new request in the queue without the web tier's limits (tools, tests)."""
+        return int(self._run("enqueue", message.request_id, message.fairness_key,
+                             message.priority, message.deadline() or 0, message.to_json()))
+
+    def gate1(self) -> int:
+        """Requests accepted and not yet admitted by any worker."""
+        return int(self._run("gate1"))

@@ -1,0 +1,76 @@
+"""Turning a request message into an engine submission: the prompt's tokens and the sampling.
+
+The worker is the authority on a request's prompt tokens and context length: a chat is rendered
+with the model's chat template (:mod:`inference.tokenization`, as the web tier counts it), a
+``max_tokens`` left open becomes what is left of the context, and a request that cannot fit is
+refused here, before it reaches the engine, with a code and the numbers.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from inference.engine.backends.base import Tokenizer
+from inference.engine.llm_engine import InvalidRequestError
+from inference.engine.request import ErrorCode, ErrorInfo, SamplingParams
+from inference.protocol.messages import RequestMessage
+
+
+def queue_timeout(message: RequestMessage, now: float | None = None) -> ErrorInfo | None:
+    """The ``queue_timeout`` error of a request whose admission deadline has passed, else None.
+
+    The deadline counts from the web tier's acceptance (``enqueued_at``, unix seconds).
+    """
+    deadline = message.deadline()
+    now = time.time() if now is None else now
+    if deadline is None or now <= deadline:
+        return None
+    waited = now - message.enqueued_at
+    return ErrorInfo(
+        code=ErrorCode.QUEUE_TIMEOUT,
+        message=f"request waited {waited:.1f} s for a worker, more than the allowed "
+                f"{message.queue_deadline_s:g} s",
+        retryable=True, details={"max_queue_wait_s": message.queue_deadline_s})
+
+
+def submit_args(message: RequestMessage, tokenizer: Tokenizer,
+                max_model_len: int) -> dict[str, Any]:
+    """Keyword arguments of :meth:`inference.engine.llm_engine.LLMEngine.submit` for ``message``.
+
+    The admission deadline becomes the engine's ``queue_wait_s`` (what is left of it now).
+
+    Raises:
+        InvalidRequestError: the prompt leaves no room in the context (``context_length_exceeded``,
+            with both numbers), the chat template refuses the messages, or the sampling settings
+            are out of range (``invalid_request``).
+    """
+    chat = message.chat()
+    try:
+        ids = tokenizer.apply_chat_template(chat) if chat is not None else tokenizer.encode(
+            message.prompt or "")
+    except ValueError as exc:
+        raise InvalidRequestError(ErrorInfo(
+            code=ErrorCode.INVALID_REQUEST, message=str(exc),
+            details={"param": "messages"})) from exc
+    sampling = message.sampling.model_dump()
+    if sampling["max_tokens"] is None:
+        left = max_model_len - len(ids)
+        if left < 1:
+            raise InvalidRequestError(ErrorInfo(
+                code=ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                message=f"prompt of {len(ids)} tokens leaves no room in the model's context of "
+                        f"{max_model_len} tokens",
+                details={"prompt_tokens": len(ids), "max_model_len": max_model_len,
+                         "param": "messages" if chat is not None else "prompt"}))
+        sampling["max_tokens"] = min(message.default_max_tokens, left)
+    try:
+        params = SamplingParams(**sampling)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(ErrorInfo(
+            code=ErrorCode.INVALID_REQUEST, message=str(exc))) from exc
+    deadline = message.deadline()
+    return {"prompt_token_ids": ids, "sampling": params, "tenant": message.tenant,
+            "fairness_key": message.fairness_key, "priority": message.priority,
+            "fairness_weight": message.fairness_weight, "request_id": message.request_id,
+            "queue_wait_s": None if deadline is None else deadline - time.time()}

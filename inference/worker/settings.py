@@ -1,0 +1,54 @@
+"""The inference worker's settings: the one place the engine's settings come from the environment.
+
+:class:`WorkerSettings` reads, from environment variables of the same names in upper case (or a
+``.env`` file in the working directory):
+
+- the settings the web tier reads too (:class:`inference.protocol.PlatformSettings`: ``REDIS_URL``,
+  ``REDIS_PREFIX``, ``MAX_QUEUE_SIZE``, ``MAX_QUEUE_WAIT_S``, ``WORKER_HEARTBEAT_TTL_S``,
+  ``MODEL_PATH``, ...);
+- the engine's (:class:`inference.engine.config.EngineConfig`: ``MAX_BATCH_SIZE``,
+  ``PREFILL_CHUNK_SIZE``, ``KV_NUM_BLOCKS``, ``SCHEDULING_POLICY``, ...), validated as the engine
+  validates them;
+- the worker process's own (``WORKER_ID``, ``WORKER_PREFETCH``, ``HEARTBEAT_INTERVAL_S``, ...).
+
+The engine library itself reads no environment variable; :meth:`WorkerSettings.engine_config`
+hands it its configuration.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from inference.engine.config import EngineConfig, SchedulingPolicyName
+from inference.protocol.settings import PlatformSettings
+
+
+class WorkerSettings(PlatformSettings, EngineConfig):
+    """Every setting of one inference worker process (times in seconds).
+
+    Raises:
+        pydantic.ValidationError: at construction, for a value out of range or an engine
+            configuration the engine would refuse (e.g. a budget that does not fit the pool).
+    """
+
+    model_config = SettingsConfigDict(case_sensitive=False, extra="ignore", frozen=True,
+                                      env_file=".env")
+
+    # The platform runs the fair policy by default (the engine library's default is FCFS).
+    scheduling_policy: SchedulingPolicyName = SchedulingPolicyName.VTC
+    worker_id: str = Field("", description="Consumer name and stats key; empty: host-pid.")
+    # Requests this worker takes from the shared queue beyond its free rows: it takes only what
+    # it can start soon, so each request's place is decided by the queue's fair order.
+    worker_prefetch: int = Field(1, ge=0)
+    heartbeat_interval_s: float = Field(1.0, gt=0)
+    # How long a stopping worker lets its engine finish a tick before ending what is in flight.
+    shutdown_timeout_s: float = Field(10.0, ge=0)
+    poll_block_ms: int = Field(50, ge=1)
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's configuration: its fields as read here; its pending queue holds at most
+        a batch and the prefetch (the worker's own bound, beside the global gate 1)."""
+        fields = {name: getattr(self, name) for name in EngineConfig.model_fields}
+        fields["max_pending"] = self.max_batch_size + self.worker_prefetch
+        return EngineConfig(**fields)
