@@ -1,240 +1,45 @@
 """The chat websocket: one signed-in user's turns, streamed token by token.
 
-Frames from the page (text frames, each one JSON object):
-    ``{"type": "send", "conversation_id": <id or null>, "content": "..."}``: a new user turn
-    (a null or missing id starts a conversation); ``{"type": "stop"}``: stop the answer this
-    socket is writing (other fields are ignored: a socket only ever stops its own answer);
-    ``{"type": "resume", "conversation_id": <id>, "message_id": <id or null>,
-    "after_seq": <int or null>}``: a page that came back (reconnected, reloaded) takes up the
-    answer of its conversation that it was showing, after the last ``seq`` it has
-    (:mod:`chat.resume`).
-Frames to the page:
-    ``conversation`` (id, title, created), ``user_message``, ``start`` (the answer's message id),
-    ``token`` (message id, ``seq``, text), ``done`` (status ``complete``, ``stopped`` or
-    ``error``, with a readable ``error``), ``resume`` (message id, ``after_seq``: the tokens
-    after it follow), ``answer`` (an answer that ended while the page was away, as stored, or
-    null), ``error`` (a frame that could not be acted on, with a readable ``message``; the
-    socket keeps working, unless the frame says ``"closing": true``: then the socket closes with
-    one of the application close codes below).
-
-The answer streams from its own task, so Stop and a closed page are handled while tokens flow:
-Stop aborts the request in the worker at once (its answer is kept and marked stopped). Closing
-the socket does not stop the answer: it goes on for ``RESUME_GRACE_S`` (:mod:`chat.conf`), for
-the page to come back; then it is aborted and stored as ``stopped`` (:mod:`chat.generation`).
-Anonymous sockets are refused; a socket reaches only its own user's conversations under the
-user's tenant, and only the requests it made or resumed.
+The frames it reads and writes are those of :mod:`chat.frames`. The answer streams from its own
+task, so Stop and a closed page are handled while tokens flow: Stop aborts the request in the
+worker at once (its answer is kept and marked stopped). Closing the socket does not stop the
+answer: it goes on for ``RESUME_GRACE_S`` (:mod:`chat.conf`), for the page to come back; then it
+is aborted and stored as ``stopped`` (:mod:`chat.generation`). Anonymous sockets are refused; a
+socket reaches only its own user's conversations under the user's tenant, and only the requests
+it made or resumed.
 
 Authorization holds at every use, not only at connect: before each frame is acted on, and every
-``REAUTHORIZE_INTERVAL_S`` while the socket is open (:mod:`chat.conf`), :func:`authorize` checks
-that the session that opened the socket still exists (signing out deletes it) and still signs in
-the same active user, and that this user still belongs to the same active tenant. When that no
-longer holds, an answer being written is stopped (and kept), the page gets a closing ``error``
-frame and the socket closes with 4401 (signed out, account disabled) or 4403 (tenant lost).
+``REAUTHORIZE_INTERVAL_S`` while the socket is open, :func:`chat.authorization.authorize` checks
+the socket's session, user and tenant again; when they no longer hold, an answer being written
+is stopped (and kept), the page gets a closing ``error`` frame and the socket closes with 4401
+(signed out, account disabled) or 4403 (tenant lost).
 
-Any other frame (binary, not JSON, JSON that is not an object, an unknown type, fields of the
-wrong type, a frame longer than :data:`MAX_FRAME_CHARS`) gets an ``error`` frame, and so does a
-turn that fails inside the server; the socket stays open.
+Any frame that cannot be acted on (binary, not JSON, JSON that is not an object, an unknown
+type, fields of the wrong type, a frame longer than :data:`chat.frames.MAX_FRAME_CHARS`) gets an
+``error`` frame, and so does a turn that fails inside the server; the socket stays open.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from dataclasses import dataclass
-from importlib import import_module
 from typing import Any
 
 from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
-from django.conf import settings
-from django.contrib.auth import (
-    BACKEND_SESSION_KEY,
-    HASH_SESSION_KEY,
-    SESSION_KEY,
-    get_user_model,
-    load_backend,
-)
-from django.contrib.auth.models import AbstractBaseUser
-from django.utils.crypto import constant_time_compare
 
 from chat import generation, resume, selectors, services
+from chat.authorization import CLOSE_UNAUTHENTICATED, Denial, authorize
 from chat.conf import chat_settings, resume_grace_s
 from chat.context import ContextOverflowError
+from chat.frames import FrameError, parse_frame, resume_fields, turn_fields
 from chat.models import Conversation
 from gateway import monitor
+from gateway.aborts import abort_later
 from gateway.errors import APIError
-from gateway.events import abort_later
-from tenants.models import Tenant
 
 log = logging.getLogger(__name__)
-
-# Close codes (4000-4999 are the application's): not signed in, no tenant.
-CLOSE_UNAUTHENTICATED = 4401
-CLOSE_NO_TENANT = 4403
-MAX_MESSAGE_CHARS = 32_000
-# Longer frames are refused unread. A message of MAX_MESSAGE_CHARS fits even with every
-# character JSON-escaped (12 characters for one outside the BMP: "\ud83d\ude00").
-MAX_FRAME_CHARS = 12 * MAX_MESSAGE_CHARS + 1024
-# Conversation ids are 64-bit database keys.
-MAX_ID = 2**63 - 1
-
-
-class FrameError(ValueError):
-    """A frame the socket cannot act on; the message is shown in the page as it is."""
-
-
-@dataclass(frozen=True)
-class Denial:
-    """Why a socket may no longer act for its user: shown in the page, then the close code."""
-
-    code: int
-    reason: str  # the close frame's reason (short)
-    message: str  # the error frame's readable message
-
-
-SIGNED_OUT = Denial(CLOSE_UNAUTHENTICATED, "signed out",
-                    "You are signed out (or your account was disabled). Sign in again to chat.")
-NO_TENANT = Denial(CLOSE_NO_TENANT, "no tenant",
-                   "Your account no longer belongs to an active tenant, so it cannot chat.")
-OTHER_TENANT = Denial(CLOSE_NO_TENANT, "tenant changed",
-                      "Your account now belongs to another tenant. Reload the page to chat "
-                      "there.")
-
-
-def _session_signs_in(data: dict[str, Any], user: AbstractBaseUser) -> bool:
-    """Whether the session's auth hash is ``user``'s (the current key's or a fallback's).
-
-    Read-only, unlike :func:`django.contrib.auth.get_user`: a socket never rotates or flushes
-    the browser's session (it cannot set the cookie).
-    """
-    if not hasattr(user, "get_session_auth_hash"):
-        return True
-    stored = data.get(HASH_SESSION_KEY)
-    if not isinstance(stored, str) or not stored:
-        return False
-    fallbacks = getattr(user, "get_session_auth_fallback_hash", lambda: [])()
-    return any(constant_time_compare(stored, expected)
-               for expected in [user.get_session_auth_hash(), *fallbacks])
-
-
-def authorize(session_key: str | None, user_pk: Any,
-              tenant_pk: int | None = None) -> tuple[AbstractBaseUser, Tenant] | Denial:
-    """Who a socket acts for now, read fresh from the session store and the database.
-
-    Args:
-        session_key: the session that authenticated the socket (None: none did).
-        user_pk: the user it authenticated.
-        tenant_pk: the tenant the socket was opened under; None at connect.
-
-    Returns:
-        (the user, the user's active tenant), or why not: :data:`SIGNED_OUT` when the session is
-        gone (signed out, expired), signs in someone else, no longer verifies (password changed)
-        or the user is inactive; :data:`NO_TENANT` when the user belongs to no active tenant;
-        :data:`OTHER_TENANT` when it belongs to another one than ``tenant_pk``.
-    """
-    if not session_key:
-        return SIGNED_OUT
-    store = import_module(settings.SESSION_ENGINE).SessionStore(session_key)
-    data = {key: store.get(key) for key in (SESSION_KEY, BACKEND_SESSION_KEY, HASH_SESSION_KEY)}
-    backend_path = data[BACKEND_SESSION_KEY]
-    if data[SESSION_KEY] is None or backend_path not in settings.AUTHENTICATION_BACKENDS:
-        return SIGNED_OUT
-    try:
-        session_user_pk = get_user_model()._meta.pk.to_python(data[SESSION_KEY])
-    except Exception:  # noqa: BLE001 - a malformed session signs no one in
-        return SIGNED_OUT
-    if session_user_pk != user_pk:
-        return SIGNED_OUT
-    user = load_backend(backend_path).get_user(session_user_pk)
-    if (user is None or not getattr(user, "is_active", True)
-            or not _session_signs_in(data, user)):
-        return SIGNED_OUT
-    tenant = selectors.user_tenant(user)
-    if tenant is None:
-        return NO_TENANT
-    if tenant_pk is not None and tenant.pk != tenant_pk:
-        return OTHER_TENANT
-    return user, tenant
-
-
-def _no_constant(name: str) -> None:
-    raise ValueError(f"{name} is not JSON")
-
-
-def parse_frame(text_data: str | None, bytes_data: bytes | None) -> dict[str, Any]:
-    """The JSON object a frame holds.
-
-    Raises:
-        FrameError: a binary or empty frame, one longer than :data:`MAX_FRAME_CHARS`, text that
-            is not JSON (``NaN`` and ``Infinity`` included) or nested too deeply to read, JSON
-            that is not an object.
-    """
-    if text_data is None:
-        raise FrameError("Frames must be JSON text, not binary data.")
-    if len(text_data) > MAX_FRAME_CHARS:
-        raise FrameError(f"The frame is too long (at most {MAX_FRAME_CHARS} characters).")
-    try:
-        content = json.loads(text_data, parse_constant=_no_constant)
-    except RecursionError:
-        raise FrameError("The frame's JSON is nested too deeply.") from None
-    except ValueError:
-        raise FrameError("The frame is not valid JSON.") from None
-    if not isinstance(content, dict):
-        raise FrameError('The frame must be a JSON object with a "type".')
-    return content
-
-
-def turn_fields(frame: dict[str, Any]) -> tuple[int | None, str]:
-    """A ``send`` frame's conversation id (None: a new conversation) and message text.
-
-    Raises:
-        FrameError: no text, text that is not valid Unicode or too long, an id that is not a
-            positive integer.
-    """
-    text = frame.get("content")
-    if not isinstance(text, str) or not text.strip():
-        raise FrameError("Type a message first.")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate: JSON allows it, text does not
-        raise FrameError("The message contains characters that are not valid text.") from None
-    if len(text) > MAX_MESSAGE_CHARS:
-        raise FrameError(f"The message is too long (at most {MAX_MESSAGE_CHARS} characters).")
-    pk = frame.get("conversation_id")
-    if pk is not None and (isinstance(pk, bool) or not isinstance(pk, int)
-                           or not 0 < pk <= MAX_ID):
-        raise FrameError('"conversation_id" must be the number of one of your conversations, '
-                         "or null to start one.")
-    return pk, text
-
-
-def _is_id(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int) and 0 < value <= MAX_ID
-
-
-def resume_fields(frame: dict[str, Any]) -> tuple[int, int | None, int | None]:
-    """A ``resume`` frame's conversation id, answer id (None: the conversation's last) and the
-    last ``seq`` the page has (None: none).
-
-    Raises:
-        FrameError: a conversation id that is not a positive integer, an answer id that is
-            neither that nor null, an ``after_seq`` that is neither an integer from -1 nor null.
-    """
-    conversation_id = frame.get("conversation_id")
-    if not _is_id(conversation_id):
-        raise FrameError('"conversation_id" must be the number of one of your conversations.')
-    message_id = frame.get("message_id")
-    if message_id is not None and not _is_id(message_id):
-        raise FrameError('"message_id" must be the number of an answer of that conversation, '
-                         "or null for its last one.")
-    after_seq = frame.get("after_seq")
-    if after_seq is not None and (isinstance(after_seq, bool) or not isinstance(after_seq, int)
-                                  or not -1 <= after_seq <= MAX_ID):
-        raise FrameError('"after_seq" must be the last "seq" the page has (-1: none), or '
-                         "null.")
-    return conversation_id, message_id, after_seq
 
 
 class ChatConsumer(AsyncJsonWebsocketConsumer):

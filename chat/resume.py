@@ -2,7 +2,7 @@
 answer no page came back for is stored when its grace period ends.
 
 A page comes back after a dropped connection, a reload or a restart of the web process that held
-its socket. It sends ``resume`` for its conversation (see :mod:`chat.consumers`) and gets:
+its socket. It sends ``resume`` for its conversation (see :mod:`chat.frames`) and gets:
 
 - the answer still being written: a ``resume`` frame (``message_id``, ``after_seq``), then the
   ``token`` frames after ``after_seq`` (the page's last ``seq``; -1, for a page that has none,

@@ -11,7 +11,10 @@ never import each other:
 - :mod:`gateway.admission`: rate limits, concurrency, token budgets and gate 1, checked and
   recorded all-or-nothing by one Lua script (``inference/protocol/lua/``) that also dispatches the
   request to the workers; the settlement of token reservations and the release of leases.
-- :mod:`gateway.events`: a request's event stream, and aborts.
+- :mod:`gateway.events`: a request's event stream.
+- :mod:`gateway.aborts`: aborts (a request withdrawn from the queue, or stopped in its
+  worker); one that fails while Redis is unreachable is retried by the web process's monitor
+  (:mod:`gateway.monitor`).
 - :mod:`gateway.workers`: worker liveness, their stats snapshots and the one aggregation of them.
 - :mod:`gateway.tokens`: prompt token counts, with the worker's own tokenizer and chat template.
 - :mod:`gateway.errors`: the client-facing error and the mapping of error codes to HTTP statuses.

@@ -1,7 +1,7 @@
 """The web tier's Redis clients: one async pool per event loop, one blocking pool per process.
 
 Both retry a call on a lost connection for a few seconds
-(:func:`inference.protocol.redis_retry_options`)."""
+(:func:`inference.protocol.keys.redis_retry_options`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Client-facing errors, and the HTTP status of each worker error code.
 
 Errors are answered in the OpenAI body shape: ``{"error": {"message", "type", "param", "code"}}``.
-The engine and the workers give errors a code (:class:`inference.protocol.ErrorCode`) and no
+The engine and the workers give errors a code (:class:`inference.protocol.events.ErrorCode`) and no
 status: which HTTP status a code means is decided here, for every part of the web tier (the REST
 API's responses, the chat's messages, the usage records).
 """
@@ -116,7 +116,7 @@ class APIError(Exception):
 
     @classmethod
     def from_worker(cls, error: ErrorInfo) -> APIError:
-        """The client-facing error for a worker's :class:`~inference.protocol.ErrorInfo`."""
+        """The client-facing error for a worker's :class:`~inference.protocol.events.ErrorInfo`."""
         status = STATUS_BY_CODE[error.code]
         details = dict(error.details)
         if error.gate is not None:

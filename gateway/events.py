@@ -1,37 +1,28 @@
-"""A request's events, read from its Redis stream; aborts.
+"""A request's events, read from its Redis stream.
 
 A worker appends each request's events to ``{prefix}:events:{request_id}``:
-:class:`~inference.protocol.TokenEvent` ... then exactly one
-:class:`~inference.protocol.FinalEvent`, each validated here as it is read. The streams of all the
-requests of an event loop are read together by its one reader (:mod:`gateway.event_reader`).
+:class:`~inference.protocol.events.TokenEvent` ... then exactly one
+:class:`~inference.protocol.events.FinalEvent`, each validated here as it is read. The streams of
+all the requests of an event loop are read together by its one reader (:mod:`gateway.event_reader`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import redis
 import redis.exceptions
-from asgiref.sync import sync_to_async
 
-from gateway import event_reader, monitor, usage
-from gateway.clients import aredis
+from gateway import event_reader, monitor
 from gateway.conf import redis_keys
 from gateway.errors import APIError
 from inference.protocol.events import Event, decode_event
-from inference.protocol.keys import ABORT_MARK_TTL_S, EVENTS_TTL_S, queue_script
-from inference.protocol.messages import ControlMessage
-
-log = logging.getLogger(__name__)
 
 # A request waits this long at most for its next entries before it looks again at its deadlines
 # and epoch: a lost request (Redis lost its data) is noticed within a second or so (seconds).
 XREAD_BLOCK_S = 1.0
-WITHDRAW_LUA = queue_script("withdraw")
 # Backoff between reads while Redis is unreachable (seconds).
 OUTAGE_BACKOFF_S = (0.1, 0.2, 0.5, 1.0)
 
@@ -40,55 +31,6 @@ OUTAGE_BACKOFF_S = (0.1, 0.2, 0.5, 1.0)
 class Waiting:
     """No event for a while: the first-event timeout passed (a streaming response commits to its
     status), or a keepalive period passed (a streaming response sends a comment)."""
-
-
-async def abort(request_id: str) -> None:
-    """Stop ``request_id`` wherever it is.
-
-    Still waiting in the shared queue, it is withdrawn from it and ends there (final event
-    ``abort``, its usage recorded: nothing generated), as no worker will see it. Taken by a
-    worker, every worker is asked to abort it, and an abort mark tells a worker that missed the
-    message (or reads the request later) to drop it.
-
-    Raises:
-        redis.RedisError: Redis is unreachable (the web monitor retries it: :func:`abort_later`).
-    """
-    keys = redis_keys()
-    client = aredis()
-    withdrawn = await client.eval(WITHDRAW_LUA, 0, keys.prefix, EVENTS_TTL_S, "ids", request_id)
-    if withdrawn:
-        await sync_to_async(usage.record)(request_id)
-        return
-    pipe = client.pipeline(transaction=False)
-    pipe.set(keys.aborted(request_id), 1, ex=ABORT_MARK_TTL_S)
-    pipe.publish(keys.control, ControlMessage(type="abort", request_id=request_id).to_json())
-    await pipe.execute()
-
-
-def abort_sync(request_id: str, client: redis.Redis) -> None:
-    """:func:`abort` on a blocking client (Celery tasks, sweeps run in a thread).
-
-    Raises:
-        redis.RedisError: Redis is unreachable.
-    """
-    keys = redis_keys()
-    if client.eval(WITHDRAW_LUA, 0, keys.prefix, EVENTS_TTL_S, "ids", request_id):
-        usage.record(request_id, client)
-        return
-    pipe = client.pipeline(transaction=False)
-    pipe.set(keys.aborted(request_id), 1, ex=ABORT_MARK_TTL_S)
-    pipe.publish(keys.control, ControlMessage(type="abort", request_id=request_id).to_json())
-    pipe.execute()
-
-
-async def abort_later(request_id: str) -> None:
-    """:func:`abort`, and when Redis is unreachable, leave it to the web monitor to retry."""
-    try:
-        await abort(request_id)
-    except redis.exceptions.RedisError:
-        log.warning("could not abort %s now (Redis unreachable): retrying in the background",
-                    request_id)
-        monitor.current().pending_aborts[request_id] = time.monotonic()
 
 
 def _raise_if_cancelled() -> None:

@@ -38,6 +38,7 @@ from typing import Any
 import django.dispatch
 import redis
 
+from gateway.aborts import abort_sync
 from gateway.clients import aredis, sync_redis
 from gateway.conf import redis_keys
 from inference.protocol.events import Event, FinalEvent, decode_event
@@ -222,8 +223,6 @@ def sweep(client: redis.Redis | None = None, now: float | None = None) -> int:
     Raises:
         redis.RedisError: Redis unreachable (the next sweep goes on where this one stopped).
     """
-    from gateway.events import abort_sync
-
     client = client or sync_redis()
     now = time.time() if now is None else now
     reply = client.eval(CLAIM_LUA, 3, *_keys(), now, now + SWEEP_RECHECK_S, SWEEP_BATCH)

@@ -1,7 +1,7 @@
 """One generation request's life in the web tier, written once for the REST API and the chat.
 
-1. :func:`start` builds the :class:`~inference.protocol.RequestMessage` (tenant, priority tier,
-   fairness key, sampling, the admission deadline ``MAX_QUEUE_WAIT_S``), counts the prompt's
+1. :func:`start` builds the :class:`~inference.protocol.messages.RequestMessage` (tenant, priority
+   tier, fairness key, sampling, the admission deadline ``MAX_QUEUE_WAIT_S``), counts the prompt's
    tokens as the worker will (in a counting process, never on the event loop:
    :mod:`gateway.tokens`) and admits it: every limit and gate 1, then dispatch to the workers
    (:mod:`gateway.admission`). A refusal raises before anything is queued. A prompt that no live
@@ -32,11 +32,12 @@ from typing import Any
 import redis.exceptions
 
 from gateway import admission, monitor, workers
+from gateway.aborts import abort_later
 from gateway.admission import Principal
 from gateway.clients import aredis
 from gateway.conf import platform_settings, redis_keys
 from gateway.errors import APIError
-from gateway.events import Waiting, abort_later, events
+from gateway.events import Waiting, events
 from gateway.tokens import PromptCount, count_chat_tokens, count_text_tokens
 from inference.protocol.events import ErrorCode, ErrorInfo, Event, FinalEvent, FinishReason
 from inference.protocol.messages import ChatTurn, RequestMessage, Sampling

@@ -10,8 +10,9 @@ Every ``MONITOR_INTERVAL_S`` it:
 - sweeps the shared queue (:func:`gateway.housekeeping.asweep`): a dead worker's streams end
   within its heartbeat TTL even when no worker lives to reclaim them, and expired requests end;
   their usage is recorded (:mod:`gateway.usage`);
-- retries the aborts that failed while Redis was unreachable, so a worker never generates for a
-  client that left during an outage.
+- retries the aborts that failed while Redis was unreachable
+  (:func:`gateway.aborts.retry_pending`), so a worker never generates for a client that left
+  during an outage.
 
 A Redis outage is logged and ridden out: the loop goes on when Redis is back.
 """
@@ -31,7 +32,7 @@ import weakref
 import redis.exceptions
 from asgiref.sync import sync_to_async
 
-from gateway import housekeeping, usage
+from gateway import aborts, housekeeping, usage
 from gateway.clients import aredis
 from gateway.conf import platform_settings, redis_keys
 
@@ -40,8 +41,6 @@ log = logging.getLogger(__name__)
 MONITOR_INTERVAL_S = 1.0
 # Heartbeats of web processes silent this long are dropped from the sorted set (seconds).
 FORGET_WEB_AFTER_S = 3600.0
-# Aborts that could not be sent are retried for this long (seconds).
-ABORT_RETRY_S = 600.0
 
 WEB_ID = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 # Set while this web process drains (SIGTERM, llm_platform.serve): /readyz answers 503.
@@ -55,7 +54,6 @@ class Monitor:
         self.web_id = WEB_ID
         self.epoch: str | None = None  # the deployment's epoch as last read
         self.redis_ok_at = 0.0  # monotonic time of the last successful round
-        self.pending_aborts: dict[str, float] = {}  # request id -> monotonic time of the failure
         self._task: asyncio.Task | None = None
         self.back_since = float("-inf")  # monotonic time Redis answered again after an outage
         self._started = asyncio.Event()
@@ -80,22 +78,12 @@ class Monitor:
         ended = await housekeeping.asweep(client, reclaim=not self.recovering())
         if ended:
             await sync_to_async(_record_all)(ended)
-        await self._retry_aborts()
+        await aborts.retry_pending()
 
     def recovering(self) -> bool:
         """Whether Redis came back from an outage less than a heartbeat TTL ago."""
         ttl = platform_settings()["WORKER_HEARTBEAT_TTL_S"]
         return time.monotonic() - self.back_since < ttl
-
-    async def _retry_aborts(self) -> None:
-        from gateway.events import abort
-
-        for request_id, failed_at in list(self.pending_aborts.items()):
-            if time.monotonic() - failed_at > ABORT_RETRY_S:
-                self.pending_aborts.pop(request_id, None)
-                continue
-            await abort(request_id)
-            self.pending_aborts.pop(request_id, None)
 
     async def _run(self) -> None:
         failing_since: float | None = None

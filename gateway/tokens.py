@@ -50,9 +50,9 @@ from typing import Any, TypeVar
 from django.core.signals import request_started
 
 from gateway.byte_bounds import ByteBounds, byte_bounds
+from gateway.conf import platform_settings
+from inference.protocol.models import model_folder
 from inference.tokenization import Tokenizer, TokenizerLoadError
-
-# Settings and errors are imported where used: a counting process needs neither (0.5 s).
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +74,6 @@ def utf8_length(text: str) -> int:
 
 def tokenizer_folder() -> Path:
     """The folder whose tokenizer counts prompt tokens (see the module docstring)."""
-    from gateway.conf import platform_settings
-    from inference.protocol.models import model_folder
-
     conf = platform_settings()
     if configured := (conf.get("TOKENIZER_PATH") or "").strip():
         return Path(configured).expanduser()
@@ -237,8 +234,6 @@ _pool_folder: str | None = None
 
 def pool_processes() -> int:
     """Counting processes per web process: ``TOKENIZER_PROCESSES``, else :data:`POOL_PROCESSES`."""
-    from gateway.conf import platform_settings
-
     return max(1, int(platform_settings().get("TOKENIZER_PROCESSES") or POOL_PROCESSES))
 
 
@@ -308,6 +303,8 @@ async def run(fn: Callable[..., T], *args: Any) -> T:
         except BrokenProcessPool as exc:
             _discard(pool)
             log.warning("a token-counting process died (attempt %d): %s", attempt, exc)
+    # Imported here: each counting process imports this module, and gateway.errors would load
+    # django.http, pydantic and redis into it (about 0.5 s of its start) for nothing.
     from gateway.errors import APIError
 
     raise APIError(503, "The server could not count the prompt's tokens; retry shortly.",

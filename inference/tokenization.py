@@ -12,7 +12,8 @@ tokens, and the chat template in older folders), optionally ``chat_template.jinj
 way Hugging Face ``transformers`` renders it (a sandboxed Jinja environment with ``trim_blocks``
 and ``lstrip_blocks``, the ``raise_exception`` and ``strftime_now`` globals, a ``tojson`` filter
 that does not escape HTML, the special tokens as variables) and the text is then tokenized
-without adding special tokens; ``tests/model`` checks the result against ``transformers``.
+without adding special tokens; ``tests/test_tokenization.py`` checks the result against
+``transformers``.
 """
 
 from __future__ import annotations

@@ -18,11 +18,15 @@ import os
 import signal
 import sys
 import time
+from http import HTTPStatus
 from typing import Any
 
 from daphne.cli import CommandLineInterface
 from daphne.server import Server
 from twisted.internet import reactor
+from twisted.web import http
+
+from chat.frames import MAX_FRAME_CHARS
 
 log = logging.getLogger("llm_platform.serve")
 
@@ -42,8 +46,6 @@ class DrainingServer(Server):
         # Every frame the chat's consumer reads to the end of (MAX_FRAME_CHARS characters, up
         # to 4 bytes each in UTF-8) reaches it, so that a longer one gets the consumer's error
         # frame; daphne's default of 1 MiB dropped the connection of some instead.
-        from chat.consumers import MAX_FRAME_CHARS
-
         least = 4 * MAX_FRAME_CHARS + 1024
         for name in ("websocket_max_message_size", "websocket_max_frame_size"):
             kwargs[name] = max(int(kwargs.get(name) or 0), least)
@@ -73,6 +75,7 @@ class DrainingServer(Server):
     def drain(self) -> None:
         """Stop accepting, answer not ready, and stop once nothing is in flight (or at the
         grace period's end)."""
+        # The web tier's modules load Django's models: imported once daphne set Django up.
         from gateway import monitor
 
         self._draining_since = time.monotonic()
@@ -101,7 +104,7 @@ class DrainingServer(Server):
             self._interrupted = True
             log.info("%d response(s) still open after %.1f s: interrupting them", open_now,
                      waited)
-            from gateway.lifecycle import interrupt_all
+            from gateway.lifecycle import interrupt_all  # after Django's set-up, as in drain()
 
             asyncio.ensure_future(interrupt_all())
         if waited >= self.drain_s + INTERRUPT_GRACE_S:
@@ -115,10 +118,6 @@ def add_reason_phrases() -> None:
     """Give every standard status twisted has no reason phrase for its phrase (RFC 9110 and
     those after it, as Python's ``http.HTTPStatus`` names them): daphne writes the status line
     from twisted's table, where 429, 422, 431 and a few more read "Unknown Status"."""
-    from http import HTTPStatus
-
-    from twisted.web import http
-
     for status in HTTPStatus:
         http.RESPONSES.setdefault(status.value, status.phrase.encode("ascii"))
 

@@ -3,8 +3,8 @@
 The variables, their defaults and what they do are listed in ``docs/platform.md``. A ``.env``
 file at the repository root is read too when present. The variables that the inference worker
 reads too (Redis, gate 1, the admission deadline, heartbeats, the model's folder) come from
-:class:`inference.protocol.PlatformSettings`, where their defaults are written once; Django's own
-and the web tier's come through django-environ. Engine settings (``MAX_BATCH_SIZE``,
+:class:`inference.protocol.settings.PlatformSettings`, where their defaults are written once;
+Django's own and the web tier's come through django-environ. Engine settings (``MAX_BATCH_SIZE``,
 ``BACKEND``, ...) are the worker's alone (:mod:`inference.worker.settings`).
 """
 
@@ -166,7 +166,7 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env.int("CELERY_VISIBIL
 
 # The platform's own settings, in one namespace (read through gateway.conf.platform_settings()).
 LLM_PLATFORM = {
-    # Shared with the workers (inference.protocol.PlatformSettings documents each).
+    # Shared with the workers (inference.protocol.settings.PlatformSettings documents each).
     "REDIS_PREFIX": SHARED.redis_prefix,
     "MAX_QUEUE_SIZE": SHARED.max_queue_size,
     "MAX_QUEUE_WAIT_S": SHARED.max_queue_wait_s,

@@ -8,6 +8,7 @@ import secrets
 from pathlib import Path
 
 from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.db import transaction
 from django.utils import timezone
 from django.utils.text import slugify
@@ -138,8 +139,6 @@ def ensure_demo_user(tenant: Tenant) -> tuple[str, str]:
     The user signs in to the chat and the admin (dashboard included). The password is generated
     once and kept in :func:`demo_password_file`; a missing file gets a new password.
     """
-    from django.contrib.auth import get_user_model
-
     path = demo_password_file()
     user, _ = get_user_model().objects.get_or_create(
         username=DEMO_USERNAME, defaults={"is_staff": True, "is_superuser": True})

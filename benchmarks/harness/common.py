@@ -19,7 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402 - after choosing the Agg backend
 
 from benchmarks.harness.metrics import report, summarize  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 RESULTS_DIR = REPO / "benchmarks" / "results"
 
 

@@ -3,7 +3,7 @@ Celery worker (and, when asked, Celery beat), on the test database and a private
 
 Each process has a name (``daphne``, ``celery``, ``beat``, ``worker0``, ``worker1``, ...):
 :meth:`Stack.kill` and :meth:`Stack.restart` act on one by its name, and a restarted process keeps
-its command, port and worker id (the chaos harness, ``benchmarks/serving/chaos.py``)."""
+its command, port and worker id (the chaos harness, ``benchmarks/serving/chaos/``)."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ class Stack:
 
     def start_worker(self) -> subprocess.Popen:
         n = len(self.workers)
-        proc = self._spawn(f"worker{n}", [sys.executable, "-m", "inference.worker.main"],
+        proc = self._spawn(f"worker{n}", [sys.executable, "-m", "inference.worker"],
                            WORKER_ID=f"{self.prefix}-w{n}")
         self.workers.append(proc)
         return proc

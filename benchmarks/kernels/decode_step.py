@@ -27,8 +27,8 @@ mixed tick's pass cost model: its start-up fit and its error on passes it never 
 
 Usage::
 
-    python benchmarks/kernels/decode_step.py                  # rows 2, 11, 24, 32; both dtypes
-    python benchmarks/kernels/decode_step.py --dtype float32 --rows 1,8,16 --max-context 1024
+    python -m benchmarks.kernels.decode_step                  # rows 2, 11, 24, 32; both dtypes
+    python -m benchmarks.kernels.decode_step --dtype float32 --rows 1,8,16 --max-context 1024
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 

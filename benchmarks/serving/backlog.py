@@ -1,4 +1,4 @@
-"""Experiment 7: a light tenant's wait behind a heavy tenant's backlog, through the platform.
+"""Experiment 8: a light tenant's wait behind a heavy tenant's backlog, through the platform.
 
 Tenant ``A`` sends ``--backlogs`` requests at once (streamed, ``--a-tokens`` each, a random length
 in the range, so that its rows end at different times as real answers do); ``--delay`` seconds

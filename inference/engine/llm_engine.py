@@ -150,7 +150,7 @@ class LLMEngine:
             prompt_token_ids=prompt_token_ids, prompt=prompt, messages=messages,
             sampling=sampling, tenant=tenant, fairness_key=fairness_key, priority=priority,
             fairness_weight=fairness_weight, request_id=request_id, queue_wait_s=queue_wait_s,
-            resume=resume, clock=self.scheduler._clock)
+            resume=resume, clock=self.scheduler.clock)
         handle = RequestHandle(request.request_id,
                                resume.prompt_len if resume is not None else request.prompt_len)
         with self._lock:
@@ -359,9 +359,8 @@ class LLMEngine:
                 log.debug("abort of unknown request %s ignored", item)
 
     def _after_tick(self, events: list[Event]) -> None:
-        left = self.scheduler.left_pending
-        self.scheduler.left_pending = 0
-        preempted, self.scheduler.preempted_out = self.scheduler.preempted_out, []
+        left = self.scheduler.take_left_pending()
+        preempted = self.scheduler.take_preempted()
         # The snapshot first: a reader never sees rows freed here but pending not yet left.
         self._stats = self._build_stats()
         with self._lock:

@@ -64,7 +64,7 @@ class SamplingParams:
         min_tokens: EOS and stop strings are ignored before this many tokens.
         ignore_eos: never stop at EOS (fixed-length benchmarks).
         logprobs: report each generated token's log-probability with this many likeliest
-            tokens, 0 to :data:`~inference.protocol.MAX_LOGPROBS` (None: none).
+            tokens, 0 to :data:`~inference.protocol.events.MAX_LOGPROBS` (None: none).
         prompt_logprobs: the same for every prompt token (None: none).
 
     Raises:

@@ -1,55 +1,72 @@
 """The Redis side of an inference worker: requests in, events out, aborts, stats, gate 1, usage.
 
-Message schema and key names: :mod:`inference.protocol`; the shared request queue:
-:mod:`inference.worker.fair_queue`; what a worker takes, and the requests its engine preempted going
-back to the queue: :mod:`inference.worker.intake`; turning a message into a submission:
-:mod:`inference.worker.preparation`. Threads: the worker's main thread calls
-:meth:`WorkerBridge.poll` (hand back, take and submit), :meth:`reconcile_queue`,
-:meth:`charge_service`,
-:meth:`housekeep`, :meth:`audit`, :meth:`flush_events`, :meth:`flush_usage` and
-:meth:`publish_stats`; the engine thread calls :meth:`on_events` once or twice per tick and
-:meth:`on_preempted` after a tick that preempted; a Redis pub/sub thread calls
-:meth:`on_control`. No tensor work happens here.
+:class:`WorkerBridge` owns one engine's collaborators and the one state object they share, and
+calls them; each takes that state, the engine, the shared queue and the Redis client in its
+constructor, and none imports the bridge. Where each method lives:
 
-A Redis outage is ridden out here: events wait, in order, in a buffer and are written when Redis
-is back, at most once each. What it does when something else died, or it is told to stop, is in
-:mod:`inference.worker.recovery` (``docs/design.md``, "Faults").
+- :class:`~inference.worker.live.WorkerState`: the live-request table and what more than one
+  part reads (the wiped requests, the ended ids for usage and the counts of those ended outside
+  the engine, gate 1's held count, the epoch, ``redis_ok_since``); ``flush_usage``.
+- :class:`~inference.worker.intake.Intake`: what the worker takes from the shared queue and when,
+  its gate-1 count, and preempted requests going back: ``poll``, ``reconcile_queue``,
+  ``on_preempted`` (engine thread), ``hand_back_preempted``.
+- :class:`~inference.worker.publisher.EventPublisher`: events out, in order and once each, a
+  Redis outage ridden out in a buffer: ``on_events`` (engine thread), ``flush_events``,
+  ``start_publisher``, ``stop_publisher``, ``write_unowned_final``.
+- :class:`~inference.worker.recovery.Recovery`: what the worker does when something else died,
+  or it is told to stop (``docs/design.md``, "Faults"): ``audit``, ``housekeep``,
+  ``reclaim_predecessor``, ``on_reclaimed``, ``check_epoch``, ``check_data_loss``,
+  ``begin_drain``, ``busy``, ``shutdown``.
+- :class:`~inference.worker.origins.WebOrigins`: whether a request's web process is alive.
+- :class:`WorkerBridge` itself: :meth:`~WorkerBridge.on_control` (aborts, on a Redis pub/sub
+  thread), :meth:`~WorkerBridge.charge_service` (the fairness counters) and
+  :meth:`~WorkerBridge.publish_stats` (heartbeat and stats); and, for its callers (the main
+  loop, :func:`inference.worker.main.serve`), a method of the same name that only calls the
+  collaborator's for ``poll``, ``reconcile_queue``, ``flush_events``, ``flush_usage``,
+  ``housekeep``, ``audit``, ``begin_drain``, ``busy``, ``shutdown``, ``start_publisher``,
+  ``stop_publisher``, ``on_events`` and ``on_preempted``.
+
+The engine's ``event_sink`` is the publisher's ``on_events`` and its ``preempt_sink`` the
+intake's ``on_preempted``; the publisher's ``lost_sink`` is the recovery's ``check_data_loss``.
+The rest runs on the worker's main thread (and the publisher's writes on its own thread, once
+started).
+Message schema and key names: :mod:`inference.protocol`; the shared request queue:
+:mod:`inference.worker.fair_queue`; turning a message into a submission:
+:mod:`inference.worker.preparation`. No tensor work happens here.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import queue
-import threading
 import time
-from collections.abc import Callable
 
 import redis
 from pydantic import ValidationError
 
 from inference.engine.llm_engine import LLMEngine
-from inference.protocol.events import Event, FinalEvent, FinishReason, TokenEvent
-from inference.protocol.keys import EVENTS_TTL_S, Keys
+from inference.engine.request import ResumeState
+from inference.protocol.events import Event
+from inference.protocol.keys import Keys
 from inference.protocol.messages import ControlMessage
 from inference.worker.fair_queue import FairQueue
-from inference.worker.intake import Intake, LiveRequest
+from inference.worker.intake import Intake
+from inference.worker.live import UsageSink, WorkerState
+from inference.worker.origins import WebOrigins
+from inference.worker.publisher import EventPublisher
 from inference.worker.recovery import Recovery
+
+__all__ = ["UsageSink", "WorkerBridge"]
 
 log = logging.getLogger(__name__)
 
-# Called with the id of each request this worker ended, to have its usage recorded from the
-# ledger (the Celery usage task in production).
-UsageSink = Callable[[str], None]
-# Events buffered while Redis is unreachable, at most (then the oldest requests are stopped).
-MAX_UNSENT_EVENTS = 100_000
 
-
-class WorkerBridge(Recovery, Intake):
-    """Connects one :class:`LLMEngine` to Redis.
+class WorkerBridge:
+    """Connects one :class:`LLMEngine` to Redis through its collaborators (module docstring).
 
     Args:
-        engine: a started or not yet started engine; its ``event_sink`` is set here.
+        engine: a started or not yet started engine; its ``event_sink`` and ``preempt_sink`` are
+            set here (to the publisher and the intake).
         client: a Redis client (``decode_responses=False``).
         keys: key names (see :mod:`inference.protocol`).
         worker_id: this worker's heartbeat member and stats key.
@@ -60,6 +77,9 @@ class WorkerBridge(Recovery, Intake):
             (its usage entry is in the ledger; the sink has it recorded).
         web_ttl_s: a web process whose heartbeat is older than this is gone, with the clients
             of the answers it was streaming: those answers are stopped.
+
+    Attributes:
+        state, intake, publisher, recovery, origins: the collaborators (module docstring).
     """
 
     def __init__(self, engine: LLMEngine, client: redis.Redis, keys: Keys, worker_id: str, *,
@@ -68,191 +88,101 @@ class WorkerBridge(Recovery, Intake):
         self.client = client
         self.keys = keys
         self.worker_id = worker_id
-        self.usage_sink = usage_sink
-        self.prefetch = max(0, prefetch)
-        self.web_ttl_s = web_ttl_s
         self.queue = FairQueue(client, keys, worker_id, engine.config.scheduling_policy)
-        self._live: dict[str, LiveRequest] = {}
-        self._live_lock = threading.Lock()
-        self._ended: queue.SimpleQueue[str] = queue.SimpleQueue()
-        # Events not yet written, in order (guarded by _unsent_lock); _send_lock serializes the
-        # writes (the engine or publisher thread, and the main thread's flushes).
-        self._unsent: list[Event] = []
-        self._unsent_lock = threading.Lock()
-        self._send_lock = threading.Lock()
-        self._publisher: threading.Thread | None = None
-        self._publish_now = threading.Event()
-        self._publisher_stop = False
-        # Requests this worker counts in the global gate-1 counter: taken from Redis, not yet
-        # admitted by its engine (or ended). Only the main thread touches it.
-        self._held = 0
-        self._accepting = True
+        self.state = WorkerState(usage_sink)
+        self.origins = WebOrigins(self.state, client, keys, web_ttl_s)
+        self.publisher = EventPublisher(self.state, engine, self.queue, client, keys)
+        self.intake = Intake(self.state, engine, self.queue, client, keys,
+                             publisher=self.publisher, origins=self.origins, prefetch=prefetch)
+        self.recovery = Recovery(self.state, engine, self.queue, client, keys, worker_id,
+                                 publisher=self.publisher, intake=self.intake,
+                                 origins=self.origins)
+        self.publisher.lost_sink = self.recovery.check_data_loss
         # Weighted service already charged to the shared counters, per fairness key.
         self._charged: dict[str, float] = {}
-        self._registered = False  # whether this worker's heartbeat has been published
-        self._row_freed = threading.Event()  # set by the engine thread when a request ends
-        # Requests this worker ended outside its engine, by finish reason (in its stats).
-        self._ended_outside: dict[str, int] = {}
-        # The deployment's epoch as this worker knows it (None: not read yet).
-        self.epoch: str | None = None
-        # Requests whose state Redis lost: their final events are written without ownership.
-        self._wiped: dict[str, LiveRequest] = {}
-        # Origins (web processes) first seen without a heartbeat: origin -> monotonic time.
-        self._origin_missing: dict[str, float] = {}
-        self._audit_stopped: set[str] = set()
-        # Monotonic time since which Redis has answered without a break (the main loop sets it
-        # after an outage): heartbeats are judged only when every process could have written
-        # them for a whole TTL since, so an outage is never taken for deaths.
-        self.redis_ok_since = float("-inf")
-        engine.event_sink = self.on_events
-        self._init_intake()
+        engine.event_sink = self.publisher.on_events
+        engine.preempt_sink = self.intake.on_preempted
 
-    # -- requests in, preempted requests back (main thread): inference.worker.intake -------------
+    @property
+    def redis_ok_since(self) -> float:
+        """Monotonic time since which Redis has answered without a break (the main loop sets
+        it: ``inf`` during an outage); :attr:`WorkerState.redis_ok_since`."""
+        return self.state.redis_ok_since
 
-    def _count_ended(self, reason: FinishReason) -> None:
-        self._ended_outside[reason.value] = self._ended_outside.get(reason.value, 0) + 1
+    @redis_ok_since.setter
+    def redis_ok_since(self, value: float) -> None:
+        self.state.redis_ok_since = value
 
-    def _forget(self, request_id: str) -> LiveRequest | None:
-        with self._live_lock:
-            return self._live.pop(request_id, None)
+    # -- calls the collaborators answer -----------------------------------------------------
 
-    # -- events out (engine thread, the publisher thread, the main thread after an outage) --
+    def poll(self, block_ms: int = 50) -> int:
+        """:meth:`Intake.poll`: take what this worker can start soon; return how many."""
+        return self.intake.poll(block_ms)
 
-    def start_publisher(self) -> None:
-        """Write events on a thread of their own from now on (the worker process does).
+    def reconcile_queue(self) -> None:
+        """:meth:`Intake.reconcile_queue`: release from gate 1 what its engine admitted."""
+        self.intake.reconcile_queue()
 
-        The engine thread then only hands a tick's events over and goes on to the next tick
-        while they are written (one Redis round trip and script run per tick, about a
-        millisecond, off the critical path), and a slow or unreachable Redis never stalls a
-        tick. Order is kept: every write takes the events in the order the engine emitted them.
-        """
-        if self._publisher is None:
-            self._publisher = threading.Thread(target=self._publish_loop, name="event-publisher",
-                                               daemon=True)
-            self._publisher.start()
-
-    def stop_publisher(self) -> None:
-        """Stop the publisher thread (the events it has not written stay for
-        :meth:`flush_events`)."""
-        publisher, self._publisher = self._publisher, None
-        if publisher is not None:
-            self._publisher_stop = True
-            self._publish_now.set()
-            publisher.join()
-            self._publisher_stop = False
-
-    def _publish_loop(self) -> None:
-        while not self._publisher_stop:
-            self._publish_now.wait()
-            self._publish_now.clear()
-            try:  # e.g. Redis lost after a write, reading the epoch: the thread goes on
-                with self._send_lock:
-                    self._send_unsent()
-            except Exception:  # noqa: BLE001
-                log.exception("event publisher: write failed")
+    def on_preempted(self, states: list[ResumeState]) -> None:
+        """:meth:`Intake.on_preempted` (engine thread)."""
+        self.intake.on_preempted(states)
 
     def on_events(self, events: list[Event]) -> None:
-        """Write one tick's events to their requests' streams (only for requests it owns); with
-        a publisher thread (:meth:`start_publisher`), hand them to it and return at once.
-
-        When Redis is unreachable the events wait, in order, and go out with the next write or
-        :meth:`flush_events`; the engine goes on generating meanwhile.
-        """
-        if any(isinstance(e, FinalEvent) for e in events):
-            self._row_freed.set()
-            if self._waiting_full:  # a main thread waiting with its rows full: a row is free
-                self.queue.nudge()
-        with self._unsent_lock:
-            self._unsent.extend(events)
-        if self._publisher is not None:
-            self._publish_now.set()
-            return
-        with self._send_lock:
-            self._send_unsent()
+        """:meth:`EventPublisher.on_events`: write or hand over one tick's events (engine
+        thread)."""
+        self.publisher.on_events(events)
 
     def flush_events(self) -> None:
-        """Write the events that wait, the publisher's included (main thread; raises while Redis
-        is unreachable). Returns once every event handed over before the call is written."""
-        with self._send_lock:
-            if self._unsent:
-                self._send_unsent(raise_errors=True)
+        """:meth:`EventPublisher.flush_events`: write the events that wait (raises while Redis
+        is unreachable)."""
+        self.publisher.flush_events()
 
-    def _send_unsent(self, raise_errors: bool = False) -> None:
-        """Write the waiting events (the caller holds ``_send_lock``)."""
-        with self._unsent_lock:
-            events, self._unsent = self._unsent, []
-        if not events:
-            return
-        counts: dict[str, int] = {}
-        with self._live_lock:
-            for event in events:
-                live = self._live.get(event.request_id)
-                if live is not None and not live.started:
-                    counts[event.request_id] = live.prompt_tokens
-        try:
-            lost = set(self.queue.write_events(events, EVENTS_TTL_S, counts))
-        except Exception as exc:  # kept, in front of what the engine emitted meanwhile
-            with self._unsent_lock:
-                self._unsent[:0] = events
-                waiting = len(self._unsent)
-                if waiting > MAX_UNSENT_EVENTS:
-                    log.error("%d events wait for Redis: dropping the oldest", waiting)
-                    del self._unsent[: waiting - MAX_UNSENT_EVENTS]
-            if not isinstance(exc, redis.RedisError):  # a fault of ours: logged, not fatal
-                log.exception("could not write %d event(s): kept for the next try", waiting)
-                return
-            if raise_errors:
-                raise
-            log.warning("could not write %d event(s) (%s): kept for the next try",
-                        waiting, exc)
-            return
-        if lost and self._epoch_changed():
-            self._on_wiped()
-        for event in events:
-            if event.request_id in lost:
-                continue
-            if isinstance(event, TokenEvent):
-                live = self._live.get(event.request_id)
-                if live is not None:
-                    live.started = True
-            elif self._forget(event.request_id) is not None:
-                self._ended.put(event.request_id)
-        for request_id in lost:
-            wiped = self._wiped.get(request_id)
-            final = next((e for e in events if e.request_id == request_id
-                          and isinstance(e, FinalEvent)), None)
-            if wiped is not None:
-                if final is not None:
-                    self._wiped.pop(request_id, None)
-                    self._write_unowned_final(final, wiped)
-                continue
-            # Reclaimed while this worker was silent: another worker serves it (or ended it).
-            if self._forget(request_id) is not None:
-                log.warning("request %s is no longer this worker's: stopping it", request_id)
-                self.engine.abort(request_id)
+    def start_publisher(self) -> None:
+        """:meth:`EventPublisher.start_publisher`: write events on a thread of their own."""
+        self.publisher.start_publisher()
 
-    # -- control (pub/sub thread) -----------------------------------------------------------
+    def stop_publisher(self) -> None:
+        """:meth:`EventPublisher.stop_publisher`."""
+        self.publisher.stop_publisher()
+
+    def flush_usage(self) -> int:
+        """:meth:`WorkerState.flush_usage`: hand ended requests' ids to the usage sink; return
+        how many."""
+        return self.state.flush_usage()
+
+    def audit(self) -> None:
+        """:meth:`Recovery.audit`: compare what this worker holds with what Redis says."""
+        self.recovery.audit()
+
+    def housekeep(self, heartbeat_ttl_s: float) -> None:
+        """:meth:`Recovery.housekeep`: end expired waiting requests, reclaim dead workers'."""
+        self.recovery.housekeep(heartbeat_ttl_s)
+
+    def begin_drain(self) -> int:
+        """:meth:`Recovery.begin_drain`: no new work, unadmitted requests back; how many."""
+        return self.recovery.begin_drain()
+
+    def busy(self) -> bool:
+        """:meth:`Recovery.busy`: whether it still runs requests or has events to write."""
+        return self.recovery.busy()
+
+    def shutdown(self, timeout_s: float) -> int:
+        """:meth:`Recovery.shutdown`: stop; return how many requests went back to the queue."""
+        return self.recovery.shutdown(timeout_s)
+
+    # -- aborts (pub/sub thread) --------------------------------------------------------------
 
     def on_control(self, raw: dict) -> None:
-        """Handle one pub/sub message of the control channel (aborts)."""
+        """Handle one pub/sub message of the control channel (aborts of requests it holds)."""
         try:
             message = ControlMessage.from_json(raw["data"])
         except (KeyError, ValidationError):
             log.warning("ignoring malformed control message %r", raw.get("data"))
             return
-        with self._live_lock:
-            mine = message.request_id in self._live
-        if mine:
+        if self.state.is_mine(message.request_id):
             self.engine.abort(message.request_id)
 
-    # -- gate 1, usage, stats, audits (main thread) -----------------------------------------
-
-    def reconcile_queue(self) -> None:
-        """Release from gate 1 the requests that left this engine's pending queue."""
-        left = self._held - self.engine.num_queued()
-        if left > 0:
-            self.queue.release_held(left)
-            self._held -= left
+    # -- fairness counters, heartbeat and stats (main thread) ---------------------------------
 
     def charge_service(self) -> None:
         """Charge the shared VTC counters with the service this engine gave since the last call.
@@ -271,80 +201,32 @@ class WorkerBridge(Recovery, Intake):
         for key, amount in delta.items():  # charged only once the queue took it
             self._charged[key] = self._charged.get(key, 0.0) + amount
 
-    def housekeep(self, heartbeat_ttl_s: float) -> None:
-        """End waiting requests past their admission deadline, and reclaim dead workers' ones.
-
-        The same scripts run in the web tiers and a Celery beat task (whoever runs first does
-        the work, once); the requests ended here have their usage recorded through this worker.
-        """
-        for request_id in self.queue.expire(EVENTS_TTL_S):
-            self._count_ended(FinishReason.ERROR)
-            self._ended.put(request_id)
-        if time.monotonic() - self.redis_ok_since < heartbeat_ttl_s:
-            return  # just after an outage: a stale heartbeat may be a live worker's
-        requeued, workers, ended = self.queue.reclaim(heartbeat_ttl_s, EVENTS_TTL_S)
-        if workers:
-            log.warning("reclaimed dead worker(s) %s: %d request(s) back in the queue, %d ended",
-                        ", ".join(workers), requeued, len(ended))
-        for request_id in ended:
-            self._count_ended(FinishReason.ERROR)
-            self._ended.put(request_id)
-
-    def flush_usage(self) -> int:
-        """Hand the id of each request this worker ended to the usage sink; return how many.
-
-        A sink that fails leaves the entry in the ledger: the reconciliation records it.
-        """
-        n = 0
-        while True:
-            try:
-                request_id = self._ended.get_nowait()
-            except queue.Empty:
-                return n
-            n += 1
-            if self.usage_sink is None:
-                continue
-            try:
-                self.usage_sink(request_id)
-            except Exception:  # noqa: BLE001 - usage must not stop serving
-                log.exception("could not send the usage of %s (the reconciliation will)",
-                              request_id)
-
     def publish_stats(self, ttl_s: float) -> None:
         """Heartbeat and stats snapshot (expiring after ``ttl_s`` without a refresh).
 
         A worker whose heartbeat lapsed was reclaimed by another (its requests went back to the
-        queue or were ended): it finds out here, stops what it still runs, and starts afresh. A
-        worker that finds the deployment's epoch changed knows Redis lost its data.
+        queue or were ended): it finds out here, stops what it still runs, and starts afresh
+        (:meth:`Recovery.on_reclaimed`). A worker that finds the deployment's epoch changed knows
+        Redis lost its data (:meth:`Recovery.check_epoch`).
         """
-        if self.epoch is None or self._epoch_changed():
-            if self.epoch is not None:
-                self._on_wiped()
-            self.epoch = self._read_epoch()
-        if not self._registered and not self._live:
-            # A process that ran under this id before and died left its requests under it.
-            requeued, _, ended = self.queue.reclaim(ttl_s, EVENTS_TTL_S, include_self=True)
-            if requeued or ended:
-                log.warning("an earlier process under this worker's id left %d request(s) "
-                            "taken (back in the queue) and %d running (ended)", requeued,
-                            len(ended))
-            for request_id in ended:
-                self._ended.put(request_id)
+        state = self.state
+        self.recovery.check_epoch()
+        if not state.registered and not state.holds_any():
+            self.recovery.reclaim_predecessor(ttl_s)
         snapshot = self.engine.stats()
         finished = dict(snapshot.get("requests_finished") or {})
-        for reason, n in self._ended_outside.items():  # ended before reaching the engine
+        for reason, n in state.ended_outside.items():  # ended before reaching the engine
             finished[reason] = finished.get(reason, 0) + n
         snapshot["requests_finished"] = finished
         snapshot["worker_id"] = self.worker_id
-        snapshot["held_in_gate1"] = self._held
-        snapshot["events_unsent"] = len(self._unsent)
+        snapshot["held_in_gate1"] = state.held
+        snapshot["events_unsent"] = self.publisher.num_unsent()
         snapshot["published_at"] = time.time()
         pipe = self.client.pipeline(transaction=False)
-        pipe.zadd(self.keys.workers, {self.worker_id: time.time()}, xx=self._registered, ch=True)
+        pipe.zadd(self.keys.workers, {self.worker_id: time.time()}, xx=state.registered, ch=True)
         pipe.set(self.keys.stats(self.worker_id), json.dumps(snapshot, default=str),
                  px=max(1, int(ttl_s * 1000)))
         still_registered = pipe.execute()[0]
-        if self._registered and not still_registered:
-            self._on_reclaimed()
-        self._registered = True
-
+        if state.registered and not still_registered:
+            self.recovery.on_reclaimed()
+        state.registered = True

@@ -34,7 +34,7 @@ from inference.protocol.keys import USAGE_TASK_NAME, redis_retry_options
 from inference.worker.bridge import UsageSink, WorkerBridge
 from inference.worker.settings import WorkerSettings
 
-log = logging.getLogger("inference.worker.main")
+log = logging.getLogger("inference.worker")
 
 
 def celery_usage_sink(broker_url: str, queue: str) -> UsageSink:

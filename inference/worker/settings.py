@@ -3,7 +3,8 @@
 :class:`WorkerSettings` reads, from environment variables of the same names in upper case (or a
 ``.env`` file in the working directory):
 
-- the settings the web tier reads too (:class:`inference.protocol.PlatformSettings`: ``REDIS_URL``,
+- the settings the web tier reads too (:class:`inference.protocol.settings.PlatformSettings`:
+  ``REDIS_URL``,
   ``REDIS_PREFIX``, ``MAX_QUEUE_SIZE``, ``MAX_QUEUE_WAIT_S``, ``WORKER_HEARTBEAT_TTL_S``,
   ``MODEL_PATH``, ...);
 - the engine's (:class:`inference.engine.config.EngineConfig`: ``MAX_BATCH_SIZE``,

@@ -9,7 +9,7 @@ import pytest
 from asgiref.sync import sync_to_async
 from channels.testing import WebsocketCommunicator
 
-from chat.consumers import CLOSE_NO_TENANT, CLOSE_UNAUTHENTICATED
+from chat.authorization import CLOSE_NO_TENANT, CLOSE_UNAUTHENTICATED
 from chat.models import Conversation, Message
 from tests.support.web import (
     InProcessWorker,

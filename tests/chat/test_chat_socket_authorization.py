@@ -19,7 +19,7 @@ from channels.routing import URLRouter
 from channels.testing import WebsocketCommunicator
 from django.conf import settings
 
-from chat.consumers import CLOSE_NO_TENANT, CLOSE_UNAUTHENTICATED
+from chat.authorization import CLOSE_NO_TENANT, CLOSE_UNAUTHENTICATED
 from chat.models import Conversation, Message
 from chat.routing import websocket_urlpatterns
 from tenants.models import Membership, Tenant

@@ -11,7 +11,7 @@ from asgiref.sync import sync_to_async
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from chat.consumers import MAX_FRAME_CHARS, MAX_MESSAGE_CHARS
+from chat.frames import MAX_FRAME_CHARS, MAX_MESSAGE_CHARS
 from chat.models import Message
 from tests.support.web import session_cookie, signed_in_client, socket_to_site
 

@@ -1,7 +1,6 @@
 """The chaos harness, short: the platform under load while its processes and Redis are killed at
 random loses no request, no token, no usage record and leaks nothing
-(``benchmarks/serving/chaos.py``;
-``python -m benchmarks.serving.chaos`` is the long run)."""
+(``benchmarks/serving/chaos/``; ``python -m benchmarks.serving.chaos`` is the long run)."""
 
 from __future__ import annotations
 
@@ -43,7 +42,7 @@ ANSWERS = [("abcdefghijklmnopqrstuvwxyz" * 5, None), ("zyxwvutsrqponmlkjihgfedcb
 
 def sse(result: chaos.Result, *events: str) -> chaos.Result:
     for event in events:
-        chaos._parse_sse_event(result, event)
+        chaos.parse_sse_event(result, event)
     return result
 
 

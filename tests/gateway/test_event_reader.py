@@ -15,7 +15,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from benchmarks.serving.chaos import PrivateRedis
+from benchmarks.harness.redis_server import PrivateRedis
 from gateway import event_reader
 from gateway.errors import APIError
 from gateway.events import Waiting, events

@@ -117,7 +117,7 @@ def test_a_request_withdrawn_while_waiting_is_billed_nothing_and_frees_its_slot(
     from asgiref.sync import sync_to_async
     from django.db import connections
 
-    from gateway.events import abort
+    from gateway.aborts import abort
 
     tenant, key, _ = make_tenant(max_concurrent_requests=1)
     message = admitted(key, 50)

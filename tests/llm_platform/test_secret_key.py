@@ -77,6 +77,7 @@ def _load_at_once(barrier, path: str, results) -> None:
     results.put(load_secret_key("", debug=False, path=path))
 
 
+@pytest.mark.process
 def test_processes_starting_together_agree(tmp_path):
     path = tmp_path / "secret_key"
     ctx = multiprocessing.get_context("fork")
@@ -114,6 +115,7 @@ def _environment(**changes: str | None) -> dict[str, str]:
     return env
 
 
+@pytest.mark.process
 def test_every_process_of_an_install_signs_with_its_one_generated_key(tmp_path):
     path = tmp_path / "secret_key"
     env = _environment(SECRET_KEY_FILE=str(path))
@@ -133,6 +135,7 @@ def test_every_process_of_an_install_signs_with_its_one_generated_key(tmp_path):
     assert again.stdout.strip().splitlines()[-1] == keys["daphne"]
 
 
+@pytest.mark.process
 def test_the_public_key_does_not_start_without_debug(tmp_path):
     show = [sys.executable, "-c", "import django; django.setup();"
             " from django.conf import settings; print(settings.SECRET_KEY)"]

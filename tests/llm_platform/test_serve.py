@@ -3,7 +3,7 @@ status lines it writes."""
 
 from __future__ import annotations
 
-from chat.consumers import MAX_FRAME_CHARS
+from chat.frames import MAX_FRAME_CHARS
 from llm_platform.serve import DrainingServer, add_reason_phrases
 
 

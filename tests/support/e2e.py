@@ -12,6 +12,10 @@ import openai
 from benchmarks.harness.stack import Stack, database_url
 
 MODEL = "SmolLM2-135M-Instruct"
+# Heartbeats of the test platforms: short, so that a process killed or restarted by a test is
+# judged within seconds (a test may set its own).
+TEST_HEARTBEATS = {"WORKER_HEARTBEAT_TTL_S": 3, "WEB_HEARTBEAT_TTL_S": 3,
+                   "HEARTBEAT_INTERVAL_S": 0.5}
 
 
 def start_stack(request, django_db_blocker, tmp_path_factory, *, workers: int,
@@ -21,6 +25,7 @@ def start_stack(request, django_db_blocker, tmp_path_factory, *, workers: int,
 
     with django_db_blocker.unblock():
         db_url = database_url(connection.settings_dict)
+    env = {**TEST_HEARTBEATS, **env}
     stack = Stack(db_url, settings.REDIS_URL, tmp_path_factory.mktemp("stack"),
                   workers=workers, **{k: str(v) for k, v in env.items()})
     request.addfinalizer(stack.stop)

@@ -14,6 +14,10 @@ import redis
 from inference.protocol.keys import Keys, redis_retry_options
 from inference.protocol.messages import UsageReport
 
+# The fixtures a folder's conftest.py takes with ``from tests.support.platform import *``.
+__all__ = ["inproc_worker", "keys", "live_worker", "make_tenant", "rclient", "real_tokenizer",
+           "redis_prefix", "stack_idle_before_flush", "tenant_key"]
+
 
 @pytest.fixture(autouse=True)
 def redis_prefix(settings) -> Iterator[str]:

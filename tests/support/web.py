@@ -10,6 +10,9 @@ import pytest
 
 from tests.support.platform import InProcessWorker
 
+# The fixtures a folder's conftest.py takes with ``from tests.support.web import *``.
+__all__ = ["anyio_backend", "chat_conf", "make_member", "worker"]
+
 PASSWORD = "a-long-test-password"
 
 

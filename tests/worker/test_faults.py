@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import redis
 
-from benchmarks.serving.chaos import PrivateRedis
+from benchmarks.harness.redis_server import PrivateRedis
 from inference.protocol.events import FinalEvent, TokenEvent
 from inference.protocol.keys import Keys, queue_script
 from inference.protocol.messages import RequestMessage

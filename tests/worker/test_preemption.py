@@ -118,7 +118,7 @@ def test_a_preempted_request_withdrawn_while_it_waits_ends_after_its_tokens_bill
     assert wait_for(lambda: rclient.hexists(keys.fq("wait"), batch.request_id))
     streamed = tokens_streamed(rclient, keys, batch.request_id)
 
-    # The client leaves: the web tier withdraws it from the queue (gateway.events.abort).
+    # The client leaves: the web tier withdraws it from the queue (gateway.aborts.abort).
     ended = rclient.eval(queue_script("withdraw"), 0, keys.prefix, EVENTS_TTL_S, "ids",
                          batch.request_id)
     assert ended == [batch.request_id.encode()]

@@ -2,14 +2,20 @@
 
 Gate 2 (the active-KV budget) and gate 3 (the KV block pool) soft-hold a request that fits but
 not now; a request that alone exceeds the budget or the whole pool can never be served and is
-hard-rejected on arrival with the numbers (``docs/design.md``, backpressure). The soft checks run
-in the scheduler's admission phase.
+hard-rejected on arrival with the numbers (``docs/design.md``, backpressure). The hard check runs
+when a request enters ``_pending``
+(:meth:`~inference.engine.sched.lifecycle.RowLifecycle.enqueue`), the soft ones in the admission
+phase (:class:`~inference.engine.sched.admission.Admission`).
 """
 
 from __future__ import annotations
 
 from inference.engine.kv_cache import KVCacheManager
 from inference.engine.request import ErrorCode, ErrorInfo, Request
+
+# The three gates (``docs/design.md``, backpressure): 1 queue capacity, 2 the active-KV budget,
+# 3 the KV block pool; the keys of the per-gate soft-hold and hard-reject counters.
+GATES = (1, 2, 3)
 
 
 def never_fits(request: Request, kv: KVCacheManager,

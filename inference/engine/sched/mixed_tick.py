@@ -9,8 +9,10 @@ streams its first token in this same tick (and its final event too, if that toke
 decodes from the next tick on. Eviction after the pass frees blocks that admission reuses from the
 next tick.
 
-:class:`MixedTick` is a base class of :class:`inference.engine.sched.scheduler.Scheduler`; it uses
-the scheduler's queues and helpers.
+:class:`MixedPass` is the scheduler's collaborator for this pass: it reads the queues of the
+:class:`~inference.engine.sched.state.SchedulerState` it is given and runs, accounts and promotes
+the rows through the :class:`~inference.engine.sched.lifecycle.RowLifecycle`; it owns the pass cost
+model and the last pass's figures.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from inference.engine.backends.base import ModelBackend, PrefillChunk
 from inference.engine.config import PrefillMode
 from inference.engine.logprobs import keep_prompt_logprobs
+from inference.engine.sched.lifecycle import RowLifecycle
+from inference.engine.sched.state import SchedulerState
 from inference.engine.sched.tick_budget import (
     PassCostModel,
     PassShape,
@@ -30,9 +34,6 @@ from inference.engine.sched.tick_budget import (
     chunk_attention,
     plan_prefill,
 )
-
-if TYPE_CHECKING:
-    from inference.engine.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -73,50 +74,60 @@ def pass_cost_model(backend: ModelBackend, num_blocks: int,
     return cached[block_size]
 
 
-class MixedTick:
-    """The mixed-batch phase of the scheduler's tick (module docstring)."""
+class MixedPass:
+    """The mixed-batch phase of the scheduler's tick (module docstring).
 
-    cost_model: PassCostModel | None
-    target_itl_s: float
-    last_pass: dict[str, float]
+    Args:
+        state: the scheduler's shared state; the backend is calibrated here (once per
+            backend and block size in a process) when the mode is ``mixed_batch`` and
+            ``TARGET_ITL_MS`` is above 0.
+        rows: the row lifecycle of the same state.
 
-    def _init_mixed(self: Scheduler) -> None:
-        self.target_itl_s = self.config.target_itl_ms / 1000.0
-        self.cost_model = None
-        if self.target_itl_s > 0 and self.prefill_mode is PrefillMode.MIXED_BATCH:
-            self.cost_model = pass_cost_model(self.backend, self.kv.num_blocks,
-                                              self.config.kv_block_size)
-        self.last_pass = {}
+    ``cost_model`` (None: every row takes the chunk cap) and ``target_itl_s`` (seconds, 0 for
+    no target) size the pass's prompt tokens; ``last_pass`` holds the last pass's decode rows,
+    prompt tokens, and measured and predicted seconds.
+    """
 
-    def _mixed_pass(self: Scheduler) -> None:
-        decode_rows = list(self._active)
-        prefilling = list(self._prefilling)
+    def __init__(self, state: SchedulerState, rows: RowLifecycle):
+        self.state = state
+        self.rows = rows
+        self.target_itl_s = state.config.target_itl_ms / 1000.0
+        self.cost_model: PassCostModel | None = None
+        if self.target_itl_s > 0 and state.prefill_mode is PrefillMode.MIXED_BATCH:
+            self.cost_model = pass_cost_model(state.backend, state.kv.num_blocks,
+                                              state.config.kv_block_size)
+        self.last_pass: dict[str, float] = {}
+
+    def _mixed_pass(self) -> None:
+        state, rows = self.state, self.rows
+        decode_rows = list(state.active)
+        prefilling = list(state.prefilling)
         decode_shape = PassShape(len(decode_rows),
                                  sum(r.num_tokens for r in decode_rows), 0, 0)
         take = plan_prefill(
             [(r.num_computed_tokens, r.prompt_len - r.num_computed_tokens) for r in prefilling],
-            decode_shape, self.cost_model, self.target_itl_s, self.chunk_size)
+            decode_shape, self.cost_model, self.target_itl_s, state.chunk_size)
         prefill_rows, chunks = [], []
         for request, n in zip(prefilling, take, strict=True):
             if n == 0:
                 continue
             start = request.num_computed_tokens
-            self.kv.ensure_slots(request, start + n)
+            state.kv.ensure_slots(request, start + n)
             prefill_rows.append(request)
             chunks.append(PrefillChunk(request.request_id,
                                        request.prompt_token_ids[start:start + n], start,
                                        tuple(request.block_table),
                                        all_logits=request.needs_prompt_logprobs))
-        batch = self._decode_rows(decode_rows)
+        batch = rows.decode_rows(decode_rows)
         if not chunks and not batch:
             return
         shape = PassShape(decode_shape.decode_rows, decode_shape.decode_context, sum(take),
                           sum(chunk_attention(c.start_pos, len(c.token_ids)) for c in chunks))
         started = time.perf_counter()
-        logits = self._forward("mixed", prefill_rows + decode_rows,
-                               lambda: keep_prompt_logprobs(
-                                   self.backend.prefill_and_decode(chunks, batch), chunks,
-                                   prefill_rows, len(chunks) + len(batch)))
+        logits = rows.forward("mixed", prefill_rows + decode_rows,
+                              lambda: keep_prompt_logprobs(
+                                  state.backend.prefill_and_decode(chunks, batch), chunks,
+                                  prefill_rows, len(chunks) + len(batch)))
         elapsed = time.perf_counter() - started
         predicted = self.cost_model.predict(shape) if self.cost_model is not None else 0.0
         # A pass that computed prompt logprobs (every position's logits) is not a usual pass.
@@ -127,14 +138,14 @@ class MixedTick:
                           "seconds": round(elapsed, 4), "predicted_s": round(predicted, 4)}
         if logits is None:
             return
-        self._apply_prefill(prefill_rows, chunks, logits[:len(chunks)])
-        self._apply_decode(decode_rows, logits[len(chunks):])
+        rows.apply_prefill(prefill_rows, chunks, logits[:len(chunks)])
+        rows.apply_decode(decode_rows, logits[len(chunks):])
 
-    def tick_budget_stats(self: Scheduler) -> dict[str, Any]:
+    def tick_budget_stats(self) -> dict[str, Any]:
         """The mixed-batch tick's target, cost model and last pass, for stats."""
         return {
-            "target_itl_ms": self.config.target_itl_ms,
-            "prefill_token_cap": self.chunk_size,
+            "target_itl_ms": self.state.config.target_itl_ms,
+            "prefill_token_cap": self.state.chunk_size,
             "cost_model": self.cost_model.to_dict() if self.cost_model is not None else None,
             "last_pass": dict(self.last_pass),
         }

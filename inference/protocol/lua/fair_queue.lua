@@ -164,7 +164,7 @@ local function fq_now()
   return tonumber(t[1]) + tonumber(t[2]) / 1e6
 end
 
--- A final error event (JSON) as inference.protocol.FinalEvent writes it.
+-- A final error event (JSON) as inference.protocol.events.FinalEvent writes it.
 local function fq_error_event(id, seq, code, message, details, completion_tokens, prompt_tokens,
                               cached_prompt_tokens)
   return cjson.encode({type = 'final', request_id = id, seq = seq, finish_reason = 'error',

@@ -186,40 +186,10 @@ def test_bad_fairness_flags_are_argparse_errors(argv, message, capsys):
     assert message in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--workloads", "d"], "argument --workloads: unknown 'd'; choose from a, b, c"),
-    (["--systems", "engine,foo"], "argument --systems: unknown 'foo'"),
-    (["--workloads", ""], "empty list"),
-    (["--repeats", "0"], "at least 1"),
-    (["--repeats", "-1"], "at least 1"),
-])
-def test_bad_bench_engine_flags_are_argparse_errors(argv, message, capsys):
-    from benchmarks.serving import engine as bench_engine
-
-    with pytest.raises(SystemExit) as exc:
-        bench_engine.main(argv)
-    assert exc.value.code == 2
-    assert message in capsys.readouterr().err
-
-
 def test_name_lists_merge_duplicates_in_order():
     from benchmarks.harness.cli import name_list
 
     assert name_list(("a", "b", "c"))("b,a,b, c") == ["b", "a", "c"]
-
-
-def test_bench_engine_exits_1_after_the_table_when_a_run_failed(tmp_path, monkeypatch, capsys):
-    from benchmarks.serving import engine as bench_engine
-
-    monkeypatch.setattr(bench_engine, "run_one",
-                        lambda *a, **k: {"error": "exit 1: boom", "description": "c"})
-    out = tmp_path / "bench.json"
-    assert bench_engine.main(["--quick", "--workloads", "c,c", "--systems", "engine",
-                              "--out", str(out)]) == 1
-    captured = capsys.readouterr()
-    assert "failed: exit 1: boom" in captured.out
-    assert "failed runs: engine on c" in captured.err
-    assert list(json.loads(out.read_text())["results"]) == ["c"]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -1,14 +1,20 @@
-"""bench_engine's system names, its throughput ratios and its targets (no model, no run)."""
+"""The engine benchmark's system names, its throughput ratios and its targets, and the command line
+of its runs and of their worker processes (no model, no run)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from benchmarks.serving import engine as bench_engine
-from benchmarks.serving.engine import System, check_targets, parse_system, ratios, system_list
+from benchmarks.serving.engine import cli as engine_cli
+from benchmarks.serving.engine.report import check_targets, format_targets, ratios
+from benchmarks.serving.engine.systems import DEFAULT_SYSTEMS, System, parse_system, system_list
 
 
 def row(tok_s: float, dtype: str) -> dict:
@@ -46,8 +52,8 @@ def test_system_lists_merge_aliases_in_order():
     assert [s.label for s in systems] == ["engine", "generate:bfloat16", "generate:float32"]
     with pytest.raises(argparse.ArgumentTypeError, match="empty"):
         system_list(" , ")
-    assert [s.label for s in system_list(",".join(bench_engine.DEFAULT_SYSTEMS))] == list(
-        bench_engine.DEFAULT_SYSTEMS)
+    assert [s.label for s in system_list(",".join(DEFAULT_SYSTEMS))] == list(
+        DEFAULT_SYSTEMS)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -57,10 +63,35 @@ def test_system_lists_merge_aliases_in_order():
 ])
 def test_bad_flags_are_argparse_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
-        bench_engine.main(argv)
+        engine_cli.main(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
 
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workloads", "d"], "argument --workloads: unknown 'd'; choose from a, b, c"),
+    (["--systems", "engine,foo"], "argument --systems: unknown 'foo'"),
+    (["--workloads", ""], "empty list"),
+    (["--repeats", "0"], "at least 1"),
+    (["--repeats", "-1"], "at least 1"),
+])
+def test_bad_workload_and_system_flags_are_argparse_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        engine_cli.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_failed_run_exits_1_after_the_table(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(engine_cli, "run_one",
+                        lambda *a, **k: {"error": "exit 1: boom", "description": "c"})
+    out = tmp_path / "bench.json"
+    assert engine_cli.main(["--quick", "--workloads", "c,c", "--systems", "engine",
+                            "--out", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert "failed: exit 1: boom" in captured.out
+    assert "failed runs: engine on c" in captured.err
+    assert list(json.loads(out.read_text())["results"]) == ["c"]
 
 def test_ratios_compare_each_row_with_the_peers_in_its_own_dtype_and_with_fp32_generate():
     rows = {"engine": row(300.0, "bfloat16"), "engine:float32": row(200.0, "float32"),
@@ -114,15 +145,15 @@ def test_targets_without_a_peer_are_not_applicable_and_each_engine_row_gets_its_
     assert a["engine"]["verdict"] == "PASS"
     assert a["engine:bfloat16"]["verdict"] == "n/a"  # no bf16 generate in the run
     assert {c["workload"] for c in checks} == {"a"}  # only the workloads that ran
-    text = bench_engine.format_targets(checks)
+    text = format_targets(checks)
     assert "a  engine >= 1.20x generate:float32: 1.20x  PASS" in text
     assert "not measured  n/a" in text
 
 
 def test_peers_run_b_once_and_their_own_repeats_elsewhere():
     engine, peer = parse_system("engine"), parse_system("generate:bf16")
-    assert [bench_engine.planned_runs(engine, wl, 3, 2) for wl in "abc"] == [3, 3, 3]
-    assert [bench_engine.planned_runs(peer, wl, 3, 2) for wl in "abc"] == [2, 1, 2]
+    assert [engine_cli.planned_runs(engine, wl, 3, 2) for wl in "abc"] == [3, 3, 3]
+    assert [engine_cli.planned_runs(peer, wl, 3, 2) for wl in "abc"] == [2, 1, 2]
 
 
 def test_a_run_prints_the_engines_dtype_ratios_and_targets(tmp_path, monkeypatch, capsys):
@@ -138,9 +169,9 @@ def test_a_run_prints_the_engines_dtype_ratios_and_targets(tmp_path, monkeypatch
         return {"runs": [run], "peak_rss_bytes": 2**30, "description": "batch 1",
                 "dtype": dtype}
 
-    monkeypatch.setattr(bench_engine, "run_one", fake_run)
+    monkeypatch.setattr(engine_cli, "run_one", fake_run)
     out = tmp_path / "bench.json"
-    assert bench_engine.main(["--workloads", "c", "--systems",
+    assert engine_cli.main(["--workloads", "c", "--systems",
                               "engine,generate:float32,generate:bf16", "--out", str(out)]) == 0
     assert seen.count(("engine", "c")) == 3 and seen.count(("generate:float32", "c")) == 2
     text = capsys.readouterr().out
@@ -150,3 +181,38 @@ def test_a_run_prints_the_engines_dtype_ratios_and_targets(tmp_path, monkeypatch
     assert saved["engine_dtypes"] == {"engine": "bfloat16"}
     assert saved["ratios"]["c"]["engine"]["x_gen_fp32"] == pytest.approx(2.2)
     assert [t["verdict"] for t in saved["targets"] if t["workload"] == "c"] == ["MISS"]
+
+
+def test_each_run_is_this_command_again_in_worker_mode(monkeypatch):
+    """A run's process is ``python -m benchmarks.serving.engine --worker ...`` from the repository
+    root, and those flags reach :func:`worker` with the run's system, workload and settings."""
+    assert importlib.util.find_spec("benchmarks.serving.engine.__main__") is not None
+    commands = []
+
+    def fake_subprocess_run(cmd, cwd, **kwargs):
+        commands.append((cmd, cwd))
+        result = Path(cmd[cmd.index("--result") + 1])
+        result.write_text(json.dumps({"runs": [], "peak_rss_bytes": 0, "description": "",
+                                      "dtype": "float32"}))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    calls = []
+    monkeypatch.setattr(engine_cli.subprocess, "run", fake_subprocess_run)
+    monkeypatch.setattr(engine_cli, "worker", lambda *args: calls.append(args))
+    settings = engine_cli.ENGINE_SETTINGS
+    try:
+        settings.update(prefill_mode="chunked", target_itl_ms=80.0)
+        one = engine_cli.run_one(parse_system("generate:bf16"), "c", True, 2)
+        assert one["dtype"] == "float32" and "process_s" in one
+        [(cmd, cwd)] = commands
+        assert cmd[:3] == [sys.executable, "-m", "benchmarks.serving.engine"]
+        assert (Path(cwd) / "benchmarks" / "serving" / "engine" / "__main__.py").is_file()
+
+        settings.clear()
+        assert engine_cli.main(cmd[3:]) == 0
+        [(system, workload, quick, repeats, result)] = calls
+        assert (system, workload, quick, repeats) == (System("generate", "bfloat16"), "c", True, 2)
+        assert str(result) == cmd[cmd.index("--result") + 1]
+        assert settings == {"prefill_mode": "chunked", "target_itl_ms": 80.0}
+    finally:
+        settings.clear()

@@ -9,8 +9,9 @@ import pytest
 
 from benchmarks.harness.common import reference_tokenizer
 from benchmarks.harness.workload import PromptMaker
-from benchmarks.serving import prefill
-from benchmarks.serving.prefill import Mode, parse_mode, verdicts
+from benchmarks.serving import prefill, prefill_modes
+from benchmarks.serving.prefill import verdicts
+from benchmarks.serving.prefill_modes import Mode, parse_mode
 
 
 @pytest.mark.parametrize("text, name, settings, control", [
@@ -52,9 +53,9 @@ def test_bad_modes(text, message):
 
 def test_chunked_alone_takes_the_chunk_flag_and_lists_merge_duplicates():
     assert parse_mode("chunked", chunk=128).name == "chunked:128"
-    modes = prefill.mode_list(256)("default, chunked,chunked:256,control")
+    modes = prefill_modes.mode_list(256)("default, chunked,chunked:256,control")
     assert [m.name for m in modes] == ["default", "chunked:256", "control"]
-    assert [m.name for m in prefill.mode_list(256)(",".join(prefill.MODES))] == list(
+    assert [m.name for m in prefill_modes.mode_list(256)(",".join(prefill.MODES))] == list(
         prefill.MODES)
 
 
@@ -93,8 +94,8 @@ def test_the_control_workload_has_no_long_prompts_and_the_same_streams_and_short
 
 def test_default_modes_pass_the_engines_settings_check():
     modes = [parse_mode(m) for m in prefill.MODES]
-    assert prefill.check_modes(modes, args()) == []
-    assert prefill.engine_settings(parse_mode("control"), args()) == {
+    assert prefill_modes.check_modes(modes, args()) == []
+    assert prefill_modes.engine_settings(parse_mode("control"), args()) == {
         "max_batch_size": 16, "kv_num_blocks": 1024, "max_pending": 1000, "dtype": "auto"}
 
 
@@ -132,8 +133,8 @@ def test_verdict_is_not_applicable_without_its_modes_or_figures():
 
 
 def test_a_mode_the_engine_refuses_is_reported_before_any_run():
-    refused = prefill.check_modes([Mode("reserved", {"prefill_mode": "disaggregated"}),
-                                   Mode("typo", {"prefill_chunk_sise": 64})], args())
+    refused = prefill_modes.check_modes([Mode("reserved", {"prefill_mode": "disaggregated"}),
+                                         Mode("typo", {"prefill_chunk_sise": 64})], args())
     assert len(refused) == 2
     assert refused[0].startswith("reserved: ") and "not implemented" in refused[0]
     assert refused[1].startswith("typo: prefill_chunk_sise")

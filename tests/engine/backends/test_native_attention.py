@@ -179,6 +179,7 @@ def test_kernel_refuses_queries_and_pool_of_different_dtypes(lib):
                                       lens, 1.0)
 
 
+@pytest.mark.process
 def test_a_damaged_cached_kernel_is_rebuilt(tmp_path):
     if not HAS_COMPILER:
         pytest.skip("no C compiler on this machine")

@@ -113,8 +113,8 @@ def test_a_tight_target_shrinks_the_prompt_share_only_while_streams_run():
     backend = PassLog()
     engine = make_engine(backend, prefill_chunk_size=64, max_batch_size=8, kv_num_blocks=1024)
     # 1 ms a pass plus 1 ms per prompt token; a 20 ms target leaves 19 tokens beside a stream.
-    engine.scheduler.cost_model = PassCostModel([1e-3, 0.0, 0.0, 1e-3, 0.0])
-    engine.scheduler.target_itl_s = 0.020
+    engine.scheduler.mixed.cost_model = PassCostModel([1e-3, 0.0, 0.0, 1e-3, 0.0])
+    engine.scheduler.mixed.target_itl_s = 0.020
     engine.submit(prompt_token_ids=PROMPT, request_id="alone",
                   sampling=SamplingParams(max_tokens=40))
     engine.step()

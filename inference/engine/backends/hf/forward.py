@@ -62,9 +62,8 @@ class _Forward:
     """The forward pass of :class:`~inference.engine.backends.hf.backend.TransformersBackend`.
 
     A base class of the backend, which sets the attributes below (its constructor, and
-    :meth:`~inference.engine.backends.hf.backend.TransformersBackend.allocate_kv_pool` for ``_kv``
-    and
-    ``block_size``).
+    :meth:`~inference.engine.backends.hf.backend.TransformersBackend.allocate_kv_pool` for
+    ``_kv`` and ``block_size``).
     """
 
     num_heads: int
@@ -157,8 +156,7 @@ class _Forward:
         kernel over the bf16 weight (fp32 results from half the bytes: on VDPBF16PS with the fp32
         input split in two bf16 parts, within 2^-17 of it, or over exactly widened weights); more
         rows, or without the kernel, an fp32 matmul over an fp32 copy of the weight (made on first
-        use;
-        ``vocab * hidden * 4`` bytes). A bf16 matmul would round every logit to bf16 (8
+        use; ``vocab * hidden * 4`` bytes). A bf16 matmul would round every logit to bf16 (8
         significant bits: up to 0.06 off at a logit of 16, and many exact ties), and PyTorch
         2.13 has no CPU matmul of bf16 inputs with an fp32 output. Elsewhere (fp32, or CUDA and
         MPS) they run in the model's dtype.

@@ -1,0 +1,76 @@
+"""What a chaos run sends and how it sets the platform up: the prompts, tenants and kinds of
+process killed, the platform's settings, and :class:`Options` (one run's flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODEL = "SmolLM2-135M-Instruct"
+# The prompts the clients send (ASCII: with the reference backend's byte tokenizer every generated
+# token is one character).
+PROMPTS = (
+    "The quick brown fox",
+    "Once upon a time",
+    "In a hole in the ground there lived",
+    "It was the best of times",
+    "Call me Ishmael.",
+    "All happy families are alike;",
+    "The sky above the port was",
+    "Many years later, as he faced",
+    "It is a truth universally acknowledged",
+    "Happy families, queues and workers",
+)
+TENANTS = ("alpha", "beta", "gamma")
+# The tenant with a concurrency limit (its 429s are refusals, allowed).
+LIMITED_TENANT, LIMITED_CONCURRENCY = "gamma", 4
+KINDS = ("worker", "daphne", "celery", "beat", "redis")
+# One round of the kill schedule: every kind, workers twice (the most state lives there).
+KILL_ROUND = ("worker", "worker", "daphne", "redis", "celery", "beat")
+# Codes of a refusal at admission (no work started): allowed outcomes.
+ADMISSION_CODES = frozenset({"queue_full", "rate_limit_exceeded", "concurrency_limit_exceeded",
+                             "no_worker_available", "service_unavailable",
+                             "token_budget_exhausted"})
+# Fields of a live worker's stats snapshot that must be 0 once nothing runs.
+WORKER_BUSY_FIELDS = ("num_pending", "num_prefilling", "num_active", "active_kv_reserved",
+                      "kv_blocks_held", "kv_blocks_reserved")
+# A request's usage is recorded within this long of its end (seconds): a Redis without
+# persistence restarting in that time may take its ledger entry with it.
+USAGE_RECORDED_WITHIN_S = 10.0
+# How many examples of each failure the report keeps.
+MAX_EXAMPLES = 8
+
+# The platform's settings for the run. A request waits at most MAX_QUEUE_WAIT_S for admission and
+# at most REQUEST_IDLE_TIMEOUT_S between events, so every request that the platform does not lose
+# ends within the client's timeout with a clear outcome.
+PLATFORM_ENV = {
+    "BACKEND": "reference",
+    "MAX_BATCH_SIZE": 8,
+    "WORKER_HEARTBEAT_TTL_S": 3,
+    "HEARTBEAT_INTERVAL_S": 0.5,
+    "REQUEST_IDLE_TIMEOUT_S": 30,
+    "MAX_QUEUE_WAIT_S": 20,
+    "STATS_SNAPSHOT_INTERVAL_S": 2,
+    "CLEANUP_INTERVAL_S": 20,
+    "LOG_LEVEL": "INFO",
+}
+
+
+@dataclass
+class Options:
+    """One chaos run (times in seconds; ``kill_interval_s`` is (min, max) between kills)."""
+
+    duration_s: float = 420.0
+    concurrency: int = 10
+    workers: int = 2
+    seed: int = 1
+    redis_persistence: str = "aof"
+    step_delay_s: float = 0.02
+    request_timeout_s: float = 60.0
+    settle_s: float = 60.0
+    kill_interval_s: tuple[float, float] = (6.0, 14.0)
+    warmup_s: float = 5.0
+    stream_fraction: float = 0.8
+    max_tokens: tuple[int, int] = (10, 120)
+    fresh_worker_ids: bool = False
+    log_dir: str | None = None
+    out: str | None = None

@@ -1,0 +1,145 @@
+"""What the phases of the scheduler's tick share: one :class:`SchedulerState` per scheduler.
+
+The :class:`~inference.engine.sched.scheduler.Scheduler` builds it and hands it to each of its
+collaborators, which all read and change this one object and hold no copy of its contents:
+
+- :class:`~inference.engine.sched.lifecycle.RowLifecycle`: a row's arrival, prefill, promotion,
+  tokens and exit;
+- :class:`~inference.engine.sched.admission.Admission`: phase 1, gates 2 and 3, preemption;
+- :class:`~inference.engine.sched.mixed_tick.MixedPass`: the mixed-batch forward pass;
+- :class:`~inference.engine.sched.stats.SchedulerStats`: the stats and the debug snapshot.
+
+The three queues of ``docs/design.md`` (section 2) are its fields ``pending`` (the ``_pending``
+queue), ``prefilling`` (``_prefilling``) and ``active`` (``_active``): every live request is in
+exactly one of them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from inference.engine.backends.base import ModelBackend, Tokenizer
+from inference.engine.config import EngineConfig, PrefillMode
+from inference.engine.kv_cache import KVCacheManager
+from inference.engine.request import Event, FinishReason, Request, ResumeState
+from inference.engine.sched.gates import GATES
+from inference.engine.sched.policy import SchedulingPolicy
+
+
+def _per_gate() -> dict[int, int]:
+    return dict.fromkeys(GATES, 0)
+
+
+def _per_finish_reason() -> dict[str, int]:
+    return {reason.value: 0 for reason in FinishReason}
+
+
+@dataclass(eq=False)
+class SchedulerState:
+    """The queues, the KV pool, the policy, the backend, the reservation, the counters, the
+    events of the tick and the clock of one scheduler.
+
+    Args:
+        config: engine settings; ``prefill_mode``, ``chunk_size`` (prompt tokens per row per
+            tick) and ``max_batch_size`` (rows) are read from it once.
+        backend: the model, its KV pool already allocated.
+        kv: the KV block pool's manager.
+        policy: the order of ``pending`` and the per-fairness-key accounting.
+        active_kv_budget: gate 2's limit, in tokens (``prompt_len + max_tokens`` summed over
+            the admitted rows).
+        clock: monotonic seconds; every request time (arrival, admission, first token,
+            deadline) is on it.
+
+    Queues: ``pending`` maps request id to request (membership only: the policy holds the
+    order), ``prefilling`` holds admitted rows in admission order, ``active`` the decode batch.
+    ``active_kv_reserved`` is the sum of the admitted rows' ``reserved_kv_tokens``.
+
+    Counters, all since start: ``tick_count``, ``tokens_generated``,
+    ``prompt_tokens_computed``, ``kv_admit_blocked`` (soft-holds and hard-rejects together),
+    ``soft_held`` and ``hard_rejected`` (per gate), ``finished`` (per finish reason),
+    ``admissions`` (each row's ``admit_seq``), ``preemptions``, ``preempted_tokens_recomputed``
+    (prompt tokens computed again for resumed rows, charged to nobody). ``left_pending`` counts
+    the requests that left ``pending`` (admitted or ended) since the engine last took it.
+
+    Outputs: ``events`` (in order, until taken) and ``preempted_out`` (the resume states of
+    rows preempted out of the engine, until taken).
+    """
+
+    config: EngineConfig
+    backend: ModelBackend
+    kv: KVCacheManager
+    policy: SchedulingPolicy
+    active_kv_budget: int
+    clock: Callable[[], float] = time.monotonic
+
+    tokenizer: Tokenizer = field(init=False)
+    eos_token_ids: frozenset[int] = field(init=False)
+    prefill_mode: PrefillMode = field(init=False)
+    chunk_size: int = field(init=False)
+    max_batch_size: int = field(init=False)
+
+    pending: dict[str, Request] = field(default_factory=dict)
+    prefilling: list[Request] = field(default_factory=list)
+    active: list[Request] = field(default_factory=list)
+    active_kv_reserved: int = 0
+
+    tick_count: int = 0
+    tokens_generated: int = 0
+    prompt_tokens_computed: int = 0
+    kv_admit_blocked: int = 0
+    soft_held: dict[int, int] = field(default_factory=_per_gate)
+    hard_rejected: dict[int, int] = field(default_factory=_per_gate)
+    finished: dict[str, int] = field(default_factory=_per_finish_reason)
+    admissions: int = 0
+    preemptions: int = 0
+    preempted_tokens_recomputed: int = 0
+    left_pending: int = 0
+
+    events: list[Event] = field(default_factory=list)
+    preempted_out: list[ResumeState] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.tokenizer = self.backend.tokenizer
+        self.eos_token_ids = frozenset(self.backend.tokenizer.eos_token_ids)
+        self.prefill_mode = self.config.effective_prefill_mode
+        self.chunk_size = self.config.prefill_chunk_size
+        self.max_batch_size = self.config.max_batch_size
+
+    def rows_held(self) -> int:
+        """Admitted rows, prefilling and decoding: each holds a row of the batch and its KV."""
+        return len(self.prefilling) + len(self.active)
+
+    def has_work(self) -> bool:
+        """Whether any request is live (in one of the three queues)."""
+        return bool(self.pending or self.prefilling or self.active)
+
+    def find(self, request_id: str) -> Request | None:
+        """The live request with ``request_id`` in any queue, or None."""
+        request = self.pending.get(request_id)
+        if request is not None:
+            return request
+        for request in (*self.prefilling, *self.active):
+            if request.request_id == request_id:
+                return request
+        return None
+
+    def emit(self, event: Event) -> None:
+        """Queue ``event`` for the client, after those emitted before it."""
+        self.events.append(event)
+
+    def take_events(self) -> list[Event]:
+        """The events emitted since they were last taken, in order; none are kept."""
+        events, self.events = self.events, []
+        return events
+
+    def take_left_pending(self) -> int:
+        """How many requests left ``pending`` since this was last taken; the count restarts."""
+        left, self.left_pending = self.left_pending, 0
+        return left
+
+    def take_preempted(self) -> list[ResumeState]:
+        """The resume states of rows preempted out of the engine since last taken."""
+        preempted, self.preempted_out = self.preempted_out, []
+        return preempted

@@ -1,0 +1,57 @@
+"""Whether the web process streaming a request is alive, as one worker judges it.
+
+Each web process beats in the ``{prefix}:web`` sorted set (``WEB_HEARTBEAT_TTL_S``); a request's
+message names the process that admitted it (its origin). A worker stops the generations whose
+origin is gone (nobody reads their answers) and ends unstarted ones at once
+(:mod:`inference.worker.intake`, :mod:`inference.worker.recovery`; ``docs/design.md``, "Faults").
+"""
+
+from __future__ import annotations
+
+import time
+
+import redis
+
+from inference.protocol.keys import Keys
+from inference.worker.live import WorkerState
+
+# Origins first seen without a heartbeat that are remembered, at most (then forgotten at once).
+MAX_MISSING_ORIGINS = 10_000
+
+
+class WebOrigins:
+    """Judges web processes by their heartbeats (main thread).
+
+    Args:
+        state: the worker's shared state (its ``redis_ok_since``).
+        client: a Redis client.
+        keys: key names.
+        web_ttl_s: a web process whose heartbeat is older than this (seconds) is gone.
+    """
+
+    def __init__(self, state: WorkerState, client: redis.Redis, keys: Keys, web_ttl_s: float):
+        self.state = state
+        self.client = client
+        self.keys = keys
+        self.web_ttl_s = web_ttl_s
+        # Origins first seen without a heartbeat: origin -> monotonic time.
+        self._missing: dict[str, float] = {}
+
+    def alive(self, origin: str) -> bool:
+        """Whether the web process ``origin`` has a heartbeat younger than ``web_ttl_s`` (one
+        never seen counts as alive for ``web_ttl_s`` from when it was first missed).
+
+        Raises:
+            redis.RedisError: Redis is unreachable.
+        """
+        if not origin or time.monotonic() - self.state.redis_ok_since < self.web_ttl_s:
+            return True  # (just after an outage, no web process could beat: not judged)
+        beat = self.client.zscore(self.keys.web, origin)
+        now = time.time()
+        if beat is not None:
+            self._missing.pop(origin, None)
+            return now - float(beat) <= self.web_ttl_s
+        first = self._missing.setdefault(origin, time.monotonic())
+        if len(self._missing) > MAX_MISSING_ORIGINS:
+            self._missing.clear()
+        return time.monotonic() - first <= self.web_ttl_s

@@ -1,0 +1,218 @@
+"""A worker's events out: each tick's events written to their requests' streams, in order, once.
+
+The engine thread hands a tick's events over (:meth:`EventPublisher.on_events`); they are written
+on the publisher thread (:meth:`EventPublisher.start_publisher`), or at once on the engine thread
+without one. One write is one Lua script run (``FairQueue.write_events``): it writes only the
+events of requests this worker owns, records the next ``seq`` of each, and ends a request with
+its final event. A Redis outage is ridden out here: events wait, in order, in a buffer and are
+written when Redis is back, at most once each (the main thread's
+:meth:`EventPublisher.flush_events`).
+
+A write that finds a request no longer this worker's tells why: Redis lost its data (the
+``lost_sink`` the bridge sets, :meth:`inference.worker.recovery.Recovery.check_data_loss`, moves
+every live request to the wiped ones, whose final events are then written without ownership,
+:meth:`EventPublisher.write_unowned_final`), or another worker reclaimed it while this one was
+silent (it is stopped here).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import redis
+
+from inference.engine.llm_engine import LLMEngine
+from inference.protocol.events import (
+    ErrorCode,
+    ErrorInfo,
+    Event,
+    FinalEvent,
+    FinishReason,
+    TokenEvent,
+    encode_event,
+)
+from inference.protocol.keys import EVENTS_TTL_S, Keys
+from inference.worker.fair_queue import FairQueue
+from inference.worker.live import LiveRequest, WorkerState
+
+log = logging.getLogger(__name__)
+
+# Events buffered while Redis is unreachable, at most (then the oldest requests are stopped).
+MAX_UNSENT_EVENTS = 100_000
+
+
+class EventPublisher:
+    """Writes one engine's events to Redis (module docstring).
+
+    Args:
+        state: the worker's shared state (the live requests, the wiped ones, the ended ids).
+        engine: the engine whose events these are (a request found reclaimed is aborted in it).
+        queue: the shared queue's client (its ``write_events`` script).
+        client: a Redis client (``decode_responses=False``).
+        keys: key names.
+
+    Attributes:
+        lost_sink: called on the writing thread when a write finds requests no longer this
+            worker's, before they are handled (the bridge sets it); None: not called.
+    """
+
+    def __init__(self, state: WorkerState, engine: LLMEngine, queue: FairQueue,
+                 client: redis.Redis, keys: Keys):
+        self.state = state
+        self.engine = engine
+        self.queue = queue
+        self.client = client
+        self.keys = keys
+        self.lost_sink: Callable[[], None] | None = None
+        # Events not yet written, in order (guarded by _unsent_lock); _send_lock serializes the
+        # writes (the engine or publisher thread, and the main thread's flushes).
+        self._unsent: list[Event] = []
+        self._unsent_lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._publisher: threading.Thread | None = None
+        self._publish_now = threading.Event()
+        self._publisher_stop = False
+
+    def num_unsent(self) -> int:
+        """How many events wait to be written."""
+        return len(self._unsent)
+
+    def start_publisher(self) -> None:
+        """Write events on a thread of their own from now on (the worker process does).
+
+        The engine thread then only hands a tick's events over and goes on to the next tick
+        while they are written (one Redis round trip and script run per tick, about a
+        millisecond, off the critical path), and a slow or unreachable Redis never stalls a
+        tick. Order is kept: every write takes the events in the order the engine emitted them.
+        """
+        if self._publisher is None:
+            self._publisher = threading.Thread(target=self._publish_loop, name="event-publisher",
+                                               daemon=True)
+            self._publisher.start()
+
+    def stop_publisher(self) -> None:
+        """Stop the publisher thread (the events it has not written stay for
+        :meth:`flush_events`)."""
+        publisher, self._publisher = self._publisher, None
+        if publisher is not None:
+            self._publisher_stop = True
+            self._publish_now.set()
+            publisher.join()
+            self._publisher_stop = False
+
+    def _publish_loop(self) -> None:
+        while not self._publisher_stop:
+            self._publish_now.wait()
+            self._publish_now.clear()
+            try:  # e.g. Redis lost after a write, reading the epoch: the thread goes on
+                with self._send_lock:
+                    self._send_unsent()
+            except Exception:  # noqa: BLE001
+                log.exception("event publisher: write failed")
+
+    def on_events(self, events: list[Event]) -> None:
+        """Write one tick's events to their requests' streams (only for requests it owns); with
+        a publisher thread (:meth:`start_publisher`), hand them to it and return at once
+        (engine thread).
+
+        When Redis is unreachable the events wait, in order, and go out with the next write or
+        :meth:`flush_events`; the engine goes on generating meanwhile.
+        """
+        if any(isinstance(e, FinalEvent) for e in events):
+            self.state.row_freed.set()
+            if self.state.waiting_full:  # a main thread waiting with its rows full: a row is free
+                self.queue.nudge()
+        with self._unsent_lock:
+            self._unsent.extend(events)
+        if self._publisher is not None:
+            self._publish_now.set()
+            return
+        with self._send_lock:
+            self._send_unsent()
+
+    def flush_events(self) -> None:
+        """Write the events that wait, the publisher's included (main thread; raises while Redis
+        is unreachable). Returns once every event handed over before the call is written."""
+        with self._send_lock:
+            if self._unsent:
+                self._send_unsent(raise_errors=True)
+
+    def _send_unsent(self, raise_errors: bool = False) -> None:
+        """Write the waiting events (the caller holds ``_send_lock``)."""
+        with self._unsent_lock:
+            events, self._unsent = self._unsent, []
+        if not events:
+            return
+        counts = self.state.unstarted_prompts(event.request_id for event in events)
+        try:
+            lost = set(self.queue.write_events(events, EVENTS_TTL_S, counts))
+        except Exception as exc:  # kept, in front of what the engine emitted meanwhile
+            with self._unsent_lock:
+                self._unsent[:0] = events
+                waiting = len(self._unsent)
+                if waiting > MAX_UNSENT_EVENTS:
+                    log.error("%d events wait for Redis: dropping the oldest", waiting)
+                    del self._unsent[: waiting - MAX_UNSENT_EVENTS]
+            if not isinstance(exc, redis.RedisError):  # a fault of ours: logged, not fatal
+                log.exception("could not write %d event(s): kept for the next try", waiting)
+                return
+            if raise_errors:
+                raise
+            log.warning("could not write %d event(s) (%s): kept for the next try",
+                        waiting, exc)
+            return
+        if lost and self.lost_sink is not None:
+            self.lost_sink()
+        for event in events:
+            if event.request_id in lost:
+                continue
+            if isinstance(event, TokenEvent):
+                live = self.state.get(event.request_id)
+                if live is not None:
+                    live.started = True
+            elif self.state.forget(event.request_id) is not None:
+                self.state.record_ended(event.request_id)
+        for request_id in lost:
+            wiped = self.state.wiped.get(request_id)
+            final = next((e for e in events if e.request_id == request_id
+                          and isinstance(e, FinalEvent)), None)
+            if wiped is not None:
+                if final is not None:
+                    self.state.wiped.pop(request_id, None)
+                    self.write_unowned_final(final, wiped)
+                continue
+            # Reclaimed while this worker was silent: another worker serves it (or ended it).
+            if self.state.forget(request_id) is not None:
+                log.warning("request %s is no longer this worker's: stopping it", request_id)
+                self.engine.abort(request_id)
+
+    def write_unowned_final(self, event: FinalEvent, live: LiveRequest) -> None:
+        """End a request Redis lost: a retryable ``state_lost`` error (whatever the engine's own
+        end: it was stopped for this), billed for what the engine computed.
+
+        The final event and the request's usage entry are written without ownership (Redis no
+        longer records who holds it); its id is queued for its usage.
+
+        Raises:
+            redis.RedisError: Redis is unreachable.
+        """
+        lost = FinalEvent(
+            request_id=event.request_id, seq=event.seq, finish_reason=FinishReason.ERROR,
+            usage=event.usage, text=event.text, timings=event.timings,
+            error=ErrorInfo(code=ErrorCode.STATE_LOST, retryable=True,
+                            message="the server's request store restarted and lost this "
+                                    "request; retry it",
+                            details={"completion_tokens": event.usage.completion_tokens}))
+        stream = self.keys.events(event.request_id)
+        entry = {"final": lost.model_dump_json(), "body": live.message.to_json(),
+                 "first_at": None, "finished_at": time.time()}
+        pipe = self.client.pipeline(transaction=False)
+        pipe.xadd(stream, encode_event(lost))
+        pipe.expire(stream, EVENTS_TTL_S)
+        pipe.hset(self.keys.usage_pending, event.request_id, json.dumps(entry))
+        pipe.execute()
+        self.state.record_ended(event.request_id)
