@@ -1,5 +1,5 @@
 -- Admission: every limit of one request, and gate 1, checked and recorded all-or-nothing; on
--- success the request joins the shared queue (fq_enqueue, from inference/lua/fair_queue.lua,
+-- success the request joins the shared queue (fq_enqueue, from fair_queue.lua beside this file,
 -- which gateway.admission puts before this text). A refused request consumes nothing.
 -- KEYS: the limit keys, named by index in the spec.
 -- ARGV[1] the spec (JSON, see gateway.admission.build_limits), ARGV[2] the request message JSON.

@@ -1,13 +1,14 @@
 -- The shared request queue: one fair order for the whole deployment (docs/design.md, "Across
 -- workers"). A library: every script that touches the queue is this text followed by its own
--- body, so each state change is written once (inference/protocol.py, queue_script()).
+-- body, so each state change is written once (inference.protocol.keys.queue_script()).
 --
 -- A request waits under its priority tier and its fairness key, in arrival order. A worker takes
 -- the next request by the sort key (-priority, counter[key], arrival_seq) with VTC, or
 -- (-priority, arrival_seq) with FCFS. The counters are shared by every worker: each charges the
--- service it gives (inference.fair_queue.FairQueue.charge). A key that becomes backlogged (nothing
--- waiting, taken or running anywhere) is lifted to the smallest counter of the backlogged keys,
--- or, when none is, to the counter of the key that went idle last (VTC, Sheng et al., OSDI 2024).
+-- service it gives (inference.worker.fair_queue.FairQueue.charge). A key that becomes backlogged
+-- (nothing waiting, taken or running anywhere) is lifted to the smallest counter of the
+-- backlogged keys, or, when none is, to the counter of the key that went idle last (VTC, Sheng et
+-- al., OSDI 2024).
 --
 -- Keys under {p}:fq: (p the deployment's prefix)
 --   seq                 string: the last arrival number given
