@@ -19,6 +19,7 @@ those the web tier reads too, and the worker's own).
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import signal
@@ -74,7 +75,25 @@ class Backoff:
         return ended
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line: no options but ``--help``; the settings are environment variables.
+
+    Raises:
+        SystemExit: after printing the help (status 0), or for any argument (status 2).
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m inference.worker",
+        description="The inference worker: loads the model, takes requests from the shared queue "
+                    "in Redis and writes their events back, until SIGTERM or SIGINT drains it.",
+        epilog="Its settings are environment variables (or a .env file): REDIS_URL, "
+               "REDIS_PREFIX, MODEL_PATH, MAX_BATCH_SIZE, WORKER_ID, ... (docs/engine.md and "
+               "docs/platform.md list them all).")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the worker process until it is told to stop; returns its exit status."""
+    parse_args(argv)
     settings = WorkerSettings()
     logging.basicConfig(level=settings.log_level,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -4,9 +4,8 @@
 ``.env`` file in the working directory):
 
 - the settings the web tier reads too (:class:`inference.protocol.settings.PlatformSettings`:
-  ``REDIS_URL``,
-  ``REDIS_PREFIX``, ``MAX_QUEUE_SIZE``, ``MAX_QUEUE_WAIT_S``, ``WORKER_HEARTBEAT_TTL_S``,
-  ``MODEL_PATH``, ...);
+  ``REDIS_URL``, ``REDIS_PREFIX``, ``MAX_QUEUE_SIZE``, ``MAX_QUEUE_WAIT_S``,
+  ``WORKER_HEARTBEAT_TTL_S``, ``MODEL_PATH``, ...);
 - the engine's (:class:`inference.engine.config.EngineConfig`: ``MAX_BATCH_SIZE``,
   ``PREFILL_CHUNK_SIZE``, ``KV_NUM_BLOCKS``, ``SCHEDULING_POLICY``, ...), validated as the engine
   validates them;

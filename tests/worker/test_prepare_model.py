@@ -13,13 +13,13 @@ from tests.engine.test_model_store import make_model_dir
 def test_prepare_prints_the_configured_model_folder(tmp_path, monkeypatch, capsys):
     folder = make_model_dir(tmp_path / "m")
     monkeypatch.setenv("MODEL_PATH", str(folder))
-    assert prepare_model.main() == 0
+    assert prepare_model.main([]) == 0
     assert capsys.readouterr().out.strip() == str(folder.resolve())
 
 
 def test_prepare_fails_clearly_for_a_broken_model_path(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MODEL_PATH", str(tmp_path / "missing"))
-    assert prepare_model.main() == 1
+    assert prepare_model.main([]) == 1
     assert "does not exist" in capsys.readouterr().err
 
 
@@ -35,5 +35,5 @@ def test_prepare_builds_the_default_model_under_llm_cache_dir(tmp_path, monkeypa
     monkeypatch.delenv("MODEL_PATH", raising=False)
     monkeypatch.setenv("LLM_CACHE_DIR", str(tmp_path))
     prepared = make_model_dir(tmp_path / model_store.DEFAULT_MODEL_DIRNAME)
-    assert prepare_model.main() == 0
+    assert prepare_model.main([]) == 0
     assert capsys.readouterr().out.strip() == str(prepared.resolve())

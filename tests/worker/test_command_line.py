@@ -1,0 +1,46 @@
+"""The worker's commands take no arguments: ``--help`` prints what they do and where their settings
+come from, and any other argument is refused, before anything is loaded or joined."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from inference.worker import prepare_model
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_worker(*args: str) -> subprocess.CompletedProcess:
+    # An unreachable Redis: a worker that started anyway would fail to register, not join one.
+    env = {"REDIS_URL": "redis://127.0.0.1:9/0", "PATH": "/usr/bin:/bin"}
+    return subprocess.run([sys.executable, "-m", "inference.worker", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_worker_prints_its_help_and_exits_without_starting():
+    done = run_worker("--help")
+    assert done.returncode == 0
+    assert "usage: python -m inference.worker" in done.stdout
+    assert "REDIS_URL" in done.stdout
+    assert "loading backend" not in done.stderr
+
+
+def test_the_worker_refuses_an_argument_it_does_not_know():
+    done = run_worker("--bogus-flag")
+    assert done.returncode == 2
+    assert "unrecognized arguments: --bogus-flag" in done.stderr
+    assert "loading backend" not in done.stderr
+
+
+def test_prepare_model_prints_its_help_and_refuses_unknown_arguments(capsys):
+    with pytest.raises(SystemExit) as helped:
+        prepare_model.main(["--help"])
+    assert helped.value.code == 0
+    assert "MODEL_PATH" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as refused:
+        prepare_model.main(["prepare"])
+    assert refused.value.code == 2
