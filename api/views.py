@@ -258,6 +258,7 @@ async def _sse_events(
             elif isinstance(event, TokenEvent):
                 for chunk in answer.chunks(event):
                     yield sse_data(chunk)
+                generation.sent(event.seq)  # resumed once its chunks were handed to the client
             else:
                 if event.error is not None:
                     yield sse_data(worker_error(event.error).stream_body())
@@ -357,7 +358,7 @@ def _ping_database() -> None:
 @api_view("GET")
 async def readyz(request: HttpRequest) -> HttpResponse:
     """``GET /readyz``: the database, Redis and at least one worker answer, and this web process is
-    not draining (else 503)."""
+    not draining (else 503, with ``Retry-After``, and what failed in ``checks``)."""
     checks: dict[str, Any] = {}
     try:
         await sync_to_async(_ping_database)()
@@ -376,4 +377,5 @@ async def readyz(request: HttpRequest) -> HttpResponse:
         checks["web"] = "error: draining (shutting down)"
     ready = all(v == "ok" or isinstance(v, int) for v in checks.values())
     return JsonResponse({"status": "ok" if ready else "unavailable", "checks": checks},
-                        status=200 if ready else 503)
+                        status=200 if ready else 503,
+                        headers=None if ready else {"Retry-After": "1"})

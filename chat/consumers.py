@@ -16,7 +16,8 @@ is stopped (and kept), the page gets a closing ``error`` frame and the socket cl
 
 Any frame that cannot be acted on (binary, not JSON, JSON that is not an object, an unknown
 type, fields of the wrong type, a frame longer than :data:`chat.frames.MAX_FRAME_CHARS`) gets an
-``error`` frame, and so does a turn that fails inside the server; the socket stays open.
+``error`` frame, and so does a turn that fails inside the server (a database that cannot serve:
+:func:`chat.outages.unavailable_frame`, retryable); the socket stays open.
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ from chat.conf import chat_settings, resume_grace_s
 from chat.context import ContextOverflowError
 from chat.frames import FrameError, parse_frame, resume_fields, turn_fields
 from chat.models import Conversation
+from chat.outages import unavailable_frame
 from gateway import monitor
 from gateway.aborts import abort_later
-from gateway.errors import APIError
+from gateway.errors import APIError, database_unavailable, unexpected_error
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +110,11 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
                 raise FrameError('Unknown request: "type" must be "send", "stop" or "resume".')
         except FrameError as exc:
             await self._error(str(exc))
-        except Exception:
+        except Exception as exc:
+            if database_unavailable(exc):
+                unexpected_error(exc)  # logged (once in a while)
+                await self._safe_send(unavailable_frame())
+                return
             log.exception("a chat frame of user %s failed", getattr(self.user, "pk", None))
             await self._error("Something went wrong on the server. Try again in a moment.")
 
@@ -135,8 +141,12 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
             await asyncio.sleep(chat_settings()["REAUTHORIZE_INTERVAL_S"])
             try:
                 await self._still_authorized()
-            except Exception:  # noqa: BLE001 - the next frame or check decides
-                log.warning("could not re-check a chat socket's authorization", exc_info=True)
+            except Exception as exc:  # noqa: BLE001 - the next frame or check decides
+                if database_unavailable(exc):
+                    unexpected_error(exc)  # every socket fails at once: logged once in a while
+                else:
+                    log.warning("could not re-check a chat socket's authorization",
+                                exc_info=True)
 
     async def _end(self, denial: Denial) -> None:
         """Stop the answer being written (it is kept), tell the page why, close the socket."""

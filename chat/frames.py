@@ -15,7 +15,9 @@ Frames to the page:
     after it follow), ``answer`` (an answer that ended while the page was away, as stored, or
     null), ``error`` (a frame that could not be acted on, with a readable ``message``; the
     socket keeps working, unless the frame says ``"closing": true``: then the socket closes with
-    one of the application close codes of :mod:`chat.authorization`).
+    one of the application close codes of :mod:`chat.authorization`, or with 4503 of
+    :mod:`chat.outages` when the database cannot serve, which the page reconnects after; an
+    error the server expects to pass also has ``code``, ``retryable`` and ``retry_after_ms``).
 
 A frame from the page that cannot be read (binary, not JSON, JSON that is not an object, fields
 of the wrong type, a frame longer than :data:`MAX_FRAME_CHARS`) raises :class:`FrameError` here;

@@ -31,7 +31,7 @@ from chat.models import Conversation, Message
 from gateway import admission, grace, lifecycle, tokens, workers
 from gateway.admission import Principal
 from gateway.conf import platform_settings
-from gateway.errors import APIError
+from gateway.errors import APIError, unexpected_error
 from gateway.events import events
 from inference.protocol.events import FinalEvent, FinishReason, TokenEvent
 from inference.protocol.messages import Sampling
@@ -247,21 +247,39 @@ async def _detach(answer: Answer) -> None:
         log.info("the page of %s went away: it goes on for %g s", answer.request_id, grace_s)
 
 
+async def _store_later(answer: Answer, exc: Exception) -> None:
+    """The answer could not be stored (the database is down): its grace period ends now, so
+    that the grace sweep stores it from its stream (kept ``EVENTS_TTL_S``) at its next round
+    that the database takes, as it stores an answer no page came back for."""
+    unexpected_error(exc)  # logged (a database outage once in a while)
+    try:
+        await grace.detach(answer.request_id, 0)
+    except Exception:  # noqa: BLE001 - its deadline, pushed a second ago, ends it anyway
+        log.warning("could not hand %s to the grace sweep now", answer.request_id,
+                    exc_info=True)
+
+
 async def _conclude(answer: Answer, failure: str, send: Send) -> None:
     """Store the answer's end (unless stored already) and tell the page; abort it and release
-    its leases if it has not ended."""
+    its leases if it has not ended. An answer the database does not take is stored later
+    (:func:`_store_later`); the page is told how it ended all the same."""
     final = answer.final
     if final is None or failure:
         await lifecycle.end_request(answer.request_id, answer.meta, finished=final is not None)
     status, reason, error = outcome(final, failure)
     completion_tokens = final.usage.completion_tokens if final else answer.completion_tokens
-    stored = await sync_to_async(services.finish_answer)(
-        answer.message_id, content=answer.text, status=status, finish_reason=reason,
-        error=error, completion_tokens=completion_tokens)
     try:
-        await grace.forget(answer.request_id)
-    except Exception:  # noqa: BLE001 - the grace sweep forgets it (the store is done)
-        log.warning("could not forget %s now", answer.request_id, exc_info=True)
+        stored = await sync_to_async(services.finish_answer)(
+            answer.message_id, content=answer.text, status=status, finish_reason=reason,
+            error=error, completion_tokens=completion_tokens)
+    except Exception as exc:  # noqa: BLE001 - the page is told; the grace sweep stores it
+        stored = None
+        await _store_later(answer, exc)
+    else:
+        try:
+            await grace.forget(answer.request_id)
+        except Exception:  # noqa: BLE001 - the grace sweep forgets it (the store is done)
+            log.warning("could not forget %s now", answer.request_id, exc_info=True)
     if stored is not None:
         status, reason, error = stored.status, stored.finish_reason, stored.error
     try:

@@ -13,6 +13,7 @@ from dashboard.models import StatsSnapshot
 from dashboard.stats import live_summary, tokens_rate
 from gateway.clients import sync_redis
 from gateway.housekeeping import trim_redis
+from tenants.best_effort import BestEffortWrite
 
 log = logging.getLogger(__name__)
 
@@ -20,10 +21,25 @@ SNAPSHOT_TASK = "dashboard.tasks.snapshot_stats"
 CLEANUP_TASK = "dashboard.tasks.cleanup"
 
 
+# A snapshot is one point of a chart: a database that refuses it skips it (logged once in a
+# while).
+SNAPSHOT_WRITE = BestEffortWrite("a stats snapshot")
+
+
 @shared_task(name=SNAPSHOT_TASK, ignore_result=True)
-def snapshot_stats() -> int:
-    """Store the live workers' summed stats as a :class:`StatsSnapshot`; return its id."""
+def snapshot_stats() -> int | None:
+    """Store the live workers' summed stats as a :class:`StatsSnapshot`; return its id, or None
+    when the database refused it (:data:`SNAPSHOT_WRITE`: the chart has a gap).
+
+    Raises:
+        redis.RedisError: the stats could not be read.
+    """
     summary = live_summary()
+    snapshot = SNAPSHOT_WRITE(_store_snapshot, summary)
+    return snapshot.pk if snapshot is not None else None
+
+
+def _store_snapshot(summary: dict) -> StatsSnapshot:
     now = timezone.now()
     previous = StatsSnapshot.objects.order_by("-taken_at").first()
     rate = 0.0
@@ -48,7 +64,7 @@ def snapshot_stats() -> int:
         per_worker=summary["per_worker"],
         per_key=summary["per_key"],
     )
-    return snapshot.pk
+    return snapshot
 
 
 @shared_task(name=CLEANUP_TASK, ignore_result=True)

@@ -12,7 +12,8 @@ urlpatterns = [
     # admin_view: the admin's login page and staff check.
     path("admin/scheduler/", admin.site.admin_view(views.dashboard_page),
          name="scheduler-dashboard"),
-    path("admin/scheduler/data", admin.site.admin_view(views.dashboard_data),
+    # json_errors outside too: the staff check reads the session (a database outage: JSON 503).
+    path("admin/scheduler/data", views.json_errors(admin.site.admin_view(views.dashboard_data)),
          name="scheduler-dashboard-data"),
     path("metrics", views.metrics_view, name="metrics"),
 ]

@@ -32,21 +32,18 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import redis
-
 from gateway import budgets as token_budgets
 from gateway import ratelimits
-from gateway.clients import aredis, sync_redis
+from gateway.clients import aredis
 from gateway.conf import platform_settings, redis_keys
 from gateway.errors import APIError
 from gateway.workers import alive_workers
-from inference.protocol.keys import lua_script, queue_script
+from inference.protocol.keys import queue_script
 from inference.protocol.messages import RequestMessage
 from tenants.models import ApiKey, Tenant
 
 RATE_WINDOW_MS = 60_000
 ADMIT_LUA = queue_script("admit")
-SETTLE_LUA = lua_script("settle")
 # An admission retried after its reply was lost gets its first verdict for this long (s).
 ADMITTED_MARKER_TTL_S = 600
 # Where the web tier's copy of a request message keeps the Redis epoch it was queued in.
@@ -254,28 +251,6 @@ async def release(meta: dict[str, Any]) -> None:
         await pipe.execute()
 
 
-def settle(meta: dict[str, Any], actual_tokens: int, client: redis.Redis | None = None, *,
-           ledger: tuple[str, str] | None = None) -> bool:
-    """Replace the tokens reserved at admission by ``actual_tokens`` (prompt + completion).
-
-    Args:
-        ledger: (the usage ledger's key, the request id): settle only if this call removes the
-            request's ledger entry, in the same atomic step (:mod:`gateway.usage`), so a
-            request is settled exactly once.
-
-    Returns:
-        Whether the reservations were settled (False when the ledger entry was already gone).
-    """
-    admission = meta.get("admission") or {}
-    windows = admission.get("token_windows") or []
-    budgets = admission.get("budgets") or []
-    spec = {"member": admission.get("member", ""), "actual": int(actual_tokens),
-            "windows": [{"cost": w["cost"]} for w in windows],
-            "budgets": [{"cost": b["cost"]} for b in budgets]}
-    if ledger is not None:
-        spec["ledger"], spec["request_id"] = ledger
-    elif not windows and not budgets:
-        return True
-    names = [w["key"] for w in windows] + [b["key"] for b in budgets]
-    return int((client or sync_redis()).eval(SETTLE_LUA, len(names), *names,
-                                             json.dumps(spec))) >= 0
+# Settling a request's reservations to its real usage (``settle.lua``): the budget counters need
+# what :mod:`gateway.budgets` knows of their rebuilds, so it lives there.
+settle = token_budgets.settle

@@ -11,18 +11,36 @@ counter that is missing (a Redis restart, a flush, or simply the period's first 
 rebuilt by :func:`ensure_counter` from the tenant's usage records of the period, before admission
 reads it. Where the counter exists this costs one ``EXISTS``; the database is asked once per
 tenant and period, and once after each loss of Redis.
+
+A rebuilt counter holds the records it counted and the reservations made since; the requests
+admitted before Redis lost its data still run, and their reservations went with it. So the
+rebuild leaves a marker beside the counter (:func:`marker_key`: the deployment's epoch then,
+and the largest primary key of the records counted), and :func:`settle` settles a request
+admitted in another epoch by adding its usage if its record was not counted, instead of lowering
+the counter from a reservation it never held. After any sequence the counter is the records of
+the period plus the live reservations.
 """
 
 from __future__ import annotations
 
+import json
+import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
+import redis
 from asgiref.sync import sync_to_async
 from django.db import connections
-from django.db.models import F, Sum
+from django.db.models import F, Max, Sum
 
+from gateway.clients import sync_redis
+from gateway.conf import redis_keys
+from inference.protocol.keys import lua_script
 from tenants.models import Tenant, UsageRecord
+
+REBUILD_LUA = lua_script("rebuild")
+SETTLE_LUA = lua_script("settle")
 
 
 @dataclass(frozen=True)
@@ -52,14 +70,15 @@ def budget_period(tenant: Tenant, prefix: str, now: float) -> BudgetPeriod:
                         key=f"{prefix}:budget:{tenant.pk}:{index}")
 
 
-def _tokens_used(period: BudgetPeriod) -> int:
+def _tokens_used(period: BudgetPeriod) -> tuple[int, int]:
     records = UsageRecord.objects.filter(
         tenant_id=period.tenant_pk, created_at__gte=period.start, created_at__lt=period.end)
     connection = connections[records.db]
     opened_here = connection.connection is None
     try:
-        totals = records.aggregate(tokens=Sum(F("prompt_tokens") + F("completion_tokens")))
-        return int(totals["tokens"] or 0)
+        totals = records.aggregate(tokens=Sum(F("prompt_tokens") + F("completion_tokens")),
+                                   upto=Max("pk"))
+        return int(totals["tokens"] or 0), int(totals["upto"] or 0)
     finally:
         # Leave the thread's connection as found: outside a request (the chat, tests) the
         # thread that runs this may be asgiref's shared one, which nothing else closes.
@@ -72,15 +91,16 @@ async def used_in_period(period: BudgetPeriod) -> int:
 
     The query runs off the event loop (``sync_to_async``).
     """
-    return await sync_to_async(_tokens_used)(period)
+    return (await sync_to_async(_tokens_used)(period))[0]
 
 
 async def ensure_counter(client, period: BudgetPeriod) -> bool:
     """Rebuild the budget counter of ``period`` from the database if Redis no longer has it.
 
     The rebuilt value is set only if the key is still missing (``SET NX``), so web processes
-    rebuilding at once never add up, with the expiry ``admit.lua`` gives it (the period's length).
-    The database query runs off the event loop.
+    rebuilding at once never add up, with the expiry ``admit.lua`` gives it (the period's length),
+    and with its marker (``inference/protocol/lua/rebuild.lua``). The database query runs off the
+    event loop.
 
     Args:
         client: an asyncio Redis client.
@@ -91,5 +111,58 @@ async def ensure_counter(client, period: BudgetPeriod) -> bool:
     """
     if await client.exists(period.key):
         return False
-    used = await used_in_period(period)
-    return bool(await client.set(period.key, used, nx=True, ex=period.seconds))
+    used, upto = await sync_to_async(_tokens_used)(period)
+    return bool(await client.eval(REBUILD_LUA, 3, period.key, marker_key(period.key),
+                                  redis_keys().epoch, used, period.seconds, upto,
+                                  uuid.uuid4().hex))
+
+
+def marker_key(counter_key: str) -> str:
+    """The key of the marker a rebuild leaves for the counter ``counter_key``
+    (``{prefix}:budget:{tenant}:{period}`` -> ``{prefix}:budget-rebuilt:{tenant}:{period}``:
+    outside the counters' own pattern, so that a scan of the counters finds none)."""
+    head, sep, tail = counter_key.rpartition(":budget:")
+    if not sep:
+        raise ValueError(f"not a budget counter's key: {counter_key!r}")
+    return f"{head}:budget-rebuilt:{tail}"
+
+
+def settle(meta: dict[str, Any], actual_tokens: int, client: redis.Redis | None = None, *,
+           ledger: tuple[str, str] | None = None, epoch: str | None = None,
+           record: int | None = None) -> bool:
+    """Replace the tokens reserved at admission by ``actual_tokens`` (prompt + completion).
+
+    Args:
+        meta: the request's ``meta`` (``meta["admission"]``: what it reserved).
+        ledger: (the usage ledger's key, the request id): settle only if this call removes the
+            request's ledger entry, in the same atomic step (:mod:`gateway.usage`), so that a
+            request is settled exactly once.
+        epoch: the deployment's epoch the request was admitted in (None: not known).
+        record: the primary key of its usage record (None: not known): a counter rebuilt after
+            its admission holds its usage if the record was counted.
+
+    Returns:
+        Whether this call settled them (False when the ledger entry was already gone).
+
+    Raises:
+        redis.RedisError: Redis is unreachable.
+    """
+    admission = meta.get("admission") or {}
+    windows = admission.get("token_windows") or []
+    budgets = admission.get("budgets") or []
+    if ledger is None and not windows and not budgets:
+        return True
+    spec: dict[str, Any] = {
+        "member": admission.get("member", ""), "actual": int(actual_tokens),
+        "windows": [{"cost": w["cost"]} for w in windows],
+        "budgets": [{"cost": b["cost"]} for b in budgets]}
+    if ledger is not None:
+        spec["ledger"], spec["request_id"] = ledger
+    if epoch is not None:
+        spec["epoch"] = epoch
+    if record is not None:
+        spec["record"] = record
+    names = ([w["key"] for w in windows] + [b["key"] for b in budgets]
+             + [marker_key(b["key"]) for b in budgets])
+    return int((client or sync_redis()).eval(SETTLE_LUA, len(names), *names,
+                                             json.dumps(spec))) >= 0

@@ -1,4 +1,5 @@
-"""The web tier's Redis clients: one async pool per event loop, one blocking pool per process.
+"""The web tier's Redis clients: one async pool per event loop, one blocking pool per process;
+and each event loop's sight of Redis (:func:`sight`).
 
 Both retry a call on a lost connection for a few seconds
 (:func:`inference.protocol.keys.redis_retry_options`)."""
@@ -15,8 +16,12 @@ from django.conf import settings
 
 from gateway.conf import platform_settings
 from inference.protocol.keys import redis_retry_options
+from inference.protocol.liveness import RedisSight
 
 _async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aioredis.Redis] = (
+    weakref.WeakKeyDictionary()
+)
+_sights: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, RedisSight] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -45,3 +50,15 @@ def _sync_client(url: str) -> redis_sync.Redis:
 def sync_redis() -> redis_sync.Redis:
     """The blocking Redis client of this process (Celery tasks, management commands, metrics)."""
     return _sync_client(settings.REDIS_URL)
+
+
+def sight() -> RedisSight:
+    """How long Redis has answered the running event loop without a break (its monitor's rounds
+    and its reads of the workers' heartbeats feed it): the web tier judges heartbeats against it
+    (:mod:`inference.protocol.liveness`). A break: more than half ``WORKER_HEARTBEAT_TTL_S``
+    without an answer."""
+    loop = asyncio.get_running_loop()
+    seen = _sights.get(loop)
+    if seen is None:
+        seen = _sights[loop] = RedisSight(platform_settings()["WORKER_HEARTBEAT_TTL_S"] / 2)
+    return seen

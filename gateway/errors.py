@@ -13,9 +13,11 @@ import math
 from typing import Any
 
 import redis.exceptions
+from django import db
 from django.http import JsonResponse
 
 from inference.protocol.events import ErrorCode, ErrorInfo, FinishReason
+from tenants.best_effort import OccasionalLog
 
 log = logging.getLogger(__name__)
 
@@ -141,12 +143,56 @@ def final_status(finish_reason: FinishReason, error: ErrorInfo | None) -> int:
     return 200
 
 
+# SQLite's primary result codes of a database that cannot serve now: BUSY, LOCKED, NOMEM,
+# READONLY, IOERR, CORRUPT, FULL ("database or disk is full"), CANTOPEN, PROTOCOL, NOTADB.
+SQLITE_OUTAGE_CODES = frozenset({5, 6, 7, 8, 10, 11, 13, 14, 15, 26})
+# PostgreSQL's SQLSTATEs (or their classes) of one: connection exceptions (08), insufficient
+# resources (53: disk full, out of memory, too many connections), operator intervention (57: a
+# shutdown, a cancelled statement), system errors (58: I/O), a read-only transaction (25006: a
+# standby), a serialization failure or deadlock (40001, 40P01), a lock not available (55P03).
+POSTGRES_OUTAGE_STATES = ("08", "53", "57", "58", "25006", "40001", "40P01", "55P03")
+# A database outage fails every request at once: one line a minute, not one per request.
+DATABASE_OUTAGE_LOG = OccasionalLog(log)
+
+
+def database_unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` is a database that cannot serve now (unreachable, locked, read-only, out
+    of disk), which a retry can get past; not a query it refuses (a constraint, a missing column).
+
+    Told by the driver's code where it gives one (:data:`SQLITE_OUTAGE_CODES`,
+    :data:`POSTGRES_OUTAGE_STATES`); without one (no connection could be made), by Django's class:
+    ``OperationalError`` or ``InterfaceError``.
+    """
+    if not isinstance(exc, db.DatabaseError):
+        return False
+    cause = exc.__cause__
+    code = getattr(cause, "sqlite_errorcode", None)
+    if isinstance(code, int):
+        return code & 0xFF in SQLITE_OUTAGE_CODES
+    state = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
+    if isinstance(state, str) and state:
+        return state.startswith(POSTGRES_OUTAGE_STATES)
+    return isinstance(exc, db.OperationalError | db.InterfaceError)
+
+
+def database_outage() -> APIError:
+    """503 ``service_unavailable`` naming the database (``details.dependency``), to retry."""
+    return APIError(503, "The database is unavailable; retry shortly.",
+                    code="service_unavailable", retry_after_s=1,
+                    details={"dependency": "database"})
+
+
 def unexpected_error(exc: Exception) -> APIError:
     """The client-facing error for an exception that is not an :class:`APIError` (logged here).
 
     Redis trouble (connection lost, connection pool exhausted under a burst) is transient: 503
-    with ``Retry-After``. Anything else is a 500 that names nothing internal.
+    with ``Retry-After``; so is a database that cannot serve (:func:`database_unavailable`: 503
+    :func:`database_outage`, logged once a minute). Anything else is a 500 that names nothing
+    internal.
     """
+    if database_unavailable(exc):
+        DATABASE_OUTAGE_LOG.warning("The database is unavailable: %r", exc)
+        return database_outage()
     if isinstance(exc, redis.exceptions.RedisError):
         log.exception("Redis is unavailable: %s", exc)
         return APIError(503, "The server is temporarily unable to handle the request; retry "

@@ -18,6 +18,7 @@ entries in order, each once. A worker's tick that writes to 16 streams costs a r
   and sends nothing.
 - A subscription whose taker lags (:data:`MAX_BACKLOG` entries handed over and not taken) is
   left out of the reads until it catches up, so a slow client costs no unbounded memory.
+- A read's round trip also carries the loop's delivered checkpoints (:mod:`gateway.delivery`).
 - A failed read (``redis.ConnectionError`` or ``redis.TimeoutError``, after the client's own
   retries on a lost connection) is raised by every subscription's next :meth:`Subscription.read`,
   and the reader retries with backoff. Each subscription keeps its position: once Redis answers
@@ -41,8 +42,10 @@ import redis.asyncio as aioredis
 import redis.exceptions
 from django.conf import settings
 
+from gateway import delivery
 from gateway.clients import aredis
 from gateway.conf import redis_keys
+from gateway.monitor import WEB_ID
 from inference.protocol.keys import redis_retry_options
 
 log = logging.getLogger(__name__)
@@ -144,8 +147,7 @@ class Subscription:
                 if patience_s is not None and now >= started + patience_s:
                     raise ReaderLate(f"no answer from Redis for the events of {self.stream}")
                 self.overdue = True
-                delay = BLOCK_S if patience_s is None else min(BLOCK_S,
-                                                               started + patience_s - now)
+                delay = BLOCK_S if patience_s is None else min(BLOCK_S, started + patience_s - now)
             else:
                 delay = deadline - now
             self._reader.ensure_running()
@@ -189,8 +191,7 @@ class Subscription:
             self.last_id = entries[-1][0]
             self._items.append(entries)
             self.backlog += len(entries)
-            self._notify()
-        elif self.overdue:
+        if entries or self.overdue:
             self._notify()
 
     def fail(self, exc: BaseException) -> None:
@@ -217,6 +218,7 @@ class EventReader:
         self.wake_key = f"{redis_keys().prefix}:webwake:{tag}"
         self._wake_key = self.wake_key.encode()
         self._wake_id: bytes | str = "0-0"
+        self.checkpoints = delivery.Checkpoints(delivery.checkpoint_key(WEB_ID))
         self._url = settings.REDIS_URL
         self._subs: dict[bytes, list[Subscription]] = {}
         self._task: asyncio.Task[None] | None = None
@@ -311,19 +313,20 @@ class EventReader:
         return reads
 
     async def _xread(self, client: aioredis.Redis, reads: list[_Read]) -> list:
-        if len(reads) == 1:
-            self._block_s = BLOCK_S
-            return [await client.xread(reads[0].streams, count=COUNT,
-                                       block=int(BLOCK_S * 1000))]
-        # Several commands in one round trip: only the last may block, and only when the round
-        # before found nothing (else the others' streams would wait for its block).
-        self._block_s = 0.0 if self._found else SHORT_BLOCK_S
+        # One round trip: the loop's checkpoints when due, then the reads. A read alone blocks;
+        # of several, only the last, and only after a round that found nothing (else the others'
+        # streams would wait for its block).
+        self._block_s = BLOCK_S if len(reads) == 1 else 0.0 if self._found else SHORT_BLOCK_S
+        batch = self.checkpoints.due(time.monotonic())
         pipe = client.pipeline(transaction=False)
+        skip = 0 if batch is None else self.checkpoints.queue(pipe, batch)
         for i, read in enumerate(reads):
-            last = i == len(reads) - 1
-            block = int(SHORT_BLOCK_S * 1000) if last and not self._found else None
+            block = (int(self._block_s * 1000) or None) if i == len(reads) - 1 else None
             pipe.xread(read.streams, count=COUNT, block=block)
-        return await pipe.execute()
+        replies = await pipe.execute()
+        if batch is not None:
+            self.checkpoints.written(batch)
+        return replies[skip:]
 
     def _dispatch(self, reads: list[_Read], replies: list) -> None:
         now = time.monotonic()
@@ -366,8 +369,7 @@ class EventReader:
                     for subs in list(self._subs.values()):
                         for sub in subs:
                             sub.fail(_copy(exc))
-                    await asyncio.sleep(OUTAGE_BACKOFF_S[min(failures,
-                                                             len(OUTAGE_BACKOFF_S) - 1)])
+                    await asyncio.sleep(OUTAGE_BACKOFF_S[min(failures, len(OUTAGE_BACKOFF_S) - 1)])
                     failures += 1
                     continue
                 self._sent_at = None
@@ -384,8 +386,7 @@ _readers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, EventReader] = (
 
 
 def current() -> EventReader:
-    """The event reader of the running event loop (its task starts with the first
-    subscription)."""
+    """The event reader of the running event loop (started by its first subscription)."""
     loop = asyncio.get_running_loop()
     reader = _readers.get(loop)
     if reader is None:

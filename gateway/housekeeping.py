@@ -1,10 +1,13 @@
 """Housekeeping of the protocol's Redis keys: what would otherwise be kept, or waited on, for ever.
 
-:func:`sweep` (and :func:`asweep`, its async twin for the web tier's monitor) reclaims the
-requests of workers whose heartbeat lapsed and ends the waiting requests past their admission
-deadline. The workers run the same Lua scripts; the web tiers and a Celery beat task run them too,
-so that a dead worker's streams end within its heartbeat TTL even when no worker lives. Each
-script is atomic: whoever runs it first does the work, once. The same rounds end the generations
+:func:`sweep` (and :func:`asweep`, its async twin for the web tier's monitor) ends the waiting
+requests past their admission deadline and reclaims the requests of workers whose heartbeat
+lapsed, as the sweeping process's own sight of Redis allows (:mod:`inference.protocol.liveness`:
+a process that has not seen Redis answer without a break for a whole TTL declares no death, and
+every heartbeat stale at once is taken for an outage). The workers run the same Lua scripts; the
+web tiers and a Celery beat task run them too, so that a dead worker's streams end within its
+heartbeat TTL even when no worker lives. Each script is atomic: whoever runs it first does the
+work, once. The same rounds end the generations
 whose grace period without a reader ran out (:mod:`gateway.grace`, the chat's answers).
 
 :func:`trim_redis` deletes an events stream whose expiry was never set (a writer that died
@@ -24,6 +27,7 @@ from gateway import grace
 from gateway.clients import sync_redis
 from gateway.conf import platform_settings, redis_keys
 from inference.protocol.keys import EVENTS_TTL_S, queue_script
+from inference.protocol.liveness import RedisSight
 
 log = logging.getLogger(__name__)
 
@@ -46,24 +50,30 @@ def _reclaimed(reply: list) -> list[str]:
     return ended
 
 
-def sweep(client: redis.Redis | None = None, *, reclaim: bool = True) -> list[str]:
-    """Reclaim dead workers (unless ``reclaim`` is False: just after a Redis outage, when a
-    stale heartbeat may be a live worker's) and end expired requests; return the ids of the
-    requests ended."""
+def sweep(client: redis.Redis | None = None, *, sight: RedisSight) -> list[str]:
+    """End expired requests, then reclaim dead workers as a judge with ``sight`` (the calling
+    process's sight of Redis, fed here by the first call's answer) judges them; return the ids
+    of the requests ended.
+
+    Raises:
+        redis.RedisError: Redis is unreachable.
+    """
     client = client or sync_redis()
     prefix, ttl = redis_keys().prefix, platform_settings()["WORKER_HEARTBEAT_TTL_S"]
-    ended = _reclaimed(client.eval(RECLAIM_LUA, 0, prefix, ttl, EVENTS_TTL_S)) if reclaim else []
-    return ended + _ids(client.eval(WITHDRAW_LUA, 0, prefix, EVENTS_TTL_S, "expired",
-                                    EXPIRE_BATCH))
+    expired = _ids(client.eval(WITHDRAW_LUA, 0, prefix, EVENTS_TTL_S, "expired", EXPIRE_BATCH))
+    sight.answered()
+    return _reclaimed(client.eval(RECLAIM_LUA, 0, prefix, ttl, EVENTS_TTL_S,
+                                  sight.seconds())) + expired
 
 
-async def asweep(client: aioredis.Redis, *, reclaim: bool = True) -> list[str]:
+async def asweep(client: aioredis.Redis, *, sight: RedisSight) -> list[str]:
     """:func:`sweep` on an async client; then :func:`end_unattended`."""
     prefix, ttl = redis_keys().prefix, platform_settings()["WORKER_HEARTBEAT_TTL_S"]
-    ended = (_reclaimed(await client.eval(RECLAIM_LUA, 0, prefix, ttl, EVENTS_TTL_S))
-             if reclaim else [])
-    ended += _ids(await client.eval(WITHDRAW_LUA, 0, prefix, EVENTS_TTL_S, "expired",
-                                    EXPIRE_BATCH))
+    expired = _ids(await client.eval(WITHDRAW_LUA, 0, prefix, EVENTS_TTL_S, "expired",
+                                     EXPIRE_BATCH))
+    sight.answered()
+    ended = _reclaimed(await client.eval(RECLAIM_LUA, 0, prefix, ttl, EVENTS_TTL_S,
+                                         sight.seconds())) + expired
     await end_unattended(client)
     return ended
 

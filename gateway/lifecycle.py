@@ -10,12 +10,15 @@
    the context is refused from its size in bytes, without being tokenized.
 2. :meth:`Generation.events` reads the worker's events (tokens, then one final event).
 3. :meth:`Generation.close`, always called (also when the client went away), aborts the request in
-   its worker if it has not finished and releases its concurrency lease. A *detachable*
+   its worker if it has not finished, releases its concurrency lease and writes what its client
+   got (:mod:`gateway.delivery`: the tokens it was sent, how its response ended). A *detachable*
    generation (the chat's) may instead outlive its reader for a grace period
    (:mod:`gateway.grace`): no web process's heartbeat guards it, a drain does not stop it, and
    its reader ends it with :func:`end_request` (or the grace sweep does).
 4. The worker reports the request's usage when it ends; the Celery task
-   :func:`gateway.tasks.record_usage` records it and settles the token reservations.
+   :func:`gateway.tasks.record_usage` records it and settles the token reservations, billing what
+   the client got. A request whose final event this process read is recorded here too, once its
+   end is written: the task may have come first, and waited for it.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from typing import Any
 
 import redis.exceptions
 
-from gateway import admission, monitor, workers
+from gateway import admission, delivery, event_reader, monitor, usage, workers
 from gateway.aborts import abort_later
 from gateway.admission import Principal
 from gateway.clients import aredis
@@ -92,7 +95,9 @@ class Generation:
         self.message = message
         self.detachable = detachable
         self.final: FinalEvent | None = None
+        self.failure: APIError | None = None  # the error reading its events ended with
         self._refusal = refusal
+        self._progress: delivery.Progress | None = None  # a stream's: what its client was sent
         self._closed = False
         self._abort_requested = False
         if refusal is None:
@@ -106,6 +111,22 @@ class Generation:
     def meta(self) -> dict[str, Any]:
         return self.message.meta
 
+    @property
+    def streaming(self) -> bool:
+        """Whether its client gets its tokens as they come (else its answer goes out whole)."""
+        return self.meta.get("stream") is True
+
+    def sent(self, seq: int) -> None:
+        """The token events up to ``seq`` were handed to the client's connection (a stream's
+        relay says so after each send; the loop's delivered checkpoint follows)."""
+        if self._progress is not None:
+            self._progress.mark(seq)
+
+    @property
+    def client_tokens(self) -> int:
+        """The tokens its client was sent so far (0 for an answer not streamed)."""
+        return self._progress.sent if self._progress is not None else 0
+
     async def events(self, first_timeout_s: float | None = None, *,
                      keepalive_s: float | None = None) -> AsyncIterator[Event | Waiting]:
         """The worker's events, up to and including the final one (kept as :attr:`final`).
@@ -114,6 +135,9 @@ class Generation:
             first_timeout_s: yield a :class:`~gateway.events.Waiting` when the first event
                 takes longer than this (seconds), then go on waiting.
             keepalive_s: then yield one each time this long passes without an event.
+
+        An error, the worker's or this side's, says in its details how many tokens the client
+        got (``completion_tokens``: those it was sent of a stream, 0 of an answer not streamed).
 
         Raises:
             APIError: 504 ``worker_timeout`` after ``REQUEST_IDLE_TIMEOUT_S`` without an event;
@@ -124,14 +148,21 @@ class Generation:
             yield self._refusal
             return
         conf = platform_settings()
-        async for event in events(self.request_id, conf["REQUEST_IDLE_TIMEOUT_S"],
-                                  first_timeout_s, keepalive_s=keepalive_s,
-                                  epoch=self.meta.get(admission.EPOCH_META_KEY),
-                                  outage_tolerance_s=conf["REDIS_OUTAGE_TOLERANCE_S"]):
-            if isinstance(event, FinalEvent):
-                event = self._unasked_abort(event)
-                self.final = event
-            yield event
+        if self.streaming and self._progress is None:
+            self._progress = event_reader.current().checkpoints.track(self.request_id)
+        try:
+            async for event in events(self.request_id, conf["REQUEST_IDLE_TIMEOUT_S"],
+                                      first_timeout_s, keepalive_s=keepalive_s,
+                                      epoch=self.meta.get(admission.EPOCH_META_KEY),
+                                      outage_tolerance_s=conf["REDIS_OUTAGE_TOLERANCE_S"]):
+                if isinstance(event, FinalEvent):
+                    event = delivery.as_got(self._unasked_abort(event), self.client_tokens)
+                    self.final = event
+                yield event
+        except APIError as exc:
+            self.failure = exc
+            exc.details = {**(exc.details or {}), "completion_tokens": self.client_tokens}
+            raise
 
     def _unasked_abort(self, event: FinalEvent) -> FinalEvent:
         """A final ``abort`` this side never asked for is an error to its client, never a normal
@@ -166,15 +197,31 @@ class Generation:
 
     async def _end(self) -> None:
         _live.discard(self)
+        if self._progress is not None:
+            event_reader.current().checkpoints.untrack(self._progress)
         if self.final is None:
             self._abort_requested = True
-        await end_request(self.request_id, self.meta, finished=self.final is not None)
+        await end_request(self.request_id, self.meta, finished=self.final is not None,
+                          delivered=delivery.of_response(self.final, self.failure,
+                                                         self.client_tokens))
 
 
-async def end_request(request_id: str, meta: dict[str, Any], *, finished: bool) -> None:
+async def end_request(request_id: str, meta: dict[str, Any], *, finished: bool,
+                      delivered: delivery.Delivery | None = None) -> None:
     """Abort ``request_id`` unless it ``finished`` (its final event was read), and release its
     concurrency leases (``meta`` holds what it reserved: ``meta["admission"]``). Idempotent;
-    an abort that cannot reach Redis is retried by the web monitor."""
+    an abort that cannot reach Redis is retried by the web monitor.
+
+    ``delivered``: what its client got; written first (an abort's end is billed by it), then
+    the request's usage is recorded here if its recorder came first and waited for it
+    (:func:`gateway.usage.record_if_ended`).
+    """
+    waited = False
+    if delivered is not None:
+        try:
+            waited = await delivery.write_note(aredis(), request_id, delivered)
+        except redis.exceptions.RedisError:
+            log.warning("could not write what the client of %s got", request_id)
     if not finished:
         await abort_later(request_id)
     try:
@@ -183,6 +230,8 @@ async def end_request(request_id: str, meta: dict[str, Any], *, finished: bool) 
         # Released when the request ends in the queue (its final event releases its
         # leases), or when the lease expires.
         log.warning("could not release the leases of %s now", request_id)
+    if waited:
+        await usage.record_if_ended(request_id)
 
 
 async def start(principal: Principal, *, sampling: Sampling, default_max_tokens: int,

@@ -1,6 +1,8 @@
 """Each web process's background duties, one task per event loop (:func:`ensure_started`).
 
-Every ``MONITOR_INTERVAL_S`` it:
+Every ``MONITOR_INTERVAL_S`` (more often when half the workers' heartbeat TTL is shorter, so that
+its sight of Redis, a break in which is a stretch of half that TTL without an answer, stays
+continuous) it:
 
 - publishes the process's heartbeat (``{prefix}:web``): a worker stops generating the answers of
   a web process whose heartbeat lapsed (``WEB_HEARTBEAT_TTL_S``), since their clients went with it
@@ -9,7 +11,9 @@ Every ``MONITOR_INTERVAL_S`` it:
   lost with Redis's data, and its reader ends it with a clear error instead of waiting;
 - sweeps the shared queue (:func:`gateway.housekeeping.asweep`): a dead worker's streams end
   within its heartbeat TTL even when no worker lives to reclaim them, and expired requests end;
-  their usage is recorded (:mod:`gateway.usage`);
+  their usage is recorded (:mod:`gateway.usage`). Heartbeats are judged against the event loop's
+  own sight of Redis (:func:`gateway.clients.sight`, fed by each round): a round that hung behind
+  Redis, or a process that was paused, judges no heartbeat for a TTL after;
 - retries the aborts that failed while Redis was unreachable
   (:func:`gateway.aborts.retry_pending`), so a worker never generates for a client that left
   during an outage.
@@ -33,8 +37,8 @@ import redis.exceptions
 from asgiref.sync import sync_to_async
 
 from gateway import aborts, housekeeping, usage
-from gateway.clients import aredis
-from gateway.conf import platform_settings, redis_keys
+from gateway.clients import aredis, sight
+from gateway.conf import redis_keys
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +57,7 @@ class Monitor:
     def __init__(self) -> None:
         self.web_id = WEB_ID
         self.epoch: str | None = None  # the deployment's epoch as last read
-        self.redis_ok_at = 0.0  # monotonic time of the last successful round
         self._task: asyncio.Task | None = None
-        self.back_since = float("-inf")  # monotonic time Redis answered again after an outage
         self._started = asyncio.Event()
 
     async def beat(self) -> None:
@@ -72,34 +74,28 @@ class Monitor:
         reply = await pipe.execute()
         epoch = reply[3]
         self.epoch = epoch.decode() if isinstance(epoch, bytes) else epoch
-        self.redis_ok_at = time.monotonic()
-        # Just after an outage, a stale heartbeat may be a live worker's: judge them only once
-        # every process could have written its own for a whole TTL.
-        ended = await housekeeping.asweep(client, reclaim=not self.recovering())
+        # A stale heartbeat may be a live worker's that Redis did not let beat: judged against
+        # this loop's own sight of Redis (a round that hung behind it breaks the sight).
+        seen = sight()
+        seen.answered()
+        ended = await housekeeping.asweep(client, sight=seen)
         if ended:
             await sync_to_async(_record_all)(ended)
         await aborts.retry_pending()
-
-    def recovering(self) -> bool:
-        """Whether Redis came back from an outage less than a heartbeat TTL ago."""
-        ttl = platform_settings()["WORKER_HEARTBEAT_TTL_S"]
-        return time.monotonic() - self.back_since < ttl
 
     async def _run(self) -> None:
         failing_since: float | None = None
         while True:
             try:
-                if failing_since is not None:
-                    self.back_since = float("inf")  # set when the round below succeeds
                 await self.beat()
                 if failing_since is not None:
-                    self.back_since = time.monotonic()
                     log.warning("Redis is reachable again after %.1f s",
                                 time.monotonic() - failing_since)
                 failing_since = None
             except asyncio.CancelledError:
                 raise
             except redis.exceptions.RedisError as exc:
+                sight().lost()
                 if failing_since is None:
                     failing_since = time.monotonic()
                     log.warning("web monitor: Redis unreachable (%s); retrying", exc)
@@ -107,7 +103,7 @@ class Monitor:
                 log.exception("web monitor round failed")
             finally:
                 self._started.set()
-            await asyncio.sleep(MONITOR_INTERVAL_S)
+            await asyncio.sleep(min(MONITOR_INTERVAL_S, sight().gap_s / 2))
 
     def start(self) -> None:
         if self._task is None or self._task.done():

@@ -3,14 +3,13 @@ what no live process would (see :mod:`gateway.usage` and :mod:`gateway.housekeep
 
 from __future__ import annotations
 
-import time
-
 import redis.exceptions
 from celery import shared_task
 
 from gateway import grace, housekeeping, usage
 from gateway.conf import platform_settings
 from inference.protocol.keys import USAGE_TASK_NAME
+from inference.protocol.liveness import RedisSight
 
 RECONCILE_TASK = "gateway.tasks.reconcile_usage"
 SWEEP_TASK = "gateway.tasks.sweep_queue"
@@ -29,8 +28,11 @@ def reconcile_usage() -> int:
     return usage.reconcile()
 
 
-# Monotonic time this process last saw Redis answer again after an outage.
-_back_since = float("-inf")
+# This process's sight of Redis, kept across the sweep's runs (None until its first run). The
+# task does not run while its broker (Redis) is down, so an outage shows as a long gap between
+# two runs, and a sweep every few seconds keeps the sight continuous (a break: more than half the
+# heartbeat TTL without an answer).
+_sight: RedisSight | None = None
 
 
 @shared_task(name=SWEEP_TASK, ignore_result=True)
@@ -39,18 +41,19 @@ def sweep_queue() -> int:
     lives to do it (periodic); record their usage; end the generations whose grace period
     without a reader ran out (:mod:`gateway.grace`). Returns how many requests were ended.
 
-    Right after a Redis outage (this task failed on it) it reclaims nothing for a heartbeat
-    TTL: a stale heartbeat may then be a live worker's that could not beat.
+    Heartbeats are judged against this process's own sight of Redis
+    (:mod:`inference.protocol.liveness`): a Celery process just started, or one whose runs were
+    apart more than half the heartbeat TTL (an outage of Redis, its broker, stops it), or whose
+    call failed, reclaims nothing until it has seen Redis answer without a break for a TTL.
     """
-    global _back_since
+    global _sight
+    if _sight is None:
+        _sight = RedisSight(platform_settings()["WORKER_HEARTBEAT_TTL_S"] / 2)
     try:
-        recovering = time.monotonic() - _back_since < platform_settings()["WORKER_HEARTBEAT_TTL_S"]
-        ended = housekeeping.sweep(reclaim=not recovering)
+        ended = housekeeping.sweep(sight=_sight)
     except redis.exceptions.RedisError:
-        _back_since = float("inf")
+        _sight.lost()
         raise
-    if _back_since == float("inf"):
-        _back_since = time.monotonic()
     for request_id in ended:
         usage.record(request_id)
     # Generations whose grace period without a reader ran out (the chat's answers), also when

@@ -12,6 +12,12 @@ as the settlement of the request's token reservations (``inference/protocol/lua/
   killed mid-task, a worker that died between ending a request and sending the task;
 - the row is written at most once: ``request_id`` is unique and the write is a get-or-create;
 - the reservations are settled exactly once: by the one call that removes the ledger entry.
+
+A record bills what its client received (:func:`bill`): the worker's counts as its web process
+says the client got them (:mod:`gateway.delivery`). The recording of a request relayed by a web
+process waits for that process's end note, or for its death; that process records it itself
+when its note comes after a recorder waited (:func:`record_if_ended`), and the reconciliation
+records the requests of web processes that died.
 """
 
 from __future__ import annotations
@@ -19,16 +25,19 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import redis
+from asgiref.sync import sync_to_async
 from django.db import IntegrityError, transaction
 
-from gateway import admission
-from gateway.clients import sync_redis
+from gateway import admission, budgets, delivery
+from gateway.clients import aredis, sync_redis
 from gateway.conf import redis_keys
-from gateway.errors import final_status
-from inference.protocol.events import FinalEvent, Usage
+from gateway.delivery import Delivery
+from gateway.errors import CLIENT_CLOSED_STATUS, final_status
+from inference.protocol.events import FinalEvent, FinishReason, Usage
 from inference.protocol.messages import RequestMessage, UsageReport
 from tenants.models import UsageRecord
 
@@ -39,24 +48,48 @@ log = logging.getLogger(__name__)
 RECONCILE_AFTER_S = 10.0
 
 
+@dataclass(frozen=True)
+class Entry:
+    """A ledger entry: the request's final event as its ender wrote it, its message, times."""
+
+    request_id: str
+    final: FinalEvent
+    message: RequestMessage
+    first_at: float | None
+    finished_at: float
+
+    @classmethod
+    def parse(cls, request_id: str, raw: bytes | str) -> Entry:
+        """Raises: ValueError: not valid JSON, or no valid final event or message."""
+        entry = json.loads(raw)
+        return cls(request_id=request_id,
+                   final=FinalEvent.model_validate_json(entry["final"]),
+                   message=RequestMessage.from_json(entry["body"]),
+                   first_at=entry.get("first_at") or None,
+                   finished_at=float(entry.get("finished_at") or time.time()))
+
+    def report(self, usage: Usage) -> UsageReport:
+        return UsageReport(
+            request_id=self.request_id, meta=self.message.meta, usage=usage,
+            finish_reason=self.final.finish_reason, error=self.final.error,
+            enqueued_at=self.message.enqueued_at, first_token_at=self.first_at,
+            finished_at=self.finished_at)
+
+
 def report_from_entry(request_id: str, raw: bytes | str) -> UsageReport:
-    """The usage report of a ledger entry (JSON: the final event, the request message, times).
+    """The usage report of a ledger entry (JSON: the final event, the request message, times),
+    billed as its worker counted it (:func:`billed`).
 
     Raises:
         ValueError: the entry is not valid JSON or holds no valid final event or message.
     """
-    entry = json.loads(raw)
-    final = FinalEvent.model_validate_json(entry["final"])
-    message = RequestMessage.from_json(entry["body"])
-    return UsageReport(
-        request_id=request_id, meta=message.meta, usage=billed(final, message.meta),
-        finish_reason=final.finish_reason, error=final.error, enqueued_at=message.enqueued_at,
-        first_token_at=entry.get("first_at") or None,
-        finished_at=float(entry.get("finished_at") or time.time()))
+    entry = Entry.parse(request_id, raw)
+    return entry.report(billed(entry.final, entry.message.meta))
 
 
 def billed(final: FinalEvent, meta: dict[str, Any]) -> Usage:
-    """What a request is billed, from its final event and its message's ``meta``.
+    """What a request is billed from its final event and its message's ``meta`` alone (no web
+    process said what its client got).
 
     A request that ends with an error is billed only when its client got tokens of it: a stream
     its prompt and the tokens it was sent; a stream sent none, and a request not streamed
@@ -70,9 +103,62 @@ def billed(final: FinalEvent, meta: dict[str, Any]) -> Usage:
     return final.usage
 
 
-def save(report: UsageReport) -> bool:
-    """Write the usage record of ``report`` unless one exists; return whether it was written."""
-    meta, usage = report.meta, report.usage
+@dataclass(frozen=True)
+class Bill:
+    """A usage record's figures: what it bills, and how the request ended for its client."""
+
+    usage: Usage
+    finish_reason: str
+    status: int
+    error_code: str
+
+
+def bill(final: FinalEvent, meta: dict[str, Any], got: Delivery | None) -> Bill:
+    """What a request's record bills, given what its client ``got`` (None: nothing said, as for
+    a chat answer, stored whole for its page: billed as the worker counted, :func:`billed`).
+
+    The worker's counts (``final.usage``) are capped to what the client got
+    (``got.tokens``, the token events it was sent; none for an answer not streamed unless it
+    went out whole):
+
+    - the client got the end the worker wrote: billed as the worker counted;
+    - it left first (499): the prompt tokens computed and the tokens it was sent;
+    - it got an error, the worker's or the web tier's, or its web process died (499): its prompt
+      and the tokens it was sent, nothing if it was sent none (an answer not streamed: nothing).
+    """
+    error = final.error
+    if got is None:
+        return Bill(billed(final, meta), final.finish_reason.value,
+                    final_status(final.finish_reason, error), error.code.value if error else "")
+    used = final.usage
+    if got.end == delivery.COMPLETE:
+        return Bill(used, final.finish_reason.value, got.status, "")
+    tokens = got.tokens if meta.get("stream") is True else 0
+    sent = Usage(prompt_tokens=used.prompt_tokens, cached_prompt_tokens=used.cached_prompt_tokens,
+                 completion_tokens=min(used.completion_tokens, tokens))
+    if got.end == delivery.LEFT:
+        return Bill(sent, FinishReason.ABORT.value, CLIENT_CLOSED_STATUS, "")
+    usage = sent if tokens > 0 else Usage()
+    if got.end == delivery.GONE:
+        return Bill(usage, FinishReason.ABORT.value, CLIENT_CLOSED_STATUS, "")
+    return Bill(usage, FinishReason.ERROR.value, got.status, got.end)
+
+
+def save(report: UsageReport, figures: Bill | None = None) -> bool:
+    """Write the usage record of ``report`` (with ``figures``; None: as its worker counted)
+    unless one exists; return whether it was written."""
+    return _save(report, figures)[0]
+
+
+def _save(report: UsageReport, figures: Bill | None) -> tuple[bool, int | None]:
+    """:func:`save`, and the record's primary key (None: not found)."""
+    meta = report.meta
+    if figures is None:
+        error = report.error
+        figures = Bill(report.usage, report.finish_reason.value,
+                       final_status(report.finish_reason, error),
+                       error.code.value if error else "")
+    usage = figures.usage
     defaults: dict[str, Any] = {
         "tenant_id": meta["tenant_id"],
         "api_key_id": meta.get("api_key_id"),
@@ -82,24 +168,32 @@ def save(report: UsageReport) -> bool:
         "completion_tokens": usage.completion_tokens,
         "ttft_s": report.ttft_s,
         "duration_s": report.duration_s,
-        "finish_reason": report.finish_reason.value,
-        "status": final_status(report.finish_reason, report.error),
-        "error_code": report.error.code.value if report.error else "",
+        "finish_reason": figures.finish_reason,
+        "status": figures.status,
+        "error_code": figures.error_code,
     }
     try:
         with transaction.atomic():
-            _, created = UsageRecord.objects.get_or_create(request_id=report.request_id,
-                                                           defaults=defaults)
+            row, created = UsageRecord.objects.get_or_create(request_id=report.request_id,
+                                                             defaults=defaults)
     except IntegrityError:  # written at the same moment by another recorder
-        return False
-    return created
+        pk = UsageRecord.objects.filter(request_id=report.request_id).values_list(
+            "pk", flat=True).first()
+        return False, pk
+    return created, row.pk
 
 
-def record(request_id: str, client: redis.Redis | None = None) -> bool:
+def record(request_id: str, client: redis.Redis | None = None, *,
+           only_gone: bool = False) -> bool:
     """Record the usage of ``request_id`` from the ledger; return whether this call wrote it.
 
-    Nothing happens when the ledger holds no entry for it (already recorded). An entry that is not
-    a valid report is logged and dropped (it can never be recorded).
+    Nothing happens when the ledger holds no entry for it (already recorded), or while the web
+    process relaying it has not said what its client got and is alive
+    (:func:`gateway.delivery.read`; with ``only_gone``, unless that process is gone). An entry
+    that is not a valid report is logged and dropped (it can never be recorded).
+
+    Raises:
+        redis.RedisError: Redis is unreachable (the entry stays for the next try).
     """
     client = client or sync_redis()
     ledger = redis_keys().usage_pending
@@ -107,43 +201,64 @@ def record(request_id: str, client: redis.Redis | None = None) -> bool:
     if raw is None:
         return False
     try:
-        report = report_from_entry(request_id, raw)
+        entry = Entry.parse(request_id, raw)
     except (ValueError, KeyError, TypeError):
         log.exception("dropping an unreadable usage entry of %s: %r", request_id, raw[:200])
         client.hdel(ledger, request_id)
         return False
-    written = save(report)
+    origin = entry.message.origin
+    if only_gone and not origin:
+        return False
+    reading = delivery.read(client, request_id, origin, entry.finished_at)
+    if reading.wait or (only_gone and (reading.delivery is None
+                                       or reading.delivery.end != delivery.GONE)):
+        return False
+    meta = entry.message.meta
+    figures = bill(entry.final, meta, reading.delivery)
+    written, row = _save(entry.report(figures.usage), figures)
+    used = figures.usage.prompt_tokens + figures.usage.completion_tokens
     # Removing the entry and settling the reservations are one atomic step: exactly once.
-    admission.settle(report.meta, report.usage.prompt_tokens + report.usage.completion_tokens,
-                     client, ledger=(ledger, request_id))
+    if budgets.settle(meta, used, client, ledger=(ledger, request_id), record=row,
+                      epoch=meta.get(admission.EPOCH_META_KEY)):
+        delivery.forget(client, request_id, origin)
     return written
+
+
+async def record_if_ended(request_id: str) -> None:
+    """:func:`record` ``request_id`` now, on a thread, if it ended (its ledger entry is there):
+    the web process that wrote its end note does when a recorder came first and waited for it
+    (:mod:`gateway.delivery`). Never raises: what fails here is recorded by the reconciliation."""
+    try:
+        if await aredis().hexists(redis_keys().usage_pending, request_id):
+            await sync_to_async(record)(request_id)
+    except Exception:  # noqa: BLE001 - the reconciliation records it
+        log.warning("could not record the usage of %s now", request_id, exc_info=True)
 
 
 def reconcile(older_than_s: float = RECONCILE_AFTER_S, client: redis.Redis | None = None,
               limit: int = 1000) -> int:
-    """Record every ledger entry older than ``older_than_s``; return how many rows were written.
+    """Record every ledger entry older than ``older_than_s``, and the younger ones whose web
+    process is gone (no task would record them sooner); return how many rows were written.
 
-    Run periodically (Celery beat): the entries left are those whose task was lost.
+    Run periodically (Celery beat): the entries left are those whose task was lost, or that
+    waited for a web process.
     """
     client = client or sync_redis()
     ledger = redis_keys().usage_pending
     cutoff = time.time() - older_than_s
-    written = seen = 0
-    for request_id, raw in client.hscan_iter(ledger, count=500):
+    written = 0
+    for seen, (request_id, raw) in enumerate(client.hscan_iter(ledger, count=500), 1):
         try:
             finished_at = float(json.loads(raw).get("finished_at") or 0)
         except (ValueError, TypeError, AttributeError):
             finished_at = 0.0
-        if finished_at > cutoff:
-            continue
         rid = request_id.decode() if isinstance(request_id, bytes) else request_id
-        written += record(rid, client)
-        seen += 1
+        written += record(rid, client, only_gone=finished_at > cutoff)
         if seen >= limit:
             break
     if written:
-        log.warning("reconciliation recorded the usage of %d request(s) whose task was lost",
-                    written)
+        log.warning("reconciliation recorded the usage of %d request(s) whose task was lost "
+                    "or whose web process is gone", written)
     return written
 
 

@@ -4,7 +4,8 @@ Each worker publishes its latest stats snapshot (``{prefix}:stats:{worker}``: th
 ``stats()`` plus ``worker_id``, ``held_in_gate1`` and ``published_at``) with a heartbeat (see
 :mod:`inference.protocol`). :func:`aggregate` is the one way several snapshots become the
 deployment's figures, with a rule per field; ``/scheduler/stats``, the dashboard and ``/metrics``
-all use it.
+all use it. A worker counts as alive by :func:`alive_workers`, which judges heartbeats against the
+event loop's own sight of Redis (:mod:`inference.protocol.liveness`).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from typing import Any
 
 import redis
 
-from gateway.clients import aredis, sync_redis
+from gateway.clients import aredis, sight, sync_redis
 from gateway.conf import platform_settings, redis_keys
 from inference.protocol.keys import queue_script
+from inference.protocol.liveness import declares_dead
 
 
 class Rule(Enum):
@@ -109,8 +111,24 @@ def _since() -> float:
 
 
 async def alive_workers() -> list[str]:
-    """Ids of the workers whose heartbeat is younger than ``WORKER_HEARTBEAT_TTL_S``."""
-    return _live_ids(await aredis().zrangebyscore(redis_keys().workers, _since(), "+inf"))
+    """Ids of the workers alive as this event loop judges them: a heartbeat younger than
+    ``WORKER_HEARTBEAT_TTL_S``, or one it cannot tell dead
+    (:func:`inference.protocol.liveness.declares_dead`): for a TTL after Redis stopped answering
+    it (no worker could beat), or when every heartbeat is stale at once, a worker not yet
+    reclaimed is not taken for gone, so requests wait for it instead of being refused."""
+    beats = await aredis().zrange(redis_keys().workers, 0, -1, withscores=True)
+    seen = sight()
+    seen.answered()
+    return judged_alive(beats, seen.seconds(), time.time())
+
+
+def judged_alive(beats: list[tuple[bytes, float]], sight_s: float, now: float) -> list[str]:
+    """The members of ``beats`` (worker id, heartbeat unix time) not declared dead by a judge
+    with ``sight_s`` seconds of sight of Redis at unix time ``now``."""
+    ttl = platform_settings()["WORKER_HEARTBEAT_TTL_S"]
+    freshest = max((float(beat) for _, beat in beats), default=now)
+    return [member.decode() for member, beat in beats
+            if not declares_dead(now - float(beat), now - freshest, sight_s, ttl)]
 
 
 async def worker_snapshots() -> dict[str, dict[str, Any]]:

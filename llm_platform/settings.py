@@ -57,6 +57,8 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # A database outage raised by a page is a retryable 503, not a 500 (llm_platform.outages).
+    "llm_platform.outages.DatabaseOutageMiddleware",
 ]
 
 # Content-Security-Policy on every response (django-csp): the pages load scripts, styles,
@@ -114,6 +116,11 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test_db.sqlite3")}
     # Concurrent async views and Celery write at once; wait for the lock instead of failing.
     DATABASES["default"].setdefault("OPTIONS", {}).setdefault("timeout", 20)
+elif DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+    # A database host that does not answer fails a request (503) after this long, instead of
+    # the system's TCP timeout (minutes). libpq takes whole seconds, at least 2.
+    DATABASES["default"].setdefault("OPTIONS", {}).setdefault(
+        "connect_timeout", env.int("DATABASE_CONNECT_TIMEOUT_S", default=5))
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [

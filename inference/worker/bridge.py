@@ -5,8 +5,9 @@ calls them; each takes that state, the engine, the shared queue and the Redis cl
 constructor, and none imports the bridge. Where each method lives:
 
 - :class:`~inference.worker.live.WorkerState`: the live-request table and what more than one
-  part reads (the wiped requests, the ended ids for usage and the counts of those ended outside
-  the engine, gate 1's held count, the epoch, ``redis_ok_since``); ``flush_usage``.
+  part reads (the take of each request its engine holds, the wiped requests, the ended ids for
+  usage and the counts of those ended outside the engine, gate 1's held count, the epoch, its
+  sight of Redis); ``flush_usage``.
 - :class:`~inference.worker.intake.Intake`: what the worker takes from the shared queue and when,
   its gate-1 count, and preempted requests going back: ``poll``, ``reconcile_queue``,
   ``on_preempted`` (engine thread), ``hand_back_preempted``.
@@ -49,7 +50,7 @@ from inference.engine.request import ResumeState
 from inference.protocol.events import Event
 from inference.protocol.keys import Keys
 from inference.protocol.messages import ControlMessage
-from inference.worker.fair_queue import FairQueue
+from inference.worker.fair_queue import FairQueue, Reclaimed
 from inference.worker.intake import Intake
 from inference.worker.live import UsageSink, WorkerState
 from inference.worker.origins import WebOrigins
@@ -77,19 +78,23 @@ class WorkerBridge:
             (its usage entry is in the ledger; the sink has it recorded).
         web_ttl_s: a web process whose heartbeat is older than this is gone, with the clients
             of the answers it was streaming: those answers are stopped.
+        heartbeat_ttl_s: the workers' heartbeat TTL (``WORKER_HEARTBEAT_TTL_S``): with
+            ``web_ttl_s``, it sets how long Redis may go without answering this worker before
+            its sight of Redis breaks (half the shorter one).
 
     Attributes:
         state, intake, publisher, recovery, origins: the collaborators (module docstring).
     """
 
     def __init__(self, engine: LLMEngine, client: redis.Redis, keys: Keys, worker_id: str, *,
-                 prefetch: int, usage_sink: UsageSink | None = None, web_ttl_s: float = 10.0):
+                 prefetch: int, usage_sink: UsageSink | None = None, web_ttl_s: float = 10.0,
+                 heartbeat_ttl_s: float = 10.0):
         self.engine = engine
         self.client = client
         self.keys = keys
         self.worker_id = worker_id
         self.queue = FairQueue(client, keys, worker_id, engine.config.scheduling_policy)
-        self.state = WorkerState(usage_sink)
+        self.state = WorkerState(usage_sink, sight_gap_s=min(web_ttl_s, heartbeat_ttl_s) / 2)
         self.origins = WebOrigins(self.state, client, keys, web_ttl_s)
         self.publisher = EventPublisher(self.state, engine, self.queue, client, keys)
         self.intake = Intake(self.state, engine, self.queue, client, keys,
@@ -103,21 +108,17 @@ class WorkerBridge:
         engine.event_sink = self.publisher.on_events
         engine.preempt_sink = self.intake.on_preempted
 
-    @property
-    def redis_ok_since(self) -> float:
-        """Monotonic time since which Redis has answered without a break (the main loop sets
-        it: ``inf`` during an outage); :attr:`WorkerState.redis_ok_since`."""
-        return self.state.redis_ok_since
-
-    @redis_ok_since.setter
-    def redis_ok_since(self, value: float) -> None:
-        self.state.redis_ok_since = value
-
     # -- calls the collaborators answer -----------------------------------------------------
 
     def poll(self, block_ms: int = 50) -> int:
-        """:meth:`Intake.poll`: take what this worker can start soon; return how many."""
-        return self.intake.poll(block_ms)
+        """:meth:`Intake.poll`: take what this worker can start soon; return how many. A worker
+        that Redis says was reclaimed (it was silent past its TTL) first stops what it held
+        and registers afresh (:meth:`Recovery.on_reclaimed`), and takes at the next call."""
+        try:
+            return self.intake.poll(block_ms)
+        except Reclaimed:
+            self.recovery.on_reclaimed()
+            return 0
 
     def reconcile_queue(self) -> None:
         """:meth:`Intake.reconcile_queue`: release from gate 1 what its engine admitted."""
@@ -226,6 +227,8 @@ class WorkerBridge:
         pipe.zadd(self.keys.workers, {self.worker_id: time.time()}, xx=state.registered, ch=True)
         pipe.set(self.keys.stats(self.worker_id), json.dumps(snapshot, default=str),
                  px=max(1, int(ttl_s * 1000)))
+        if not state.registered:  # afresh: what a reclaim of its id marked is over
+            pipe.delete(self.keys.fq("reclaimed", self.worker_id))
         still_registered = pipe.execute()[0]
         if state.registered and not still_registered:
             self.recovery.on_reclaimed()

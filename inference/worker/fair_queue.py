@@ -7,6 +7,12 @@ then arrival; or priority then arrival (FCFS). Each method is one Lua script, so
 queue is atomic. Only the worker's main thread calls :meth:`take`, :meth:`requeue`,
 :meth:`preempt`, :meth:`charge`, :meth:`expire` and :meth:`reclaim`; the engine thread calls
 :meth:`write_events` and :meth:`nudge`.
+
+Every take of a request gives it a new take token (:attr:`QueuedRequest.take`); each write or end
+of the request by its worker carries the token of the take it belongs to, and Redis refuses one
+that is not the request's current take: a worker only paused (a GC pause, a stolen VM, swap)
+longer than its heartbeat TTL was reclaimed meanwhile, and what it still writes for its earlier
+takes, even of a request it took again since, is dropped.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,11 +38,26 @@ def _ids(values: Iterable[bytes | str]) -> list[str]:
     return [v.decode() if isinstance(v, bytes) else str(v) for v in values]
 
 
+# An event and the take token of the take it belongs to, as a worker writes it.
+Owned = tuple[Event, str]
+
+
+class Reclaimed(Exception):  # noqa: N818 - a state, not a failure of the call
+    """This worker was reclaimed while it was silent and has not registered afresh: it takes
+    nothing until it has stopped what it held (:meth:`FairQueue.take`)."""
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 @dataclass(frozen=True)
 class QueuedRequest:
-    """A request as the queue holds it: its id, fairness key, tier, arrival and message.
+    """A request as the queue handed it to this worker: its id, fairness key, tier, arrival,
+    message and take token.
 
     ``message`` is None when the stored message does not validate (it is then dropped).
+    ``take``: the token of this take (a new one for every take of the request).
     """
 
     request_id: str
@@ -44,9 +65,10 @@ class QueuedRequest:
     priority: int
     arrival: int
     message: RequestMessage | None
+    take: str = ""
 
     @classmethod
-    def from_record(cls, raw: bytes | str) -> QueuedRequest:
+    def from_record(cls, raw: bytes | str, take: bytes | str = "") -> QueuedRequest:
         record = json.loads(raw)
         try:
             message = RequestMessage.from_json(record["body"])
@@ -54,7 +76,7 @@ class QueuedRequest:
             log.exception("dropping malformed request message %s", record.get("id"))
             message = None
         return cls(record["id"], record["key"], int(record["prio"]), int(record["seq"]),
-                   message)
+                   message, _text(take))
 
 
 class FairQueue:
@@ -74,7 +96,7 @@ class FairQueue:
         self.policy = str(policy)
         self._scripts = {name: client.register_script(queue_script(name))
                          for name in ("take", "events", "requeue", "charge", "withdraw",
-                                      "reclaim", "enqueue", "gate1", "preempt")}
+                                      "reclaim", "enqueue", "gate1", "preempt", "release")}
         self.wake_self = keys.fq("wake", worker_id)
         self._tiers: list[int] = []
         self._tiers_read_at = float("-inf")
@@ -87,13 +109,18 @@ class FairQueue:
 
         With ``above``, only requests of a higher tier than it are taken (the fair order's
         head first, so none when the head's tier is not higher). Each counts as held (gate 1)
-        until :meth:`release_held` says its engine admitted it.
+        until :meth:`release_held` says its engine admitted it, and carries its take token.
+
+        Raises:
+            Reclaimed: this worker was reclaimed while silent; nothing was taken.
         """
         if n <= 0:
             return []
         extra = [] if above is None else [int(above)]
         raw = self._run("take", self.worker_id, n, self.policy, *extra)
-        return [QueuedRequest.from_record(r) for r in raw]
+        if not isinstance(raw, list):
+            raise Reclaimed(self.worker_id)
+        return [QueuedRequest.from_record(raw[i], raw[i + 1]) for i in range(0, len(raw), 2)]
 
     def wait(self, timeout_s: float, above: int | None = None) -> bool:
         """Block until a request is enqueued (with ``above``: in a higher tier than it) or this
@@ -125,50 +152,59 @@ class FairQueue:
         pipe.expire(self.wake_self, 60)
         pipe.execute()
 
-    def preempt(self, message: RequestMessage, usage: Usage) -> bool:
+    def preempt(self, message: RequestMessage, usage: Usage, take: str) -> bool:
         """Put a request this worker preempted back at its place in the queue, with ``message``
-        (its resume state) for the next worker and its ``usage`` so far; False when this worker
-        does not own it any more (then nothing changed)."""
+        (its resume state) for the next worker and its ``usage`` so far; False when ``take``
+        (its take token) is not the request's current take here any more (then nothing
+        changed)."""
         deadline = message.deadline() or 0
-        return bool(self._run("preempt", self.worker_id, message.request_id, message.to_json(),
-                              usage.model_dump_json(), deadline))
+        return bool(self._run("preempt", self.worker_id, message.request_id, take,
+                              message.to_json(), usage.model_dump_json(), deadline))
 
-    def requeue(self, request_ids: Sequence[str]) -> int:
-        """Hand taken requests back to their places for any worker; return how many went back."""
-        if not request_ids:
+    def requeue(self, takes: Mapping[str, str]) -> int:
+        """Hand taken requests (request id -> take token) back to their places for any worker;
+        return how many went back (a take no longer current is left alone)."""
+        if not takes:
             return 0
-        return int(self._run("requeue", self.worker_id, *request_ids))
+        args = [part for rid, take in takes.items() for part in (rid, take)]
+        return int(self._run("requeue", self.worker_id, *args))
 
-    def release_held(self, n: int) -> None:
-        """``n`` held requests left this worker's pending queue (admitted, or ended)."""
-        if n:
-            self.client.hincrby(self.keys.fq("held"), self.worker_id, -n)
+    def release_held(self, n: int) -> bool:
+        """``n`` held requests left this worker's pending queue (admitted, or ended); False
+        when nothing changed: this worker was reclaimed (its held count went with it)."""
+        if not n:
+            return True
+        return bool(self._run("release", self.worker_id, n))
 
-    def write_events(self, events: Iterable[Event], ttl_s: int,
-                     prompt_tokens: dict[str, int] | None = None) -> list[str]:
-        """Append events to their requests' streams, for the requests this worker owns.
+    def write_events(self, events: Iterable[Owned], ttl_s: int,
+                     prompt_tokens: Mapping[str, int] | None = None) -> set[tuple[str, str]]:
+        """Append events to their requests' streams, for the takes this worker owns.
 
-        A request's final event ends it (its usage entry goes to the ledger, its leases are
-        released). Writing the same events again (a retry after a lost reply) writes nothing
-        twice.
+        Each event comes with the take token of the take it belongs to; one whose take is not
+        the request's current take at this worker is dropped. A request's final event ends it
+        (its usage entry goes to the ledger, its leases are released). Writing the same events
+        again (a retry after a lost reply) writes nothing twice.
 
         Args:
+            events: ``(event, take token)`` pairs, in order.
             prompt_tokens: request id -> its prompt's tokens, recorded with its first event (a
                 request that ends with its worker is billed for its prompt).
 
         Returns:
-            The ids of requests the worker no longer owns (reclaimed while it was silent, or
-            lost with Redis's data): their events were dropped, and the caller should stop them.
+            The ``(request id, take token)`` of the takes the worker no longer owns (reclaimed
+            while it was silent, taken again since, or lost with Redis's data): their events
+            were dropped, and the caller should stop them.
         """
         counts = prompt_tokens or {}
         args: list[Any] = []
-        for event in events:
+        for event, take in events:
             args += [event.request_id, "1" if isinstance(event, FinalEvent) else "0",
-                     event.seq, event.model_dump_json(), counts.get(event.request_id, "")]
+                     event.seq, event.model_dump_json(), counts.get(event.request_id, ""),
+                     take]
         if not args:
-            return []
-        lost = self._run("events", self.worker_id, ttl_s, *args)
-        return [i.decode() if isinstance(i, bytes) else i for i in lost]
+            return set()
+        lost = _ids(self._run("events", self.worker_id, ttl_s, *args))
+        return {(lost[i], lost[i + 1]) for i in range(0, len(lost), 2)}
 
     def charge(self, service: dict[str, float]) -> None:
         """Add weighted tokens (``w_in`` x computed prompt + ``w_out`` x generated, divided by
@@ -188,10 +224,12 @@ class FairQueue:
         """
         return _ids(self._run("withdraw", ttl_s, "expired", limit))
 
-    def reclaim(self, ttl_s: float, events_ttl_s: int, *,
+    def reclaim(self, ttl_s: float, events_ttl_s: int, *, sight_s: float,
                 include_self: bool = False) -> tuple[int, list[str], list[str]]:
-        """Reclaim the requests of workers whose heartbeat is older than ``ttl_s`` (and, with
-        ``include_self``, what an earlier process left under this worker's own id).
+        """Reclaim the requests of workers whose heartbeat is older than ``ttl_s``, as a judge
+        that has seen Redis answer without a break for ``sight_s`` seconds judges them
+        (:func:`inference.protocol.liveness.declares_dead`; none below ``ttl_s``), and, with
+        ``include_self``, what an earlier process left under this worker's own id.
 
         Requests they took and had not started go back to their places; those they were running
         end with a retryable ``worker_lost`` error saying how many tokens their stream holds.
@@ -201,7 +239,7 @@ class FairQueue:
             ended: their usage entries are in the ledger).
         """
         extra = [self.worker_id] if include_self else []
-        reply = self._run("reclaim", ttl_s, events_ttl_s, *extra)
+        reply = self._run("reclaim", ttl_s, events_ttl_s, min(float(sight_s), 1e9), *extra)
         workers = json.loads(reply[1])  # cjson writes an empty list as {}
         return int(reply[0]), list(workers or []), _ids(reply[2:])
 
@@ -212,6 +250,14 @@ class FairQueue:
         pipe.hkeys(self.keys.fq("running", self.worker_id))
         taken, running = pipe.execute()
         return _ids(taken), _ids(running)
+
+    def takes(self, request_ids: Sequence[str]) -> dict[str, str]:
+        """The current take token of each of ``request_ids`` that has one (taken or running)."""
+        if not request_ids:
+            return {}
+        tokens = self.client.hmget(self.keys.fq("take"), list(request_ids))
+        return {rid: _text(t) for rid, t in zip(request_ids, tokens, strict=True)
+                if t is not None}
 
     def enqueue(self, message: RequestMessage) -> int:
         """Put a new request in the queue without the web tier's limits (tools, tests)."""

@@ -10,6 +10,11 @@ requests its engine preempted going back (:class:`Intake`, owned by
   comes first (:meth:`Intake.poll`).
 - A request it takes counts in gate 1 until its engine admits it (:meth:`Intake.reconcile_queue`
   releases those that left the engine's pending queue) or it ends.
+- A request it takes again while its engine still holds an earlier take of it (this worker was
+  paused past its heartbeat TTL, reclaimed, and the request went back to the queue) waits beside
+  the engine: the earlier take is stopped, and the new one enters the engine once the earlier
+  one has left it (:meth:`Intake.poll` starts it then). The earlier take's events carry its own
+  take token, so Redis drops them; the new take is served in full.
 - A request its engine preempted leaves the engine with its
   :class:`~inference.engine.request.ResumeState` (:meth:`Intake.on_preempted`, engine thread). The
   main thread writes the request's events first, then puts it back at its place in the shared queue
@@ -106,15 +111,24 @@ class Intake:
         self.publisher = publisher
         self.origins = origins
         self.prefetch = max(0, prefetch)
-        self._preempted: list[ResumeState] = []
+        # Preempted requests (engine thread) with the take token of the take preempted.
+        self._preempted: list[tuple[ResumeState, str]] = []
         self._preempted_lock = threading.Lock()
+        # Requests taken again while the engine still holds an earlier take of them, by id
+        # (main thread): each enters the engine once that one has left it.
+        self._waiting: dict[str, QueuedRequest] = {}
+
+    def num_waiting(self) -> int:
+        """Requests taken again that wait for an earlier take of theirs to leave the engine."""
+        return len(self._waiting)
 
     def room(self) -> int:
         """Requests this worker may take now: its free rows and ``prefetch`` more, less those
-        already waiting in its engine."""
+        already waiting in its engine or beside it (taken again, :meth:`num_waiting`)."""
         stats = self.engine.stats()
         free = stats["max_batch_size"] - stats["num_active"] - stats["num_prefilling"]
-        return max(0, free) + self.prefetch - self.engine.num_queued()
+        return (max(0, free) + self.prefetch - self.engine.num_queued()
+                - len(self._waiting))
 
     def preempt_room(self) -> tuple[int, int] | None:
         """``(n, tier)``: with its rows full, this worker may take ``n`` requests of a higher
@@ -125,18 +139,24 @@ class Intake:
         if not rows:
             return None
         submitted_since = max(0, self.engine.num_queued() - stats["num_pending"])
-        n = rows["rows"] - rows["pending_above"] - submitted_since
+        n = rows["rows"] - rows["pending_above"] - submitted_since - len(self._waiting)
         return (n, rows["tier"]) if n > 0 else None
 
     def poll(self, block_ms: int = 50) -> int:
         """Take what this worker can start soon, in the deployment's fair order; return how many.
 
-        Preempted requests go back to the queue first. With room and nothing waiting it blocks
-        up to ``block_ms`` for the next enqueue; with its rows full of rows it may preempt, up
-        to ``block_ms`` for a higher tier's enqueue or a row of its own to end; with no room
+        Preempted requests go back to the queue first, and requests taken again whose earlier
+        take left the engine enter it. With room and nothing waiting it blocks up to
+        ``block_ms`` for the next enqueue; with its rows full of rows it may preempt, up to
+        ``block_ms`` for a higher tier's enqueue or a row of its own to end; with no room
         otherwise, up to ``block_ms`` for one of its requests to end. Woken, it takes at once.
+
+        Raises:
+            Reclaimed: this worker was reclaimed while silent (it takes nothing until it has
+                stopped what it held: :meth:`inference.worker.recovery.Recovery.on_reclaimed`).
         """
         self.hand_back_preempted()
+        self._start_waiting()
         room = self._room_now()
         if room is None:
             # Until a row frees up (a request's end wakes it) or the poll interval passes.
@@ -171,50 +191,85 @@ class Intake:
 
     def _take(self, queued: QueuedRequest) -> None:
         self.state.held += 1  # counted in gate 1 until its engine admits it
-        message = queued.message
+        self._start(queued)
+
+    def _start(self, queued: QueuedRequest) -> None:
+        """Submit a request taken (and counted in ``held``) to the engine, or end it here."""
+        message, take = queued.message, queued.take
         if message is None:
-            self._end_unadmitted(queued.request_id, FinishReason.ERROR, ErrorInfo(
+            self._end_unadmitted(queued.request_id, take, FinishReason.ERROR, ErrorInfo(
                 code=ErrorCode.INVALID_REQUEST, message="the request message was malformed"))
             return
         rid = message.request_id
         if self.client.exists(self.keys.aborted(rid)) or not self.origins.alive(message.origin):
-            self._end_unadmitted(rid, FinishReason.ABORT, message=message)
+            self._end_unadmitted(rid, take, FinishReason.ABORT, message=message)
             return
         expired = queue_timeout(message)
         if expired is not None:
-            self._end_unadmitted(rid, FinishReason.ERROR, expired, message)
+            self._end_unadmitted(rid, take, FinishReason.ERROR, expired, message)
+            return
+        if not self.state.enter_engine(rid, take):
+            # Taken again while the engine still holds an earlier take of it (reclaimed from
+            # this worker while it was paused): that one stops, and this one enters the engine
+            # once it has left (its final event, or its preemption, says so).
+            log.warning("request %s taken again while an earlier take of it is in the engine: "
+                        "stopping that one first", rid)
+            self.state.add(rid, LiveRequest(message, take))
+            self._waiting[rid] = queued
+            self.engine.abort(rid)
             return
         try:
             kwargs = submit_args(message, self.engine.tokenizer, self.engine.max_model_len)
             if message.resume is not None:  # preempted: it goes on where it stopped
                 kwargs["resume"] = from_wire(message, kwargs["sampling"])
-            self.state.add(rid, LiveRequest(message, len(kwargs["prompt_token_ids"])))
+            self.state.add(rid, LiveRequest(message, take, len(kwargs["prompt_token_ids"])))
             self.engine.submit(**kwargs)
         except (QueueFullError, EngineStoppedError):
             # This worker cannot take it now: back to its place for any worker (still counted).
-            self.state.forget(rid)
+            self.state.left_engine(rid)
+            self.state.forget(rid, take)
             self.state.held -= 1
-            self.queue.requeue([rid])
+            self.queue.requeue({rid: take})
             return
         except EngineRefusal as exc:
-            self.state.forget(rid)
-            self._end_unadmitted(rid, FinishReason.ERROR, exc.error, message)
+            self.state.left_engine(rid)
+            self.state.forget(rid, take)
+            self._end_unadmitted(rid, take, FinishReason.ERROR, exc.error, message)
             return
         if self.client.exists(self.keys.aborted(rid)):
             self.engine.abort(rid)  # the abort may have been published before we submitted
 
+    def _start_waiting(self) -> None:
+        """Submit the requests taken again whose earlier take has left the engine."""
+        for rid, queued in list(self._waiting.items()):
+            if self.state.in_engine(rid):
+                continue
+            del self._waiting[rid]
+            if self.state.holds(rid, queued.take):  # not ended nor handed back meanwhile
+                self.state.forget(rid, queued.take)
+                self._start(queued)
+
+    def withdraw_waiting(self) -> dict[str, str]:
+        """Forget the requests taken again that wait beside the engine; return their take
+        tokens by id (for a hand-back to the queue)."""
+        waiting, self._waiting = self._waiting, {}
+        return {rid: q.take for rid, q in waiting.items()
+                if self.state.forget(rid, q.take) is not None}
+
     def reconcile_queue(self) -> None:
         """Release from gate 1 the requests that left this engine's pending queue (main thread).
+
+        Those taken again that wait beside the engine are still held.
 
         Raises:
             redis.RedisError: Redis is unreachable (they are released at the next call).
         """
-        left = self.state.held - self.engine.num_queued()
+        left = self.state.held - self.engine.num_queued() - len(self._waiting)
         if left > 0:
             self.queue.release_held(left)
             self.state.held -= left
 
-    def _end_unadmitted(self, request_id: str, reason: FinishReason,
+    def _end_unadmitted(self, request_id: str, take: str, reason: FinishReason,
                         error: ErrorInfo | None = None,
                         message: RequestMessage | None = None) -> None:
         """Finish a request this worker took that never entered its engine (a preempted one:
@@ -223,7 +278,7 @@ class Intake:
         event = FinalEvent(request_id=request_id, finish_reason=reason, error=error)
         if resume is not None:
             event = event.model_copy(update={"seq": resume.next_seq, "usage": resume.usage()})
-        lost = self.queue.write_events([event], EVENTS_TTL_S)
+        lost = self.queue.write_events([(event, take)], EVENTS_TTL_S)
         self.state.count_outside(reason)
         self.state.held -= 1
         self.queue.release_held(1)
@@ -235,8 +290,10 @@ class Intake:
     def on_preempted(self, states: list[ResumeState]) -> None:
         """The engine preempted these requests (engine thread, after their tick's events):
         they go back to the shared queue from the main thread (:meth:`hand_back_preempted`)."""
+        # Each has left the engine: with the take token of the take preempted.
+        taken = [(s, self.state.left_engine(s.request_id) or "-") for s in states]
         with self._preempted_lock:
-            self._preempted.extend(states)
+            self._preempted.extend(taken)
         self.state.row_freed.set()
         try:
             self.queue.nudge()
@@ -257,37 +314,40 @@ class Intake:
             return 0
         self.publisher.flush_events()  # every token it streamed is in its stream before it moves
         back = 0
-        for resume_state in preempted:
-            back += self._hand_back(resume_state)
+        for item in preempted:
+            back += self._hand_back(*item)
             with self._preempted_lock:
-                self._preempted.remove(resume_state)
+                self._preempted.remove(item)
         return back
 
-    def _hand_back(self, preempted: ResumeState) -> int:
+    def _hand_back(self, preempted: ResumeState, take: str) -> int:
         rid = preempted.request_id
         live = self.state.get(rid)
         resume = to_wire(preempted)
         usage = resume.usage()
-        if live is None:  # ended meanwhile: reclaimed, or lost with Redis's data
-            wiped = self.state.wiped.pop(rid, None)
-            if wiped is not None:
+        if live is None or live.take != take:
+            # Ended meanwhile (reclaimed, or lost with Redis's data), or a stale take of a
+            # request taken again: nothing goes back.
+            wiped = self.state.wiped.get(rid)
+            if wiped is not None and wiped.take == take:
+                del self.state.wiped[rid]
                 self.publisher.write_unowned_final(FinalEvent(
                     request_id=rid, seq=preempted.next_seq, finish_reason=FinishReason.ABORT,
                     usage=usage), wiped)
             return 0
         if self.client.exists(self.keys.aborted(rid)) or not self.origins.alive(
                 live.message.origin):
-            lost = self.queue.write_events([FinalEvent(
+            lost = self.queue.write_events([(FinalEvent(
                 request_id=rid, seq=preempted.next_seq, finish_reason=FinishReason.ABORT,
-                usage=usage)], EVENTS_TTL_S)
-            self.state.forget(rid)
+                usage=usage), take)], EVENTS_TTL_S)
+            self.state.forget(rid, take)
             self.state.count_outside(FinishReason.ABORT)
             if not lost:
                 self.state.record_ended(rid)
             return 0
         message = live.message.model_copy(update={"resume": resume})
-        back = self.queue.preempt(message, usage)
-        self.state.forget(rid)
+        back = self.queue.preempt(message, usage, take)
+        self.state.forget(rid, take)
         if not back:
             log.warning("preempted request %s is no longer this worker's", rid)
         return int(back)

@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         settings.broker_url, settings.celery_queue)
     bridge = WorkerBridge(engine, client, settings.keys, worker_id,
                           prefetch=settings.worker_prefetch, usage_sink=usage_sink,
-                          web_ttl_s=settings.web_heartbeat_ttl_s)
+                          web_ttl_s=settings.web_heartbeat_ttl_s,
+                          heartbeat_ttl_s=settings.worker_heartbeat_ttl_s)
     pubsub = client.pubsub(ignore_subscribe_messages=True)
     pubsub.subscribe(**{bridge.keys.control: bridge.on_control})
 
@@ -184,7 +185,10 @@ def serve(bridge: WorkerBridge, stop: threading.Event, *, heartbeat_ttl_s: float
 
     Each round takes work, writes waiting events, releases gate 1, charges the fairness
     counters and hands usage on; each heartbeat it publishes stats, sweeps the queue and audits
-    what it holds. A Redis error ends the round, not the loop (backoff, then the next round).
+    what it holds. Each round that succeeds feeds the worker's sight of Redis (a round that
+    hung, or a pause of the process, breaks it: :mod:`inference.protocol.liveness`), against
+    which it judges heartbeats. A Redis error ends the round, not the loop (backoff, then the
+    next round).
     Once ``stop`` is set it drains: no new work, unadmitted requests go back to the queue, the
     running ones have ``drain_s`` seconds to finish, then what is left ends with
     ``worker_shutdown``.
@@ -193,9 +197,11 @@ def serve(bridge: WorkerBridge, stop: threading.Event, *, heartbeat_ttl_s: float
         How many requests went back to the shared queue at the end.
     """
     backoff = Backoff()
+    sight = bridge.state.sight
     while True:  # Redis may be down at start too
         try:
             bridge.publish_stats(heartbeat_ttl_s)
+            sight.answered()
             break
         except redis.RedisError as exc:
             backoff.failed(exc, stop)
@@ -231,10 +237,10 @@ def serve(bridge: WorkerBridge, stop: threading.Event, *, heartbeat_ttl_s: float
                     bridge.housekeep(heartbeat_ttl_s)
                     bridge.audit()
                     next_beat = now + heartbeat_interval_s
-                if backoff.succeeded():
-                    bridge.redis_ok_since = time.monotonic()
+                sight.answered()
+                backoff.succeeded()
             except redis.RedisError as exc:
-                bridge.redis_ok_since = float("inf")  # until it is back
+                sight.lost()  # until it is back, and for a heartbeat TTL after
                 backoff.failed(exc, stop if drain_until is None else threading.Event())
     finally:
         try:

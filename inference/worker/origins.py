@@ -4,6 +4,9 @@ Each web process beats in the ``{prefix}:web`` sorted set (``WEB_HEARTBEAT_TTL_S
 message names the process that admitted it (its origin). A worker stops the generations whose
 origin is gone (nobody reads their answers) and ends unstarted ones at once
 (:mod:`inference.worker.intake`, :mod:`inference.worker.recovery`; ``docs/design.md``, "Faults").
+It judges each heartbeat against its own sight of Redis (:mod:`inference.protocol.liveness`):
+for a TTL after Redis stopped answering it (or after it was paused), no web process is gone,
+and when every web process's heartbeat is stale at once, the silence is taken for an outage.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import time
 import redis
 
 from inference.protocol.keys import Keys
+from inference.protocol.liveness import declares_dead
 from inference.worker.live import WorkerState
 
 # Origins first seen without a heartbeat that are remembered, at most (then forgotten at once).
@@ -23,7 +27,7 @@ class WebOrigins:
     """Judges web processes by their heartbeats (main thread).
 
     Args:
-        state: the worker's shared state (its ``redis_ok_since``).
+        state: the worker's shared state (its sight of Redis).
         client: a Redis client.
         keys: key names.
         web_ttl_s: a web process whose heartbeat is older than this (seconds) is gone.
@@ -38,19 +42,28 @@ class WebOrigins:
         self._missing: dict[str, float] = {}
 
     def alive(self, origin: str) -> bool:
-        """Whether the web process ``origin`` has a heartbeat younger than ``web_ttl_s`` (one
-        never seen counts as alive for ``web_ttl_s`` from when it was first missed).
+        """Whether the web process ``origin`` is alive: its heartbeat is younger than
+        ``web_ttl_s``, or this worker cannot tell it dead
+        (:func:`inference.protocol.liveness.declares_dead`: its own sight of Redis is shorter
+        than the TTL, or every web heartbeat is stale at once). One never seen counts as alive
+        for ``web_ttl_s`` from when it was first missed.
 
         Raises:
             redis.RedisError: Redis is unreachable.
         """
-        if not origin or time.monotonic() - self.state.redis_ok_since < self.web_ttl_s:
+        sight_s = self.state.sight.seconds()
+        if not origin or sight_s < self.web_ttl_s:
             return True  # (just after an outage, no web process could beat: not judged)
         beat = self.client.zscore(self.keys.web, origin)
         now = time.time()
         if beat is not None:
             self._missing.pop(origin, None)
-            return now - float(beat) <= self.web_ttl_s
+            age = now - float(beat)
+            if age <= self.web_ttl_s:
+                return True
+            freshest = self.client.zrevrange(self.keys.web, 0, 0, withscores=True)
+            freshest_age = now - float(freshest[0][1]) if freshest else age
+            return not declares_dead(age, freshest_age, sight_s, self.web_ttl_s)
         first = self._missing.setdefault(origin, time.monotonic())
         if len(self._missing) > MAX_MISSING_ORIGINS:
             self._missing.clear()

@@ -2,17 +2,19 @@
 
 The engine thread hands a tick's events over (:meth:`EventPublisher.on_events`); they are written
 on the publisher thread (:meth:`EventPublisher.start_publisher`), or at once on the engine thread
-without one. One write is one Lua script run (``FairQueue.write_events``): it writes only the
-events of requests this worker owns, records the next ``seq`` of each, and ends a request with
-its final event. A Redis outage is ridden out here: events wait, in order, in a buffer and are
-written when Redis is back, at most once each (the main thread's
-:meth:`EventPublisher.flush_events`).
+without one. Each event is tagged, as the engine hands it out, with the take token of the take
+the engine emitted it for (:meth:`inference.worker.live.WorkerState.tag`). One write is one Lua
+script run (``FairQueue.write_events``): it writes only the events of takes this worker owns,
+records the next ``seq`` of each request, and ends a request with its final event. A Redis
+outage is ridden out here: events wait, in order, in a buffer and are written when Redis is back,
+at most once each (the main thread's :meth:`EventPublisher.flush_events`).
 
 A write that finds a request no longer this worker's tells why: Redis lost its data (the
 ``lost_sink`` the bridge sets, :meth:`inference.worker.recovery.Recovery.check_data_loss`, moves
 every live request to the wiped ones, whose final events are then written without ownership,
-:meth:`EventPublisher.write_unowned_final`), or another worker reclaimed it while this one was
-silent (it is stopped here).
+:meth:`EventPublisher.write_unowned_final`), or the take was reclaimed while this worker was
+silent (it is stopped here, unless the request was taken again since: then only the stale take,
+whose events and final are dropped, leaves the engine).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from inference.protocol.events import (
     encode_event,
 )
 from inference.protocol.keys import EVENTS_TTL_S, Keys
-from inference.worker.fair_queue import FairQueue
+from inference.worker.fair_queue import FairQueue, Owned
 from inference.worker.live import LiveRequest, WorkerState
 
 log = logging.getLogger(__name__)
@@ -68,9 +70,10 @@ class EventPublisher:
         self.client = client
         self.keys = keys
         self.lost_sink: Callable[[], None] | None = None
-        # Events not yet written, in order (guarded by _unsent_lock); _send_lock serializes the
-        # writes (the engine or publisher thread, and the main thread's flushes).
-        self._unsent: list[Event] = []
+        # Events not yet written, in order, each with its take token (guarded by _unsent_lock);
+        # _send_lock serializes the writes (the engine or publisher thread, and the main
+        # thread's flushes).
+        self._unsent: list[Owned] = []
         self._unsent_lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._publisher: threading.Thread | None = None
@@ -122,12 +125,13 @@ class EventPublisher:
         When Redis is unreachable the events wait, in order, and go out with the next write or
         :meth:`flush_events`; the engine goes on generating meanwhile.
         """
+        tagged = self.state.tag(events)  # now: a later take of the same id may follow at once
         if any(isinstance(e, FinalEvent) for e in events):
             self.state.row_freed.set()
             if self.state.waiting_full:  # a main thread waiting with its rows full: a row is free
                 self.queue.nudge()
         with self._unsent_lock:
-            self._unsent.extend(events)
+            self._unsent.extend(tagged)
         if self._publisher is not None:
             self._publish_now.set()
             return
@@ -147,9 +151,9 @@ class EventPublisher:
             events, self._unsent = self._unsent, []
         if not events:
             return
-        counts = self.state.unstarted_prompts(event.request_id for event in events)
+        counts = self.state.unstarted_prompts((e.request_id, take) for e, take in events)
         try:
-            lost = set(self.queue.write_events(events, EVENTS_TTL_S, counts))
+            lost = self.queue.write_events(events, EVENTS_TTL_S, counts)
         except Exception as exc:  # kept, in front of what the engine emitted meanwhile
             with self._unsent_lock:
                 self._unsent[:0] = events
@@ -167,32 +171,33 @@ class EventPublisher:
             return
         if lost and self.lost_sink is not None:
             self.lost_sink()
-        for event in events:
-            if event.request_id in lost:
+        for event, take in events:
+            if (event.request_id, take) in lost:
                 continue
             if isinstance(event, TokenEvent):
+                self.state.mark_started(event.request_id, take)
                 live = self.state.get(event.request_id)
-                if live is not None:
-                    live.started = True
-            elif self.state.forget(event.request_id) is not None:
+                if live is not None and live.take == take:  # what its stream holds
+                    live.streamed = max(live.streamed, event.seq + 1)
+            elif self.state.forget(event.request_id, take) is not None:
                 self.state.record_ended(event.request_id)
-        for request_id in lost:
+        for request_id, take in lost:
             wiped = self.state.wiped.get(request_id)
-            final = next((e for e in events if e.request_id == request_id
-                          and isinstance(e, FinalEvent)), None)
-            if wiped is not None:
+            if wiped is not None and wiped.take == take:
+                final = next((e for e, t in events if e.request_id == request_id and t == take
+                              and isinstance(e, FinalEvent)), None)
                 if final is not None:
                     self.state.wiped.pop(request_id, None)
                     self.write_unowned_final(final, wiped)
                 continue
-            # Reclaimed while this worker was silent: another worker serves it (or ended it).
-            if self.state.forget(request_id) is not None:
+            # Reclaimed while this worker was silent: another take serves it (or it ended).
+            if self.state.drop_stale(request_id, take, self.engine.abort):
                 log.warning("request %s is no longer this worker's: stopping it", request_id)
-                self.engine.abort(request_id)
 
     def write_unowned_final(self, event: FinalEvent, live: LiveRequest) -> None:
         """End a request Redis lost: a retryable ``state_lost`` error (whatever the engine's own
-        end: it was stopped for this), billed for what the engine computed.
+        end: it was stopped for this), billed for the tokens its stream held when Redis lost it
+        (those the engine generated since never reached a client), and the prompt computed.
 
         The final event and the request's usage entry are written without ownership (Redis no
         longer records who holds it); its id is queued for its usage.
@@ -200,13 +205,15 @@ class EventPublisher:
         Raises:
             redis.RedisError: Redis is unreachable.
         """
+        streamed = min(event.usage.completion_tokens, live.streamed)
         lost = FinalEvent(
             request_id=event.request_id, seq=event.seq, finish_reason=FinishReason.ERROR,
-            usage=event.usage, text=event.text, timings=event.timings,
+            usage=event.usage.model_copy(update={"completion_tokens": streamed}),
+            text=event.text, timings=event.timings,
             error=ErrorInfo(code=ErrorCode.STATE_LOST, retryable=True,
                             message="the server's request store restarted and lost this "
                                     "request; retry it",
-                            details={"completion_tokens": event.usage.completion_tokens}))
+                            details={"completion_tokens": streamed}))
         stream = self.keys.events(event.request_id)
         entry = {"final": lost.model_dump_json(), "body": live.message.to_json(),
                  "first_at": None, "finished_at": time.time()}

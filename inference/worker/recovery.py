@@ -7,10 +7,14 @@
   and a request the queue says this worker took but the worker does not hold (the reply of a take
   was lost) goes back to its place.
 - :meth:`Recovery.housekeep` (every heartbeat): waiting requests past their admission deadline
-  end, and dead workers' requests are reclaimed; :meth:`Recovery.reclaim_predecessor` (its first
-  heartbeat): what an earlier process under this worker's id left.
-- Its heartbeat lapsed and it was reclaimed (:meth:`Recovery.on_reclaimed`): it stops what it still
-  runs (another worker has it, or it ended with ``worker_lost``).
+  end, and dead workers' requests are reclaimed, as this worker's own sight of Redis allows
+  (:mod:`inference.protocol.liveness`: not for a heartbeat TTL after Redis stopped answering it,
+  or after it was paused itself); :meth:`Recovery.reclaim_predecessor` (its first heartbeat):
+  what an earlier process under this worker's id left.
+- Its heartbeat lapsed and it was reclaimed (:meth:`Recovery.on_reclaimed`: its next heartbeat,
+  or its next take, which Redis refuses until then, says so): it stops everything it still holds,
+  every take of which is stale (another worker has it, it went back to the queue, or it ended
+  with ``worker_lost``), and registers afresh; only then does it take again.
 - Redis lost its data (the deployment's epoch changed, :meth:`Recovery.check_epoch` at each
   heartbeat, :meth:`Recovery.check_data_loss` when a write finds requests no longer this
   worker's): it stops what it ran and bills each request for what was computed (the final event
@@ -28,6 +32,7 @@ import uuid
 import redis
 
 from inference.engine.llm_engine import LLMEngine
+from inference.engine.request import Request
 from inference.protocol.events import FinishReason
 from inference.protocol.keys import EVENTS_TTL_S, Keys
 from inference.worker.fair_queue import FairQueue
@@ -102,7 +107,7 @@ class Recovery:
                                     "stopping it", origin, rid)
                 self.engine.abort(rid)
         taken, _running = self.queue.owned()
-        strays = self.state.missing(taken)
+        strays = self.queue.takes(self.state.missing(taken))
         if strays:
             log.warning("%d request(s) recorded as taken by this worker that it does not hold: "
                         "back to the queue", len(strays))
@@ -115,6 +120,8 @@ class Recovery:
 
         The same scripts run in the web tiers and a Celery beat task (whoever runs first does
         the work, once); the requests ended here have their usage recorded through this worker.
+        Heartbeats are judged against this worker's own sight of Redis (``state.sight``): for a
+        heartbeat TTL after Redis stopped answering it (or after it was paused), none is.
 
         Raises:
             redis.RedisError: Redis is unreachable.
@@ -122,9 +129,8 @@ class Recovery:
         for request_id in self.queue.expire(EVENTS_TTL_S):
             self.state.count_outside(FinishReason.ERROR)
             self.state.record_ended(request_id)
-        if time.monotonic() - self.state.redis_ok_since < heartbeat_ttl_s:
-            return  # just after an outage: a stale heartbeat may be a live worker's
-        requeued, workers, ended = self.queue.reclaim(heartbeat_ttl_s, EVENTS_TTL_S)
+        requeued, workers, ended = self.queue.reclaim(heartbeat_ttl_s, EVENTS_TTL_S,
+                                                      sight_s=self.state.sight.seconds())
         if workers:
             log.warning("reclaimed dead worker(s) %s: %d request(s) back in the queue, %d ended",
                         ", ".join(workers), requeued, len(ended))
@@ -136,7 +142,8 @@ class Recovery:
         """Reclaim what a process that ran under this worker's id before and died left under it
         (its first heartbeat, holding nothing yet): taken requests go back to the queue, running
         ones end."""
-        requeued, _, ended = self.queue.reclaim(ttl_s, EVENTS_TTL_S, include_self=True)
+        requeued, _, ended = self.queue.reclaim(ttl_s, EVENTS_TTL_S, include_self=True,
+                                                sight_s=self.state.sight.seconds())
         if requeued or ended:
             log.warning("an earlier process under this worker's id left %d request(s) "
                         "taken (back in the queue) and %d running (ended)", requeued,
@@ -145,16 +152,38 @@ class Recovery:
             self.state.record_ended(request_id)
 
     def on_reclaimed(self) -> None:
-        """This worker's heartbeat lapsed and another worker reclaimed its requests: stop what
-        it still runs, drop its gate-1 count, and register afresh."""
+        """This worker's heartbeat lapsed and its requests were reclaimed: stop what it still
+        holds, drop its gate-1 count, and register afresh (then it may take again).
+
+        Everything it holds is stale then: Redis refuses its takes from the reclaim until this
+        runs (``take.lua``), so each take it holds came before the reclaim. The requests its
+        engine still runs are stopped; one it takes again later enters the engine once the
+        stale take has left it (:class:`inference.worker.intake.Intake`).
+
+        Raises:
+            redis.RedisError: Redis is unreachable (it runs again at the next heartbeat).
+        """
         live = list(self.state.take_all())
-        log.error("this worker's heartbeat lapsed and its %d request(s) were reclaimed by "
-                  "another worker: stopping them", len(live))
+        self.intake.withdraw_waiting()
+        log.error("this worker's heartbeat lapsed and its %d request(s) were reclaimed: "
+                  "stopping them", len(live))
         for request_id in live:
             self.engine.abort(request_id)
         self.state.held = 0
-        self.client.hdel(self.keys.fq("held"), self.worker_id)
-        self.client.zadd(self.keys.workers, {self.worker_id: time.time()})
+        self.register()
+
+    def register(self) -> None:
+        """Publish this worker's heartbeat afresh, with no request held (its first heartbeat,
+        after a reclaim or a loss of Redis's data): its gate-1 count and its reclaimed mark go.
+
+        Raises:
+            redis.RedisError: Redis is unreachable.
+        """
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hdel(self.keys.fq("held"), self.worker_id)
+        pipe.delete(self.keys.fq("reclaimed", self.worker_id))
+        pipe.zadd(self.keys.workers, {self.worker_id: time.time()})
+        pipe.execute()
 
     # -- Redis losing its data ----------------------------------------------------------------
 
@@ -188,6 +217,7 @@ class Recovery:
         """Redis lost its data: the requests this worker holds are in no queue any more, and
         their readers ended them. Stop them; bill each for what was computed (its final event
         is written without ownership, with its usage entry)."""
+        self.intake.withdraw_waiting()  # never in the engine: nothing to stop nor to bill
         live = self.state.take_all()
         log.error("Redis lost its data (the epoch changed): stopping this worker's %d "
                   "request(s)", len(live))
@@ -209,11 +239,22 @@ class Recovery:
         """
         self.state.accepting = False
         withdrawn = self.engine.withdraw_pending()
-        back = [r.request_id for r in withdrawn if self.state.forget(r.request_id) is not None]
+        back = self._withdrawn(withdrawn)
         self.queue.requeue(back)
         self.state.held -= len(back)
         self.intake.reconcile_queue()
         return len(back)
+
+    def _withdrawn(self, withdrawn: list[Request]) -> dict[str, str]:
+        """The requests the engine gave back (never admitted) and those taken again that wait
+        beside it, as ``{request id: take token}`` of the takes this worker still holds (a stale
+        take leaves the engine with nothing to hand back)."""
+        back = self.intake.withdraw_waiting()
+        for request in withdrawn:
+            take = self.state.left_engine(request.request_id)
+            if take is not None and self.state.forget(request.request_id, take) is not None:
+                back[request.request_id] = take
+        return back
 
     def busy(self) -> bool:
         """Whether this worker still runs requests or has events to write."""
@@ -233,10 +274,7 @@ class Recovery:
         self.state.accepting = False
         withdrawn = self.engine.shutdown(timeout_s)
         self.publisher.stop_publisher()  # the engine's last events: written below, on this thread
-        back = []
-        for request in withdrawn:
-            if self.state.forget(request.request_id) is not None:
-                back.append(request.request_id)
+        back = self._withdrawn(withdrawn)
         # Still counted in gate 1: back to their places in the queue, for another worker.
         self.queue.requeue(back)
         self.state.held -= len(back)

@@ -55,7 +55,8 @@ def end_with(rclient, keys, message: RequestMessage, tokens: int, final: FinalEv
     assert taken.request_id == message.request_id
     events = [TokenEvent(request_id=message.request_id, seq=i, token_id=97, text="a")
               for i in range(tokens)]
-    assert queue.write_events([*events, final], 60, {message.request_id: prompt}) == []
+    owned = [(event, taken.take) for event in [*events, final]]
+    assert queue.write_events(owned, 60, {message.request_id: prompt}) == set()
 
 
 @pytest.fixture

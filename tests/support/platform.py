@@ -107,7 +107,7 @@ class InProcessWorker:
         self.keys = Keys(prefix)
         self.bridge = WorkerBridge(self.engine, self.client, self.keys, worker_id,
                                    prefetch=prefetch, usage_sink=self._report,
-                                   web_ttl_s=web_ttl_s)
+                                   web_ttl_s=web_ttl_s, heartbeat_ttl_s=heartbeat_ttl_s)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 

@@ -14,12 +14,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from inference.protocol.events import FinalEvent, FinishReason, TokenEvent
+from inference.protocol.events import FinalEvent, FinishReason, TokenEvent, Usage
 from inference.protocol.keys import Keys
 from inference.protocol.messages import RequestMessage
-from inference.worker.fair_queue import FairQueue
+from inference.worker.fair_queue import FairQueue, QueuedRequest, Reclaimed
 
 KEYS = ["acme", "beta", "gamma"]
+# The sight of Redis of a judge that has seen it answer for an hour (heartbeats are judged).
+SEEN = 3600.0
 PRIORITY = {"acme": 0, "beta": 0, "gamma": 10}
 
 
@@ -104,7 +106,7 @@ def test_requests_leave_the_queue_in_the_sort_key_order(rclient, redis_prefix, p
     queue = FairQueue(rclient, Keys(prefix), "w1", policy)
     model = Model(policy)
     keys_of: dict[str, str] = {}
-    taken: list[str] = []
+    taken: list[QueuedRequest] = []
     try:
         for op in operations:
             if op[0] == "enqueue":
@@ -113,16 +115,18 @@ def test_requests_leave_the_queue_in_the_sort_key_order(rclient, redis_prefix, p
                 queue.enqueue(m)
                 model.enqueue(op[1], m.request_id)
             elif op[0] == "take":
-                got = [q.request_id for q in queue.take(1)]
+                got = queue.take(1)
                 expected = model.take()
-                assert got == ([expected] if expected else [])
+                assert [q.request_id for q in got] == ([expected] if expected else [])
                 taken += got
             elif op[0] == "charge":
                 queue.charge({op[1]: op[2]})
                 model.charge(op[1], op[2])
             elif taken:
-                request_id = taken.pop(op[1] % len(taken))
-                assert queue.write_events([token(request_id), final(request_id)], 60) == []
+                done = taken.pop(op[1] % len(taken))
+                request_id = done.request_id
+                assert queue.write_events([(token(request_id), done.take),
+                                           (final(request_id), done.take)], 60) == set()
                 model.finish(keys_of[request_id])
         # Whatever is left comes out in the model's order too.
         while (expected := model.take()) is not None:
@@ -162,15 +166,16 @@ def test_a_dead_workers_taken_request_goes_back_once_and_its_running_one_ends_wi
     for m in (first, second, later):
         dead.enqueue(m)
     rclient.zadd(keys.workers, {"dead": time.time(), "alive": time.time()})
-    assert [q.request_id for q in dead.take(2)] == [first.request_id, second.request_id]
-    tokens = [TokenEvent(request_id=first.request_id, seq=i, token_id=1, text="x")
-              for i in range(3)]
-    assert dead.write_events(tokens, 60, {first.request_id: 7}) == []  # first is running
+    took = dead.take(2)
+    assert [q.request_id for q in took] == [first.request_id, second.request_id]
+    tokens = [(TokenEvent(request_id=first.request_id, seq=i, token_id=1, text="x"),
+               took[0].take) for i in range(3)]
+    assert dead.write_events(tokens, 60, {first.request_id: 7}) == set()  # first is running
 
     rclient.zadd(keys.workers, {"dead": time.time() - 60})  # its heartbeat lapsed
-    requeued, workers, ended = alive.reclaim(ttl_s=10, events_ttl_s=60)
+    requeued, workers, ended = alive.reclaim(ttl_s=10, events_ttl_s=60, sight_s=SEEN)
     assert (requeued, workers, ended) == (1, ["dead"], [first.request_id])
-    assert alive.reclaim(ttl_s=10, events_ttl_s=60) == (0, [], [])  # exactly once
+    assert alive.reclaim(ttl_s=10, events_ttl_s=60, sight_s=SEEN) == (0, [], [])  # once
     # The running one ended with a retryable error that says how far it got, billed for that.
     entries = [json.loads(f[b"data"]) for _, f in rclient.xrange(keys.events(first.request_id))]
     assert [e["type"] for e in entries] == ["token"] * 3 + ["final"]
@@ -183,7 +188,8 @@ def test_a_dead_workers_taken_request_goes_back_once_and_its_running_one_ends_wi
     # The taken one is back at its place, before the later request.
     assert [q.request_id for q in alive.take(2)] == [second.request_id, later.request_id]
     # Whatever the dead worker still writes for them is dropped.
-    assert dead.write_events([token(second.request_id)], 60) == [second.request_id]
+    stale = (token(second.request_id), took[1].take)
+    assert dead.write_events([stale], 60) == {(second.request_id, took[1].take)}
     assert rclient.xlen(keys.events(second.request_id)) == 0
     assert queue_for("alive").gate1() == 2  # both held by the live worker now
     assert not rclient.zscore(keys.workers, "dead")
@@ -193,18 +199,19 @@ def test_an_event_written_again_after_a_lost_reply_is_not_doubled(queue_for, rcl
     queue = queue_for()
     request = message("acme")
     queue.enqueue(request)
-    queue.take(1)
-    first = [TokenEvent(request_id=request.request_id, seq=i, token_id=1, text=str(i))
-             for i in range(2)]
+    [taken] = queue.take(1)
+    first = [(TokenEvent(request_id=request.request_id, seq=i, token_id=1, text=str(i)),
+              taken.take) for i in range(2)]
     queue.write_events(first, 60)
-    queue.write_events(first + [TokenEvent(request_id=request.request_id, seq=2, token_id=1,
-                                           text="2")], 60)  # the retry, and one more
+    queue.write_events(first + [(TokenEvent(request_id=request.request_id, seq=2, token_id=1,
+                                            text="2"), taken.take)], 60)  # the retry, and more
     texts = [json.loads(f[b"data"])["text"] for _, f in
              rclient.xrange(keys.events(request.request_id))]
     assert texts == ["0", "1", "2"]
-    end = FinalEvent(request_id=request.request_id, seq=3, finish_reason=FinishReason.LENGTH)
-    assert queue.write_events([end], 60) == []
-    assert queue.write_events([end], 60) == [request.request_id]  # ended: written once
+    end = (FinalEvent(request_id=request.request_id, seq=3, finish_reason=FinishReason.LENGTH),
+           taken.take)
+    assert queue.write_events([end], 60) == set()
+    assert queue.write_events([end], 60) == {(request.request_id, taken.take)}  # written once
     assert rclient.xlen(keys.events(request.request_id)) == 4
     assert rclient.hexists(keys.usage_pending, request.request_id)
 
@@ -276,7 +283,7 @@ def test_a_worker_that_finds_itself_reclaimed_stops_what_it_took(queue_for, rcli
     silent.queue.enqueue(request)
     assert silent.poll() == 1
     rclient.zadd(keys.workers, {"silent": time.time() - 60})
-    assert queue_for("live").reclaim(ttl_s=10, events_ttl_s=60)[0] == 1  # back in the queue
+    assert queue_for("live").reclaim(ttl_s=10, events_ttl_s=60, sight_s=SEEN)[0] == 1  # back
 
     silent.publish_stats(60)  # its next heartbeat: it learns it was reclaimed
     silent.engine.step()
@@ -285,3 +292,50 @@ def test_a_worker_that_finds_itself_reclaimed_stops_what_it_took(queue_for, rcli
     assert usage == [] and rclient.xlen(keys.events(request.request_id)) == 0
     assert queue_for("live").gate1() == 1  # waiting again, counted once
     assert rclient.zscore(keys.workers, "silent")  # registered afresh
+
+
+def test_a_stale_take_writes_nothing_even_once_the_same_worker_took_the_request_again(
+        queue_for, rclient, keys):
+    paused, judge = queue_for("paused"), queue_for("judge")
+    request = message("acme")
+    paused.enqueue(request)
+    [first] = paused.take(1)
+    rclient.zadd(keys.workers, {"paused": time.time() - 60})
+    assert judge.reclaim(ttl_s=10, events_ttl_s=60, sight_s=SEEN)[:2] == (1, ["paused"])
+    # Reclaimed while paused: it takes nothing, and releases nothing, until it registers again.
+    with pytest.raises(Reclaimed):
+        paused.take(1)
+    assert paused.release_held(1) is False
+    rclient.delete(keys.fq("reclaimed", "paused"))  # it stopped what it held: registered afresh
+    [second] = paused.take(1)
+    assert second.request_id == request.request_id and second.take != first.take
+    rid = request.request_id
+    # The first take's writes and ends are refused: a token, a final, a hand-back, a preemption.
+    assert paused.write_events([(token(rid), first.take)], 60) == {(rid, first.take)}
+    assert paused.write_events([(final(rid), first.take)], 60) == {(rid, first.take)}
+    assert paused.requeue({rid: first.take}) == 0
+    assert not paused.preempt(request, Usage(), first.take)
+    assert rclient.xlen(keys.events(rid)) == 0 and not rclient.hexists(keys.usage_pending, rid)
+    # The second take is served: both takes' events in one write, only its own go in.
+    assert paused.write_events([(token(rid), first.take), (token(rid), second.take),
+                                (final(rid), second.take)], 60) == {(rid, first.take)}
+    assert [json.loads(f[b"data"])["type"] for _, f in rclient.xrange(keys.events(rid))] == [
+        "token", "final"]
+    assert rclient.hexists(keys.usage_pending, rid) and not rclient.hexists(keys.fq("take"), rid)
+
+
+def test_a_take_handed_back_or_preempted_leaves_no_token_behind(queue_for, rclient, keys):
+    queue = queue_for()
+    back, preempted = message("acme"), message("acme")
+    queue.enqueue(back)
+    queue.enqueue(preempted)
+    first, second = queue.take(2)
+    assert queue.requeue({back.request_id: first.take}) == 1
+    assert queue.write_events([(token(preempted.request_id), second.take)], 60) == set()
+    assert queue.preempt(preempted, Usage(completion_tokens=1), second.take)
+    assert rclient.hlen(keys.fq("take")) == 0
+    # Taken again, each has a new token; the earlier ones stay refused.
+    again = {q.request_id: q.take for q in queue.take(2)}
+    assert again.keys() == {back.request_id, preempted.request_id}
+    assert not set(again.values()) & {first.take, second.take}
+    assert queue.requeue({back.request_id: first.take}) == 0

@@ -279,9 +279,9 @@ def test_a_worker_restarted_under_the_same_id_ends_what_the_dead_one_left(privat
     running, taken = request(50), request(50)
     queue.enqueue(running)
     queue.enqueue(taken)
-    queue.take(2)  # the dead process took both and was streaming the first
-    queue.write_events([TokenEvent(request_id=running.request_id, seq=0, token_id=97,
-                                   text="a")], 60)
+    first, _ = queue.take(2)  # the dead process took both and was streaming the first
+    queue.write_events([(TokenEvent(request_id=running.request_id, seq=0, token_id=97,
+                                    text="a"), first.take)], 60)
     client.zadd(keys.workers, {"w-fixed": time.time()})  # its heartbeat is still fresh
     worker = InProcessWorker(keys.prefix, private_redis.url, worker_id="w-fixed",
                              max_model_len=1024).start()

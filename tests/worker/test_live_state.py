@@ -14,7 +14,7 @@ from inference.worker.live import LiveRequest, WorkerState
 def live(origin: str = "") -> LiveRequest:
     return LiveRequest(RequestMessage(request_id=uuid.uuid4().hex, tenant="acme",
                                       fairness_key="acme", prompt="hi", origin=origin),
-                       prompt_tokens=3)
+                       take="1", prompt_tokens=3)
 
 
 def test_the_table_holds_a_request_from_its_take_to_its_end():
@@ -26,9 +26,9 @@ def test_the_table_holds_a_request_from_its_take_to_its_end():
     assert state.is_mine(rid) and state.get(rid) is request
     assert state.live_origins() == {rid: "web-1"}
     assert state.missing([rid, "other"]) == ["other"]
-    assert state.unstarted_prompts([rid, "other"]) == {rid: 3}
+    assert state.unstarted_prompts([(rid, "1"), (rid, "0"), ("other", "1")]) == {rid: 3}
     request.started = True
-    assert state.unstarted_prompts([rid]) == {}
+    assert state.unstarted_prompts([(rid, "1")]) == {}
     assert state.forget(rid) is request and state.forget(rid) is None
     assert not state.holds_any()
 
@@ -74,5 +74,4 @@ def test_the_bridges_collaborators_share_one_state_and_one_queue(rclient, keys):
                for part in (bridge.intake, bridge.publisher, bridge.recovery))
     assert engine.event_sink == bridge.publisher.on_events
     assert engine.preempt_sink == bridge.intake.on_preempted
-    bridge.redis_ok_since = 12.5
-    assert bridge.state.redis_ok_since == 12.5
+    assert bridge.origins.state.sight is bridge.state.sight

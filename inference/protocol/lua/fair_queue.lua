@@ -25,6 +25,13 @@
 --   taken:{worker}      hash request id -> record: taken by the worker, no event written yet
 --   running:{worker}    hash request id -> record: its first event written
 --   held                hash worker -> requests it took and its engine has not admitted yet
+--   take                hash request id -> the token of its current take (taken or running):
+--                       every take gives a new one (take.lua), and a worker's write or end of
+--                       the request carries the token of its own take: a stale one (a take that
+--                       was reclaimed while its worker was paused, then taken again) is refused
+--   takes               string: the last take token given
+--   reclaimed:{worker}  string, expiring: set when the worker was reclaimed (reclaim.lua), until
+--                       it learns so and registers afresh; it takes nothing meanwhile
 --   wake                list: one entry per enqueue, for idle workers to block on
 --   wake_tier:{prio}    list: one entry per enqueue in the tier (a few kept), for workers whose
 --                       rows are full to block on: they take only a higher tier than their rows
@@ -179,12 +186,13 @@ end
 
 -- End a request for good: its final event (JSON) in its stream, its usage entry in the ledger
 -- (recorded exactly once by gateway.usage), its concurrency leases released, its key's
--- in-flight count lowered. Every end of every request goes through here.
+-- in-flight count lowered, its take token dropped. Every end of every request goes through here.
 local function fq_finish(p, rec, event, ttl, now)
   local stream = p .. ':events:' .. rec.id
   redis.call('XADD', stream, '*', 'data', event)
   redis.call('EXPIRE', stream, ttl)
   redis.call('HDEL', fq(p, 'next'), rec.id)
+  redis.call('HDEL', fq(p, 'take'), rec.id)
   redis.call('HSET', p .. ':usage:pending', rec.id,
              cjson.encode({final = event, body = rec.body, first_at = rec.first_at,
                            finished_at = now}))
@@ -194,6 +202,12 @@ local function fq_finish(p, rec, event, ttl, now)
     end
   end
   fq_release(p, rec.key)
+end
+
+-- Whether `token` is the take token of the request `id`'s current take (fq:take): a worker's
+-- write for a take that is no longer the current one (reclaimed, taken again) is refused.
+local function fq_owns(p, id, token)
+  return redis.call('HGET', fq(p, 'take'), id) == token
 end
 
 -- The token events a running request's stream holds (its next seq).

@@ -1,10 +1,17 @@
 -- Take up to n requests for a worker, in the deployment's fair order (after fair_queue.lua).
 -- ARGV: prefix, worker id, n, policy ("vtc" or "fcfs"), optionally a tier: only requests of a
 -- higher tier are taken then (a worker whose rows are full preempts for them). Returns the taken
--- records (JSON), in order; each is held by the worker (taken:{worker}, held) until its first
--- event or hand-back.
+-- records (JSON), in order, each followed by its take token: a new one for every take, which the
+-- worker's writes and ends of the request carry (fq_owns). Each is held by the worker
+-- (taken:{worker}, held) until its first event or hand-back.
+-- A worker reclaimed while it was silent (a pause longer than its heartbeat TTL) takes nothing
+-- until it has learned so and registered afresh (inference.worker.recovery): everything it held
+-- before is stale then, and nothing it takes afterwards is. Returns the status "RECLAIMED" then.
 local p, worker, n, policy = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local above = tonumber(ARGV[5])
+if redis.call('EXISTS', fq(p, 'reclaimed', worker)) == 1 then
+  return redis.status_reply('RECLAIMED')
+end
 local out = {}
 for _ = 1, n do
   local prio, key = fq_next_key(p, policy)
@@ -14,8 +21,11 @@ for _ = 1, n do
   local id = redis.call('ZRANGE', fq(p, 'q', prio, key), 0, 0)[1]
   local rec = fq_remove_waiting(p, id)
   local raw = cjson.encode(rec)
+  local token = tostring(redis.call('INCR', fq(p, 'takes')))
   redis.call('HSET', fq(p, 'taken', worker), id, raw)
+  redis.call('HSET', fq(p, 'take'), id, token)
   redis.call('HINCRBY', fq(p, 'held'), worker, 1)
   out[#out + 1] = raw
+  out[#out + 1] = token
 end
 return out
