@@ -1,14 +1,16 @@
-"""A database that stops serving, for the tests of what clients get meanwhile: real SQLite
-refusals, no mocked database.
+"""A database that stops serving, for the tests of what clients get meanwhile: real refusals of
+the database the suite runs on (SQLite, or PostgreSQL through ``DATABASE_URL``), no mocked
+database.
 
-:class:`DatabaseFault` turns the test database (a SQLite file) into
+:class:`DatabaseFault` turns the test database into
 
-- a database that cannot be reached (:meth:`~DatabaseFault.down`): every connection is pointed at
-  a file in a folder that does not exist, as when the disk or folder holding it went away: every
-  query fails with ``OperationalError: unable to open database file``;
-- a read-only database (:meth:`~DatabaseFault.read_only`): every connection refuses writes
-  (``PRAGMA query_only``), as SQLite does for a file it may not write: ``OperationalError:
-  attempt to write a readonly database``; reads still work;
+- a database that cannot be reached (:meth:`~DatabaseFault.down`): SQLite's connections are
+  pointed at a file in a folder that does not exist, as when the disk or folder holding it went
+  away (``OperationalError: unable to open database file``); PostgreSQL's at a local port nothing
+  listens on, as when its server is down (``OperationalError: connection refused``);
+- a read-only database (:meth:`~DatabaseFault.read_only`): every connection refuses writes, reads
+  still work: SQLite's with ``PRAGMA query_only`` (as for a file it may not write), PostgreSQL's
+  with ``default_transaction_read_only`` (as a standby answers: SQLSTATE 25006);
 
 and :meth:`~DatabaseFault.restore` brings it back. The fixture ``database_fault`` restores it at
 the test's end, before the test database is flushed (it takes ``transactional_db``: a fault must
@@ -22,6 +24,7 @@ consumers use.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,25 +35,39 @@ __all__ = ["DatabaseFault", "database_fault"]
 
 
 def _refuse_writes(sender: Any, connection: Any, **kwargs: Any) -> None:
-    connection.connection.execute("PRAGMA query_only = ON")
+    if connection.vendor == "sqlite":
+        connection.connection.execute("PRAGMA query_only = ON")
+    else:
+        with connection.connection.cursor() as cursor:
+            cursor.execute("SET default_transaction_read_only = on")
+
+
+def _unused_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 class DatabaseFault:
-    """Faults of the default database (SQLite); see the module docstring."""
+    """Faults of the default database (SQLite or PostgreSQL); see the module docstring."""
 
     def __init__(self, missing: Path):
         from django.db import connection
 
-        assert connection.vendor == "sqlite", "these faults are SQLite's"
+        assert connection.vendor in ("sqlite", "postgresql"), connection.vendor
+        self.vendor = connection.vendor
         self.missing = missing
         self.settings = connection.settings_dict  # shared by every thread's connection
-        self.name = self.settings["NAME"]
+        self.saved = {k: self.settings.get(k) for k in ("NAME", "HOST", "PORT")}
 
     def down(self) -> None:
-        """Every query fails: the database's file cannot be opened."""
+        """Every query fails: the database's file cannot be opened, or its server refuses."""
         from django.db import connections
 
-        self.settings["NAME"] = str(self.missing)
+        if self.vendor == "sqlite":
+            self.settings["NAME"] = str(self.missing)
+        else:
+            self.settings.update(HOST="127.0.0.1", PORT=str(_unused_port()))
         connections.close_all()
 
     def read_only(self) -> None:
@@ -67,7 +84,7 @@ class DatabaseFault:
         from django.db.backends.signals import connection_created
 
         connection_created.disconnect(dispatch_uid="tests.read_only_database")
-        self.settings["NAME"] = self.name
+        self.settings.update(self.saved)
         connections.close_all()
 
 

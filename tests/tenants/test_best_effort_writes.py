@@ -20,18 +20,37 @@ from tests.support.web import PASSWORD
 database_fault = database.database_fault  # the fixture
 
 
+# A trigger that refuses every write of ``last_login``, and nothing else: the database's own
+# refusal (SQLite's as a full disk makes it; PostgreSQL's "disk_full", SQLSTATE 53100).
+REFUSE_LAST_LOGIN = {
+    "sqlite": ["CREATE TRIGGER refuse_last_login BEFORE UPDATE OF last_login ON auth_user "
+               "BEGIN SELECT RAISE(ABORT, 'database or disk is full'); END"],
+    "postgresql": ["CREATE FUNCTION refuse_last_login() RETURNS trigger AS $$ BEGIN "
+                   "RAISE EXCEPTION 'could not extend file: No space left on device' "
+                   "USING ERRCODE = 'disk_full'; END $$ LANGUAGE plpgsql",
+                   "CREATE TRIGGER refuse_last_login BEFORE UPDATE OF last_login ON auth_user "
+                   "FOR EACH ROW EXECUTE FUNCTION refuse_last_login()"],
+}
+DROP_REFUSAL = {
+    "sqlite": ["DROP TRIGGER refuse_last_login"],
+    "postgresql": ["DROP TRIGGER refuse_last_login ON auth_user",
+                   "DROP FUNCTION refuse_last_login()"],
+}
+
+
 @pytest.fixture
 def last_login_refused(transactional_db, monkeypatch):
-    """The database refuses every write of a user's ``last_login`` (a trigger: SQLite's own
-    refusal, as a full disk makes it), and nothing else."""
+    """The database refuses every write of a user's ``last_login`` (:data:`REFUSE_LAST_LOGIN`),
+    and nothing else."""
     monkeypatch.setattr(signals.LAST_LOGIN_WRITE, "refusals",
                         OccasionalLog(signals.LAST_LOGIN_WRITE.refusals.logger))
     with connection.cursor() as cursor:
-        cursor.execute("CREATE TRIGGER refuse_last_login BEFORE UPDATE OF last_login ON auth_user "
-                       "BEGIN SELECT RAISE(ABORT, 'database or disk is full'); END")
+        for statement in REFUSE_LAST_LOGIN[connection.vendor]:
+            cursor.execute(statement)
     yield
     with connection.cursor() as cursor:
-        cursor.execute("DROP TRIGGER refuse_last_login")
+        for statement in DROP_REFUSAL[connection.vendor]:
+            cursor.execute(statement)
 
 
 @pytest.mark.parametrize(("login", "after"), [("/chat/login/", "/chat/"),
