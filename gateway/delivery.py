@@ -82,13 +82,17 @@ class Delivery:
         return cls(tokens=int(data["tokens"]), end=str(data["end"]), status=int(data["status"]))
 
 
-def of_response(final: FinalEvent | None, failure: APIError | None, tokens: int) -> Delivery:
+def of_response(final: FinalEvent | None, failure: APIError | None, tokens: int, *,
+                draining: bool = False) -> Delivery:
     """What a client got, as its response ends.
 
     Args:
         final: the final event it was given (as it saw it: :func:`as_got`), if one was read.
         failure: the error reading the events ended with, if one did.
         tokens: the token events it was sent (0 for an answer not streamed).
+        draining: this web process drains: a response that ends with neither (its view was
+            cancelled at the drain's end) was cut by the server, not left by its client, and is
+            billed as one whose web process died (:data:`GONE`: only what it was sent).
     """
     if final is not None and final.error is None:
         return Delivery(tokens, COMPLETE, final_status(final.finish_reason, None))
@@ -96,7 +100,7 @@ def of_response(final: FinalEvent | None, failure: APIError | None, tokens: int)
         return Delivery(tokens, final.error.code.value, APIError.from_worker(final.error).status)
     if failure is not None:
         return Delivery(tokens, failure.code or "error", failure.status)
-    return Delivery(tokens, LEFT, CLIENT_CLOSED_STATUS)
+    return Delivery(tokens, GONE if draining else LEFT, CLIENT_CLOSED_STATUS)
 
 
 def as_got(final: FinalEvent, tokens: int) -> FinalEvent:

@@ -202,8 +202,9 @@ class Generation:
         if self.final is None:
             self._abort_requested = True
         await end_request(self.request_id, self.meta, finished=self.final is not None,
-                          delivered=delivery.of_response(self.final, self.failure,
-                                                         self.client_tokens))
+                          delivered=delivery.of_response(
+                              self.final, self.failure, self.client_tokens,
+                              draining=monitor.DRAINING.is_set()))
 
 
 async def end_request(request_id: str, meta: dict[str, Any], *, finished: bool,

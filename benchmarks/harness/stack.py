@@ -114,6 +114,10 @@ class Stack:
         """The names of the processes started so far (``daphne``, ``celery``, ``worker0``, ...)."""
         return list(self.processes)
 
+    def worker_id(self, name: str) -> str:
+        """The ``WORKER_ID`` the worker ``name`` runs under (its heartbeat's member)."""
+        return self._commands[name][1]["WORKER_ID"]
+
     def kill(self, name: str, sig: int = signal.SIGKILL, wait_s: float = 20) -> int | None:
         """Send ``sig`` to the process ``name`` and wait up to ``wait_s`` for it to exit (then
         SIGKILL it); return its exit status (None if it could not be reaped)."""

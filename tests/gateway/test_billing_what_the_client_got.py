@@ -181,6 +181,29 @@ def test_a_client_that_leaves_is_billed_the_tokens_it_was_sent(metered, web, rcl
     assert billed(record_of(message)) == (PROMPT, 4, 499, "abort", "")
 
 
+def test_an_answer_not_streamed_cut_at_a_drains_end_bills_nothing(metered, web, rclient, keys):
+    # Past the drain's grace its view is cancelled: the response ends with neither a final
+    # event nor an error, which outside a drain would be a client that left (billed its
+    # prompt); during one the server cut it, and its client got nothing.
+    message = admitted(metered, origin=web, stream=False)
+    worker = Worker(rclient, keys, message)
+    worker.tokens(40)
+
+    async def web_process():
+        gen = lifecycle.Generation(message)
+        await gen.close()
+
+    monitor.DRAINING.set()
+    try:
+        on_a_web_loop(web_process)
+    finally:
+        monitor.DRAINING.clear()
+    worker.end(FinishReason.ABORT)
+    assert record_usage(message.request_id) is True
+    assert billed(record_of(message)) == (0, 0, 499, "abort", "")
+    assert budget_used(rclient, message) == 0
+
+
 def test_a_drain_that_interrupts_an_answer_not_streamed_bills_nothing(metered, web, rclient,
                                                                      keys):
     message = admitted(metered, origin=web, stream=False)

@@ -1,6 +1,7 @@
 """The checks of a run, each count's target 0: what every client received against the reference
-backend's own output, every events stream, requests generated twice, what was billed, and the
-leaks; each failure with its evidence."""
+backend's own output, every events stream, requests generated twice, the errors and deaths the
+faults explain (:mod:`.deaths`), what was billed against what each client received
+(:mod:`.billing`), and the leaks; each failure with its evidence (:mod:`.findings`)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,17 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from benchmarks.serving.chaos.billing import check_usage
+from benchmarks.serving.chaos.deaths import (
+    check_deaths,
+    check_errors,
+    check_paused_takes,
+    check_refusals,
+)
+from benchmarks.serving.chaos.findings import Evidence, Findings
 from benchmarks.serving.chaos.load import Result
-from benchmarks.serving.chaos.settings import MAX_EXAMPLES, USAGE_RECORDED_WITHIN_S, Options
+from benchmarks.serving.chaos.logclock import LogLine
+from benchmarks.serving.chaos.settings import MAX_EXAMPLES, Options
 from benchmarks.serving.chaos.state import StreamSummary
 from benchmarks.serving.chaos.timeline import Timeline
 from inference.protocol.keys import EVENTS_TTL_S
@@ -46,64 +56,18 @@ def expected_for(answer: tuple[str, int | None], max_tokens: int) -> tuple[str, 
     return text[:max_tokens], "length"
 
 
-class Findings:
-    """Counts whose target is 0, each with a few examples."""
-
-    NAMES = (
-        "unclear", "token_mismatch_complete", "token_not_prefix", "stream_client_mismatch",
-        "stream_seq_gaps", "stream_without_final", "stream_events_after_final",
-        "stream_bad_entries", "streams_missing", "generated_twice",
-        "leak_gate1", "leak_fq_wait", "leak_fq_inflight", "leak_fq_taken", "leak_fq_running",
-        "leak_fq_held", "leak_fq_indexes", "leak_concurrency_leases", "leak_worker_state",
-        "leak_celery_queue", "leak_usage_pending",
-        "usage_missing", "usage_extra", "usage_duplicate", "usage_token_mismatch",
-        "no_request_completed",
-    )
-
-    def __init__(self) -> None:
-        self.counts = dict.fromkeys(self.NAMES, 0)
-        self.examples: dict[str, list[Any]] = {}
-
-    def add(self, name: str, example: Any, n: int = 1) -> None:
-        self.counts[name] += n
-        bucket = self.examples.setdefault(name, [])
-        if len(bucket) < MAX_EXAMPLES:
-            bucket.append(example)
-
-
-def _evidence(result: Result | None, rid: str, streams: dict[str, StreamSummary],
-              usage: dict[str, list[dict[str, Any]]], timeline: Timeline,
-              answers: list[tuple[str, int | None]], **extra: Any) -> dict[str, Any]:
-    item: dict[str, Any] = {"request_id": rid or None, **extra}
-    if result is not None:
-        item["client"] = {
-            "tenant": result.tenant, "prompt": result.prompt, "max_tokens": result.max_tokens,
-            "stream": result.stream, "start_s": round(result.start, 2),
-            "end_s": round(result.end, 2), "outcome": result.outcome, "why": result.why,
-            "status": result.status, "ending": result.ending, "detail": result.detail[:300],
-            "error": result.error, "finish_reason": result.finish_reason, "done": result.done,
-            "text": result.text[:60], "tokens": len(result.text),
-            "usage_completion": result.usage_completion,
-            "max_silence_s": round(result.max_silence_s, 2),
-            "max_no_data_s": round(result.max_no_data_s, 2),
-            "expected": answers[result.prompt][0][:60],
-            "kills_during": timeline.kills_during(result.start, result.end)}
-    if rid and rid in streams:
-        item["stream"] = streams[rid].brief()
-    if rid and rid in usage:
-        item["usage_records"] = usage[rid]
-    return item
-
-
 def check(results: list[Result], streams: dict[str, StreamSummary],
           records: list[dict[str, Any]], leaks: dict[str, int], leak_details: dict[str, Any],
           answers: list[tuple[str, int | None]], timeline: Timeline, options: Options,
-          collected_at: float) -> tuple[Findings, dict[str, int]]:
+          collected_at: float, death_lines: list[LogLine] | None = None,
+          ) -> tuple[Findings, dict[str, int]]:
     """The checks: (findings whose target is 0, informational counts).
 
-    With ``options.redis_persistence == "none"`` a Redis restart loses what it held: a stream
-    missing, or holding only part of its request's events, when Redis restarted while the
-    request was open is counted apart (informational), not as a failure.
+    ``death_lines`` are the logs' lines that declare a death, dated
+    (:data:`.deaths.DEATH_LINE`). With ``options.redis_persistence == "none"`` a Redis restart
+    loses what it held: a stream missing, or holding only part of its request's events, when
+    Redis restarted while the request was open is counted apart (informational), not as a
+    failure, and so is a usage record it took with it.
     """
     findings = Findings()
     info: Counter[str] = Counter()
@@ -111,9 +75,7 @@ def check(results: list[Result], streams: dict[str, StreamSummary],
     for row in records:
         usage.setdefault(row["request_id"], []).append(row)
     by_id = {r.request_id: r for r in results if r.request_id}
-
-    def evidence(result: Result | None, rid: str, **extra: Any) -> dict[str, Any]:
-        return _evidence(result, rid, streams, usage, timeline, answers, **extra)
+    evidence = Evidence(streams, usage, timeline, answers)
 
     def redis_lost_data(rid: str, within_s: float | None = 1.0) -> bool:
         """Whether a Redis without persistence restarted from the request's start until
@@ -184,56 +146,12 @@ def check(results: list[Result], streams: dict[str, StreamSummary],
         else:
             findings.add("streams_missing", evidence(r, r.request_id))
 
-    # Usage: one record per request that produced tokens, with the tokens it produced (known
-    # from its whole stream, else from a complete answer).
-    produced: dict[str, int] = {}
-    for rid, s in streams.items():
-        sent = max([s.tokens, *(f["seq"] for f in s.finals)])
-        if sent:
-            produced[rid] = sent
-    for r in results:
-        if r.request_id and r.text:
-            produced[r.request_id] = max(produced.get(r.request_id, 0), len(r.text))
-    billed = {rid for rid, rows in usage.items() if any(x["completion_tokens"] > 0 for x in rows)}
-    for rid, rows in usage.items():
-        if len(rows) > 1:
-            findings.add("usage_duplicate", evidence(by_id.get(rid), rid), n=len(rows) - 1)
-    for rid, tokens in produced.items():
-        result = by_id.get(rid)
-        if rid not in usage:
-            if rid not in streams and redis_lost_data(rid, within_s=USAGE_RECORDED_WITHIN_S):
-                info["usage_unverifiable"] += 1  # its stream and ledger entry went with Redis
-            else:
-                findings.add("usage_missing", evidence(result, rid, produced_tokens=tokens))
-            continue
-        got = usage[rid][0]["completion_tokens"]
-        finals = streams[rid].finals if rid in streams else []
-        errored = bool(finals) and finals[-1]["finish_reason"] == "error"
-        if errored and result is None and got in (0, streams[rid].tokens):
-            # Ended by an error and unknown to the client (an error body carries no id): a
-            # stream is billed its tokens, an answer not streamed nothing (gateway.usage.billed).
-            info["usage_unverifiable"] += 1
-            continue
-        if errored and result is not None and (not result.stream or streams[rid].tokens == 0):
-            want = 0  # an error leaves the client nothing: billed nothing (gateway.usage.billed)
-        elif rid in whole:
-            want = streams[rid].tokens
-        elif result is not None and result.outcome == "complete":
-            want = len(result.text)
-        else:
-            info["usage_unverifiable"] += 1  # only part of what it produced is known
-            continue
-        if got != want:
-            findings.add("usage_token_mismatch", evidence(result, rid, produced_tokens=want,
-                                                          billed_tokens=got))
-            if got > want:
-                findings.add("generated_twice", evidence(result, rid, why="billed more tokens "
-                                                         "than its stream holds"))
-    for rid in billed - set(produced):
-        if rid in streams or rid in by_id:
-            findings.add("usage_extra", evidence(by_id.get(rid), rid))
-        else:
-            info["usage_unverifiable"] += 1  # neither the stream nor the client saw it
+    # The errors and deaths the faults explain, and what was billed.
+    check_errors(findings, results, timeline, evidence)
+    check_deaths(findings, info, death_lines or [], timeline)
+    check_refusals(findings, results, timeline, evidence)
+    check_paused_takes(findings, results, usage, timeline, evidence)
+    check_usage(findings, info, results, streams, usage, timeline, evidence, redis_lost_data)
 
     # Leaks once the platform settled.
     for name, count in leaks.items():

@@ -52,11 +52,13 @@ def parse_args(argv: list[str] | None = None) -> Options:
     argparse's status 2."""
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.serving.chaos", formatter_class=HelpFormatter,
-        description="Run the platform under load while killing and restarting its processes "
-                    "and Redis at random; check that every request ended exactly once with its "
-                    "full output or a clear error, that no token was lost or doubled, that "
-                    "nothing leaked and that usage was recorded once per request. Prints every "
-                    "count (target 0) and PASS or FAIL (exit status 1).")
+        description="Run the platform under load while killing, pausing and draining its "
+                    "processes and Redis at random; check that every request ended exactly "
+                    "once with its full output or a clear error that a fault explains, that no "
+                    "token was lost or doubled, that no live process was declared dead, that "
+                    "nothing leaked and that usage was recorded once per request, billing what "
+                    "its client received. Prints every count (target 0) and PASS or FAIL (exit "
+                    "status 1).")
     d = Options()
     parser.add_argument("--duration-s", type=positive_float, default=d.duration_s,
                         help="seconds of load and chaos (the whole run takes up to about 3 "
@@ -83,8 +85,13 @@ def parse_args(argv: list[str] | None = None) -> Options:
                         help="at most this long for the platform to go idle after the load")
     parser.add_argument("--kill-interval-s", type=float_pair,
                         default=",".join(f"{v:g}" for v in d.kill_interval_s),
-                        metavar="MIN,MAX", help="seconds between one kill's restart and the "
-                                                "next kill, drawn uniformly")
+                        metavar="MIN,MAX", help="seconds between the end of one fault (a "
+                                                "restart, a resume) and the next, drawn "
+                                                "uniformly")
+    parser.add_argument("--pause-ttls", type=float_pair,
+                        default=",".join(f"{v:g}" for v in d.pause_ttls), metavar="MIN,MAX",
+                        help="how long a worker or Redis stays paused (SIGSTOP), in worker "
+                             "heartbeat TTLs (3 s), drawn uniformly")
     parser.add_argument("--warmup-s", type=non_negative_float, default=d.warmup_s,
                         help="seconds of load before the first kill")
     parser.add_argument("--stream-fraction", type=fraction, default=d.stream_fraction,

@@ -1,6 +1,6 @@
 """The load: client loops sending completions, each request one attempt with a hard timeout,
-recorded as the client saw it (:class:`Result`) and classified into an outcome
-(:func:`classify`)."""
+recorded as the client saw it (:class:`Result`: what it received and when) and classified into
+an outcome (:func:`classify`); :class:`Steer` is what the faults ask of it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -37,6 +37,7 @@ class Result:
     error: dict[str, Any] | None = None  # the JSON error (body or SSE event)
     retry_hint: bool = False
     usage_completion: int | None = None
+    retryable: bool = False  # told it may retry: `retryable` in an error event, Retry-After
     ending: str = ""  # how the exchange ended: eof, timeout, connect_error, conn_lost, body
     detail: str = ""
     max_silence_s: float = 0.0
@@ -46,10 +47,41 @@ class Result:
     after_end: int = 0
     outcome: str = ""
     why: str = ""
+    # When its tokens arrived: (seconds since the run's start, tokens), one entry per SSE event
+    # that carried text (a stream), or one for the whole body (an answer not streamed).
+    arrivals: list[tuple[float, int]] = field(default_factory=list)
 
     @property
     def code(self) -> str | None:
         return (self.error or {}).get("code")
+
+    @property
+    def received(self) -> int:
+        """The completion tokens its client received: a stream's characters (one token each with
+        the reference backend's byte tokenizer), an answer's ``usage.completion_tokens``."""
+        if self.stream or self.usage_completion is None:
+            return len(self.text)
+        return self.usage_completion
+
+    def received_since(self, t: float) -> int:
+        """The tokens that arrived at or after ``t`` (seconds since the run's start)."""
+        return sum(n for at, n in self.arrivals if at >= t)
+
+
+# The most requests one burst sends (beside the client loops).
+MAX_BURST = 40
+
+
+@dataclass
+class Steer:
+    """What the faults ask of the load: the next ``long_plain`` requests sent go out not
+    streamed, with the largest ``max_tokens`` (so that a web drain has answers not streamed in
+    flight, some longer than the drain); a ``burst`` of that many requests at once (at most
+    :data:`MAX_BURST`), each one attempt, beside the client loops (so that a worker paused
+    holds requests it has taken and not started)."""
+
+    long_plain: int = 0
+    burst: int = 0
 
 
 class Silence:
@@ -99,6 +131,8 @@ def parse_sse_event(result: Result, raw: str) -> None:
             hints = ("retryable", "retry_after", "retry_after_s", "retry_after_ms")
             where = {**(obj["error"].get("details") or {}), **obj["error"]}
             result.retry_hint = result.retry_hint or any(k in where for k in hints)
+            result.retryable = result.retryable or where.get("retryable") is True or (
+                "retry_after_ms" in where)
             continue
         if obj.get("id"):
             result.request_id = result.request_id or obj["id"].removeprefix("cmpl-")
@@ -123,13 +157,14 @@ def _parse_body(result: Result, body: bytes) -> None:
 
 
 async def _exchange(client: httpx.AsyncClient, url: str, key: str, body: dict[str, Any],
-                    result: Result, silence: Silence) -> None:
+                    result: Result, silence: Silence, clock: Callable[[], float]) -> None:
     headers = {"Authorization": f"Bearer {key}"}
     async with client.stream("POST", url, json=body, headers=headers) as response:
         silence.tick()
         result.status = response.status_code
         result.retry_hint = ("retry-after" in response.headers
                              or "x-should-retry" in response.headers)
+        result.retryable = "retry-after" in response.headers
         if response.status_code != 200 or not body["stream"]:
             raw = b""
             async for chunk in response.aiter_bytes():
@@ -141,6 +176,8 @@ async def _exchange(client: httpx.AsyncClient, url: str, key: str, body: dict[st
                 _parse_body(result, raw)
             except (ValueError, AttributeError) as exc:
                 result.detail = f"unparsable body ({exc}): {raw[:200]!r}"
+            if result.received:
+                result.arrivals.append((clock(), result.received))
             return
         buffer = ""
         async for chunk in response.aiter_text():
@@ -148,13 +185,15 @@ async def _exchange(client: httpx.AsyncClient, url: str, key: str, body: dict[st
             buffer += chunk
             while "\n\n" in buffer:
                 raw, buffer = buffer.split("\n\n", 1)
-                before = result.data_events
+                before, chars = result.data_events, len(result.text)
                 try:
                     parse_sse_event(result, raw)
                 except (ValueError, AttributeError) as exc:
                     result.detail = f"unparsable event ({exc}): {raw[:200]!r}"
                 if result.data_events > before:
                     silence.tick(data=True)
+                if len(result.text) > chars:
+                    result.arrivals.append((clock(), len(result.text) - chars))
         if buffer.strip():
             result.detail = result.detail or f"stream ended mid-event: {buffer[:200]!r}"
         result.ending = "eof"
@@ -171,7 +210,8 @@ async def send_one(client: httpx.AsyncClient, url: str, key: str, result: Result
     silence = Silence()
     result.start = clock()
     try:
-        await asyncio.wait_for(_exchange(client, url, key, body, result, silence), timeout_s)
+        await asyncio.wait_for(_exchange(client, url, key, body, result, silence, clock),
+                               timeout_s)
     except TimeoutError:
         result.ending = "timeout"
     except httpx.ConnectError as exc:
@@ -187,28 +227,50 @@ async def send_one(client: httpx.AsyncClient, url: str, key: str, result: Result
 
 
 async def drive_load(url: str, keys: dict[str, str], options: Options, stop_at: float,
-                     clock: Callable[[], float]) -> list[Result]:
-    """``options.concurrency`` client loops until ``stop_at`` (on ``clock``); every request."""
-    results: list[Result] = []
-    limits = httpx.Limits(max_connections=options.concurrency + 4, max_keepalive_connections=0)
+                     clock: Callable[[], float], results: list[Result] | None = None,
+                     steer: Steer | None = None) -> list[Result]:
+    """``options.concurrency`` client loops until ``stop_at`` (on ``clock``), and the bursts
+    ``steer`` asks for; every request, appended to ``results`` as it is sent (the faults watch
+    what is in flight)."""
+    results = [] if results is None else results
+    steer = steer or Steer()
+    limits = httpx.Limits(max_connections=options.concurrency + MAX_BURST + 4,
+                          max_keepalive_connections=0)
     timeout = httpx.Timeout(connect=5, read=options.request_timeout_s + 5, write=5, pool=5)
     endpoint = f"{url}/v1/completions"
+
+    async def one(rng: random.Random, client: httpx.AsyncClient) -> Result:
+        result = Result(index=len(results), tenant=rng.choice(TENANTS),
+                        prompt=rng.randrange(len(PROMPTS)),
+                        max_tokens=rng.randint(*options.max_tokens),
+                        stream=rng.random() < options.stream_fraction)
+        if steer.long_plain > 0:
+            steer.long_plain -= 1
+            result.stream, result.max_tokens = False, options.max_tokens[1]
+        results.append(result)
+        await send_one(client, endpoint, keys[result.tenant], result,
+                       options.request_timeout_s, clock)
+        return result
 
     async def loop(n: int, client: httpx.AsyncClient) -> None:
         rng = random.Random(f"{options.seed}-client-{n}")
         while clock() < stop_at:
-            result = Result(index=len(results), tenant=rng.choice(TENANTS),
-                            prompt=rng.randrange(len(PROMPTS)),
-                            max_tokens=rng.randint(*options.max_tokens),
-                            stream=rng.random() < options.stream_fraction)
-            results.append(result)
-            await send_one(client, endpoint, keys[result.tenant], result,
-                           options.request_timeout_s, clock)
+            result = await one(rng, client)
             if result.ending == "connect_error" or result.status in (429, 503):
                 await asyncio.sleep(0.25)  # the client's own pacing, not a retry
 
+    async def bursts(client: httpx.AsyncClient) -> None:
+        rng = random.Random(f"{options.seed}-bursts")
+        sent: list[asyncio.Task[Result]] = []
+        while clock() < stop_at:
+            n, steer.burst = min(steer.burst, MAX_BURST), 0
+            sent.extend(asyncio.create_task(one(rng, client)) for _ in range(n))
+            await asyncio.sleep(0.05)
+        await asyncio.gather(*sent)
+
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        await asyncio.gather(*(loop(n, client) for n in range(options.concurrency)))
+        await asyncio.gather(bursts(client),
+                             *(loop(n, client) for n in range(options.concurrency)))
     return results
 
 

@@ -1,5 +1,5 @@
-"""The run's report: its figures (requests by outcome, kills, what each kill did to the clients,
-every count and its examples) as a dict, and as text."""
+"""The run's report: its figures (requests by outcome, faults, what each fault did to the
+clients, every count and its examples) as a dict, and as text."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 from collections import Counter
 from typing import Any
 
-from benchmarks.serving.chaos.checks import Findings
+from benchmarks.serving.chaos.findings import Findings
 from benchmarks.serving.chaos.load import Result
 from benchmarks.serving.chaos.timeline import Timeline
 
@@ -56,6 +56,7 @@ def summarize(results: list[Result], timeline: Timeline, findings: Findings,
         "info": info,
         "live_workers_after": leak_details.get("live_workers"),
         "examples": findings.examples,
+        "notes": findings.notes,
         "results": [_compact(r) for r in results],
         "failing": failing,
         "verdict": "FAIL" if failing or timeline.errors else "PASS",
@@ -63,32 +64,35 @@ def summarize(results: list[Result], timeline: Timeline, findings: Findings,
 
 
 def impact(results: list[Result], timeline: Timeline) -> dict[str, dict[str, Any]]:
-    """What each kind of kill did to the clients, by process kind and signal.
+    """What each kind of fault did to the clients, by kind and signal.
 
-    For each: how many kills; the requests in flight at a kill (started before it, ended after
-    it) by outcome and error code; for those of them that did not complete, the seconds from the
-    kill to their end (median and largest); and the requests sent in the 3 s after a kill by
-    outcome.
+    For each: how many faults; the requests in flight at a fault (started before it, ended
+    after it) by outcome and error code, and those of them not streamed apart; for those that
+    did not complete, the seconds from the fault to their end (median and largest); and the
+    requests sent in the 3 s after a fault (a pause: after its end) by outcome.
     """
     table: dict[str, dict[str, Any]] = {}
     for kill in timeline.kills:
         name = f"{kill['kind']} {kill['signal']}"
-        row = table.setdefault(name, {"kills": 0, "in_flight": Counter(), "after": Counter(),
+        row = table.setdefault(name, {"kills": 0, "in_flight": Counter(),
+                                      "in_flight_not_streamed": Counter(), "after": Counter(),
                                       "_ends": []})
         row["kills"] += 1
-        t = kill["t"]
+        t, after = kill["t"], kill.get("resumed_at", kill["t"])
         for r in results:
             label = r.outcome + (f" {r.code}" if r.code else "")
             if r.start < t < r.end:
                 row["in_flight"][label] += 1
+                if not r.stream:
+                    row["in_flight_not_streamed"][label] += 1
                 if r.outcome != "complete":
                     row["_ends"].append(r.end - t)
-            elif t <= r.start < t + 3:
+            elif after <= r.start < after + 3:
                 row["after"][label] += 1
     for row in table.values():
         ends = sorted(row.pop("_ends"))
-        row["in_flight"] = dict(row["in_flight"].most_common())
-        row["after"] = dict(row["after"].most_common())
+        for key in ("in_flight", "in_flight_not_streamed", "after"):
+            row[key] = dict(row[key].most_common())
         row["cut_short_ended_after_s"] = (
             {"median": round(ends[len(ends) // 2], 2), "max": round(ends[-1], 2)}
             if ends else None)
@@ -101,7 +105,8 @@ def _compact(result: Result) -> dict[str, Any]:
             "max_tokens": result.max_tokens, "stream": result.stream,
             "start_s": round(result.start, 2), "end_s": round(result.end, 2),
             "outcome": result.outcome, "why": result.why, "status": result.status,
-            "code": result.code, "tokens": len(result.text), "finish": result.finish_reason,
+            "code": result.code, "tokens": len(result.text), "received": result.received,
+            "finish": result.finish_reason,
             "silence_s": round(result.max_silence_s, 2),
             "no_data_s": round(result.max_no_data_s, 2)}
 
@@ -112,11 +117,21 @@ def format_report(report: dict[str, Any], examples: bool = True) -> str:
     req = report.get("requests", {})
     lines.append(f"requests: {req.get('total')} ({req.get('streamed')} streamed, "
                  f"{req.get('not_streamed')} not) by outcome {req.get('by_outcome')}")
-    lines.append(f"kills: {len(report.get('kills', []))} by kind {report.get('kills_by_kind')}")
+    lines.append(f"faults: {len(report.get('kills', []))} by kind "
+                 f"{report.get('kills_by_kind')}")
     for kill in report.get("kills", []):
-        lines.append(f"  {kill['t']:7.1f}s {kill['signal']:7} {kill['name']:8} exited after "
-                     f"{kill.get('exited_after_s')} s (status {kill.get('returncode')}), up "
-                     f"after {kill.get('up_after_s')} s")
+        head = f"  {kill['t']:7.1f}s {kill['kind']:12} {kill['signal']:7} {kill['name']:8}"
+        if kill["signal"] == "SIGSTOP":
+            lines.append(f"{head} paused {kill.get('paused_s')} s (SIGCONT at "
+                         f"{kill.get('resumed_at')} s)" + (
+                             f"; it had taken {len(kill.get('taken') or [])} and was running "
+                             f"{len(kill.get('running') or [])}"
+                             if kill["kind"] == "pause-worker" else ""))
+            continue
+        drain = (f" with {kill.get('not_streamed_in_flight')} answer(s) not streamed in flight"
+                 if kill["kind"] == "drain-daphne" else "")
+        lines.append(f"{head}{drain} exited after {kill.get('exited_after_s')} s (status "
+                     f"{kill.get('returncode')}), up after {kill.get('up_after_s')} s")
     exits = report.get("unexpected_exits", [])
     lines.append(f"processes that exited on their own: {len(exits)}")
     for item in exits:
@@ -127,11 +142,13 @@ def format_report(report: dict[str, Any], examples: bool = True) -> str:
     lines.append(f"  of which with a retry hint: {report.get('error_codes_with_retry_hint')}")
     lines.append(f"longest wait without a byte (and, streams, without data): "
                  f"{report.get('longest_silence_s')}")
-    lines.append("what each kill did to the clients (requests in flight at the kill; those "
-                 "cut short ended this long after it; requests sent in the 3 s after it):")
+    lines.append("what each fault did to the clients (requests in flight at the fault, and of "
+                 "them not streamed; those cut short ended this long after it; requests sent "
+                 "in the 3 s after it):")
     for name, row in report.get("impact", {}).items():
-        lines.append(f"  {name:16} x{row['kills']}: in flight {row['in_flight']}; cut short "
-                     f"ended after {row['cut_short_ended_after_s']}; after {row['after']}")
+        lines.append(f"  {name:20} x{row['kills']}: in flight {row['in_flight']}, not "
+                     f"streamed {row.get('in_flight_not_streamed')}; cut short ended after "
+                     f"{row['cut_short_ended_after_s']}; after {row['after']}")
     lines.append(f"settle: {report.get('settle')}")
     lines.append(f"informational: {report.get('info')}")
     if report.get("harness_errors"):

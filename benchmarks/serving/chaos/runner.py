@@ -1,5 +1,5 @@
-"""One chaos run from start to end: the private Redis, the platform on it, the load and the faults,
-the settling, the checks and the report."""
+"""One chaos run from start to end: the private Redis, the platform on it, the load and the faults
+(with a clock on the processes' logs), the settling, the checks and the report."""
 
 from __future__ import annotations
 
@@ -20,8 +20,10 @@ import redis
 from benchmarks.harness.redis_server import PrivateRedis
 from benchmarks.harness.servers import Platform, TenantSpec
 from benchmarks.serving.chaos.checks import attach_log_lines, check, expected_outputs
+from benchmarks.serving.chaos.deaths import DEATH_LINE
 from benchmarks.serving.chaos.faults import Chaos
-from benchmarks.serving.chaos.load import classify, drive_load
+from benchmarks.serving.chaos.load import Result, Steer, classify, drive_load
+from benchmarks.serving.chaos.logclock import LogClock
 from benchmarks.serving.chaos.report import summarize
 from benchmarks.serving.chaos.settings import (
     LIMITED_CONCURRENCY,
@@ -87,12 +89,17 @@ def _run_on(platform: Platform, private_redis: PrivateRedis, options: Options,
             timeline: Timeline, answers: list[tuple[str, int | None]],
             log_dir: Path) -> dict[str, Any]:
     """The load and the chaos on a started platform, the settling and the checks."""
-    timeline.t0 = time.monotonic()
-    chaos = Chaos(platform, private_redis, options, timeline, options.duration_s)
+    timeline.t0, timeline.t0_unix = time.monotonic(), time.time()
+    results: list[Result] = []
+    steer = Steer()
+    log_clock = LogClock(Path(platform.stack.log_dir), timeline.now)
+    log_clock.start()
+    chaos = Chaos(platform, private_redis, options, timeline, options.duration_s, results,
+                  steer)
     chaos.start()
     try:
-        results = asyncio.run(drive_load(platform.url, platform.keys, options,
-                                         options.duration_s, timeline.now))
+        asyncio.run(drive_load(platform.url, platform.keys, options, options.duration_s,
+                               timeline.now, results, steer))
     finally:
         chaos.stop()
         chaos.join(120)
@@ -107,8 +114,11 @@ def _run_on(platform: Platform, private_redis: PrivateRedis, options: Options,
     leaks, leak_details = read_leaks(platform, client)
     streams = read_streams(client, platform.stack.prefix)
     records = read_usage(platform)
+    log_clock.stop()
+    log_clock.join(5)
+    log_clock.sample()
     findings, info = check(results, streams, records, leaks, leak_details, answers, timeline,
-                           options, timeline.now())
+                           options, timeline.now(), death_lines=log_clock.lines(DEATH_LINE))
     for path in Path(platform.stack.log_dir).glob("*.log"):
         shutil.copy(path, log_dir / path.name)
     attach_log_lines(findings, log_dir)

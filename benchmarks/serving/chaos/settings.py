@@ -1,5 +1,6 @@
 """What a chaos run sends and how it sets the platform up: the prompts, tenants and kinds of
-process killed, the platform's settings, and :class:`Options` (one run's flags)."""
+fault, the platform's settings, the bounds its checks allow, and :class:`Options` (one run's
+flags)."""
 
 from __future__ import annotations
 
@@ -23,9 +24,29 @@ PROMPTS = (
 TENANTS = ("alpha", "beta", "gamma")
 # The tenant with a concurrency limit (its 429s are refusals, allowed).
 LIMITED_TENANT, LIMITED_CONCURRENCY = "gamma", 4
-KINDS = ("worker", "daphne", "celery", "beat", "redis")
-# One round of the kill schedule: every kind, workers twice (the most state lives there).
-KILL_ROUND = ("worker", "worker", "daphne", "redis", "celery", "beat")
+# The kinds of fault: a kill (SIGKILL or SIGTERM) and restart of a worker, of daphne (SIGKILL:
+# the web process dies), Celery, beat or Redis; a pause (SIGSTOP, then SIGCONT) of a worker or of
+# Redis longer than the heartbeat TTL; a drain of daphne (SIGTERM) while answers not streamed are
+# in flight, then its restart.
+KINDS = ("worker", "daphne", "celery", "beat", "redis", "pause-worker", "pause-redis",
+         "drain-daphne")
+# One round of the fault schedule: every kind, worker kills twice (the most state lives there).
+KILL_ROUND = ("worker", "worker", "daphne", "redis", "celery", "beat", "pause-worker",
+              "pause-redis", "drain-daphne")
+# Error codes that only a fault explains, and the kinds of fault that do (within the request's
+# life): any other such error is the platform's own doing.
+CAUSED_BY = {
+    "worker_lost": frozenset({"worker", "pause-worker"}),
+    "worker_shutdown": frozenset({"worker"}),
+    "interrupted": frozenset({"drain-daphne"}),
+    "state_lost": frozenset({"redis"}),
+}
+# Error codes that say the client sent a bad request: the load sends none, so each is the
+# platform's fault (as is any 4xx but an admission's 429).
+CLIENT_FAULT_CODES = frozenset({"invalid_request", "bad_request", "context_length_exceeded"})
+# Errors whose client must be told it may retry (``retryable`` in a stream's error event, a
+# ``Retry-After`` header on a body).
+RETRYABLE_CODES = frozenset({"worker_lost", "interrupted", "state_lost"})
 # Codes of a refusal at admission (no work started): allowed outcomes.
 ADMISSION_CODES = frozenset({"queue_full", "rate_limit_exceeded", "concurrency_limit_exceeded",
                              "no_worker_available", "service_unavailable",
@@ -38,6 +59,15 @@ WORKER_BUSY_FIELDS = ("num_pending", "num_prefilling", "num_active", "active_kv_
 USAGE_RECORDED_WITHIN_S = 10.0
 # How many examples of each failure the report keeps.
 MAX_EXAMPLES = 8
+# A request whose web process died (daphne SIGKILL) is billed up to its delivered checkpoint,
+# written at most every 0.2 s (gateway.delivery.CHECKPOINT_INTERVAL_S) in the pipeline of the
+# next read: the record may be below what the client received by at most the tokens that
+# reached it in this long before its connection was lost (seconds).
+CHECKPOINT_LAG_S = 0.5
+# After a pause is resumed, deaths are still declared for this many heartbeat TTLs (a judge
+# whose sight of Redis broke declares none for a TTL, then within two): the log lines declaring a
+# death from the pause to then are checked against the processes that were alive.
+DEATH_WINDOW_TTLS = 2.0
 
 # The platform's settings for the run. A request waits at most MAX_QUEUE_WAIT_S for admission and
 # at most REQUEST_IDLE_TIMEOUT_S between events, so every request that the platform does not lose
@@ -51,13 +81,17 @@ PLATFORM_ENV = {
     "MAX_QUEUE_WAIT_S": 20,
     "STATS_SNAPSHOT_INTERVAL_S": 2,
     "CLEANUP_INTERVAL_S": 20,
+    # A drain shorter than the longest answers (120 tokens, 2.4 s at 20 ms a step): those in
+    # flight at a drain that are not done within it end with `interrupted`.
+    "WEB_DRAIN_S": 1,
     "LOG_LEVEL": "INFO",
 }
 
 
 @dataclass
 class Options:
-    """One chaos run (times in seconds; ``kill_interval_s`` is (min, max) between kills)."""
+    """One chaos run (times in seconds; ``kill_interval_s`` is (min, max) between faults;
+    ``pause_ttls`` is (min, max) of a pause, in heartbeat TTLs)."""
 
     duration_s: float = 420.0
     concurrency: int = 10
@@ -68,6 +102,7 @@ class Options:
     request_timeout_s: float = 60.0
     settle_s: float = 60.0
     kill_interval_s: tuple[float, float] = (6.0, 14.0)
+    pause_ttls: tuple[float, float] = (1.5, 3.0)
     warmup_s: float = 5.0
     stream_fraction: float = 0.8
     max_tokens: tuple[int, int] = (10, 120)

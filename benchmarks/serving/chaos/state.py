@@ -229,13 +229,16 @@ _READ_USAGE = """
 import json
 from tenants.models import UsageRecord
 rows = list(UsageRecord.objects.values("request_id", "completion_tokens", "prompt_tokens",
-                                       "finish_reason", "status", "error_code", "tenant__slug"))
+                                       "finish_reason", "status", "error_code", "tenant__slug",
+                                       "duration_s", "created_at"))
+for row in rows:
+    row["created_at"] = row["created_at"].timestamp()
 print("USAGE " + json.dumps(rows))
 """
 
 
 def read_usage(platform: Platform) -> list[dict[str, Any]]:
-    """Every usage record in the platform's database."""
+    """Every usage record in the platform's database (``created_at``: unix seconds)."""
     out = platform.manage("shell", "-c", _READ_USAGE)
     line = next(x for x in out.splitlines() if x.startswith("USAGE "))
     return json.loads(line[len("USAGE "):])
