@@ -368,7 +368,7 @@ async def readyz(request: HttpRequest) -> HttpResponse:
     try:
         await aredis().ping()
         checks["redis"] = "ok"
-        alive = await workers.alive_workers()
+        alive = await workers.beating_workers()
         checks["workers"] = len(alive) if alive else "error: no live worker"
     except Exception as exc:  # noqa: BLE001
         checks["redis"] = f"error: {exc}"

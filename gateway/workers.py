@@ -122,6 +122,13 @@ async def alive_workers() -> list[str]:
     return judged_alive(beats, seen.seconds(), time.time())
 
 
+async def beating_workers() -> list[str]:
+    """Ids of the workers whose heartbeat is younger than ``WORKER_HEARTBEAT_TTL_S`` (what
+    ``/readyz`` counts: a readiness probe says ready only once a worker has beaten within its
+    TTL, whereas :func:`alive_workers` also keeps a worker that this process cannot tell dead)."""
+    return _live_ids(await aredis().zrangebyscore(redis_keys().workers, _since(), "+inf"))
+
+
 def judged_alive(beats: list[tuple[bytes, float]], sight_s: float, now: float) -> list[str]:
     """The members of ``beats`` (worker id, heartbeat unix time) not declared dead by a judge
     with ``sight_s`` seconds of sight of Redis at unix time ``now``."""

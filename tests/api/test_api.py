@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
 import pytest
 from asgiref.sync import async_to_sync
@@ -222,6 +224,21 @@ def test_health_and_readiness(client, inproc_worker):
 
 def test_not_ready_without_a_worker(client, db):
     assert client.get("/readyz").status_code == 503
+
+
+def test_not_ready_with_only_a_stale_heartbeat_this_process_cannot_tell_dead(client, db, rclient,
+                                                                             keys, settings):
+    # A worker that stopped beating a TTL ago, judged by a process without a TTL of sight of
+    # Redis (it just started): the admission does not take it for gone (requests wait for it),
+    # but readiness counts only a heartbeat within the TTL.
+    from gateway import workers
+
+    ttl = settings.LLM_PLATFORM.get("WORKER_HEARTBEAT_TTL_S", 10)
+    rclient.zadd(keys.workers, {"stopped": time.time() - ttl - 1})
+    assert asyncio.run(workers.alive_workers()) == ["stopped"]
+    ready = client.get("/readyz")
+    assert ready.status_code == 503 and ready["Retry-After"] == "1"
+    assert ready.json()["checks"]["workers"] == "error: no live worker"
 
 
 def test_models(client, tenant_key):
