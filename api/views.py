@@ -124,11 +124,7 @@ def _check_model(name: str) -> str:
 
 @api_view("POST")
 async def chat_completions(request: HttpRequest) -> HttpResponse:
-    """``POST /v1/chat/completions``.
-
-    Special-token text inside a message's content is ordinary text (several tokens), never a
-    control token of the chat template (``inference.tokenization.Tokenizer.chat_ids``).
-    """
+    """``POST /v1/chat/completions``."""
     key = await authenticate(request)
     req = validate(ChatCompletionRequest, parse_json_body(read_body(request)))
     model = _check_model(req.model)
@@ -138,12 +134,7 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
 
 @api_view("POST")
 async def completions(request: HttpRequest) -> HttpResponse:
-    """``POST /v1/completions``.
-
-    The raw ``prompt`` is the client's own text, given to the model as is: special-token text
-    in it (``<|im_end|>``, ``<|endoftext|>``) is the control token, as OpenAI and vLLM parse it
-    (``docs/design.md``, section 9).
-    """
+    """``POST /v1/completions``."""
     key = await authenticate(request)
     req = validate(CompletionRequest, parse_json_body(read_body(request)))
     model = _check_model(req.model)
