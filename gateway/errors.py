@@ -88,21 +88,24 @@ class APIError(Exception):
         self.extra_headers = dict(extra_headers or {})
 
     def body(self) -> dict[str, Any]:
+        """The JSON error body: OpenAI's fields (``message``, ``type``, ``param``, ``code``),
+        ``details`` when set, and the retry hints that the headers also carry (a body read
+        without its headers, an error inside a stream, says the same): ``retryable``, and
+        ``retry_after_ms`` when set."""
         error: dict[str, Any] = {"message": self.message, "type": self.type,
                                  "param": self.param, "code": self.code}
         if self.details:
             error["details"] = self.details
+        error["retryable"] = self.should_retry is not False and (
+            self.retry_after_s is not None or self.status >= 500)
+        if self.retry_after_s is not None:
+            error["retry_after_ms"] = max(1, int(self.retry_after_s * 1000))
         return {"error": error}
 
     def stream_body(self) -> dict[str, Any]:
         """:meth:`body` for an error sent inside a stream (an SSE event, a websocket frame), where
-        no header can carry the retry hints: ``retryable``, and ``retry_after_ms`` when set."""
-        body = self.body()
-        body["error"]["retryable"] = self.should_retry is not False and (
-            self.retry_after_s is not None or self.status >= 500)
-        if self.retry_after_s is not None:
-            body["error"]["retry_after_ms"] = max(1, int(self.retry_after_s * 1000))
-        return body
+        no header can carry the retry hints."""
+        return self.body()
 
     def headers(self) -> dict[str, str]:
         headers: dict[str, str] = dict(self.extra_headers)

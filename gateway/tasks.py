@@ -4,10 +4,12 @@ what no live process would (see :mod:`gateway.usage` and :mod:`gateway.housekeep
 from __future__ import annotations
 
 import redis.exceptions
-from celery import shared_task
+from celery import Task, shared_task
+from django.db import DatabaseError
 
 from gateway import grace, housekeeping, usage
 from gateway.conf import platform_settings
+from gateway.errors import database_unavailable
 from inference.protocol.keys import USAGE_TASK_NAME
 from inference.protocol.liveness import RedisSight
 
@@ -15,11 +17,24 @@ RECONCILE_TASK = "gateway.tasks.reconcile_usage"
 SWEEP_TASK = "gateway.tasks.sweep_queue"
 
 
-@shared_task(name=USAGE_TASK_NAME, ignore_result=True)
-def record_usage(request_id: str) -> bool:
+# A usage record whose database cannot take it now (locked, unreachable) is tried again this many
+# times, this long apart (seconds, doubling); what is still left, the reconciliation records.
+USAGE_RETRIES = 5
+USAGE_RETRY_FIRST_S = 1.0
+
+
+@shared_task(name=USAGE_TASK_NAME, ignore_result=True, bind=True, max_retries=USAGE_RETRIES)
+def record_usage(self: Task, request_id: str) -> bool:
     """Write the usage record of one ended request from the usage ledger, and settle its token
-    reservations; nothing when it was recorded already (idempotent per request id)."""
-    return usage.record(str(request_id))
+    reservations; nothing when it was recorded already (idempotent per request id). A database
+    outage (:func:`gateway.errors.database_unavailable`) retries the task (the ledger keeps the
+    entry meanwhile)."""
+    try:
+        return usage.record(str(request_id))
+    except DatabaseError as exc:
+        if not database_unavailable(exc):
+            raise
+        raise self.retry(exc=exc, countdown=USAGE_RETRY_FIRST_S * 2 ** self.request.retries)
 
 
 @shared_task(name=RECONCILE_TASK, ignore_result=True)

@@ -30,6 +30,7 @@ from typing import Any
 
 import redis
 from asgiref.sync import sync_to_async
+from celery import current_app
 from django.db import IntegrityError, transaction
 
 from gateway import admission, budgets, delivery
@@ -38,6 +39,7 @@ from gateway.conf import redis_keys
 from gateway.delivery import Delivery
 from gateway.errors import CLIENT_CLOSED_STATUS, final_status
 from inference.protocol.events import FinalEvent, FinishReason, Usage
+from inference.protocol.keys import USAGE_TASK_NAME
 from inference.protocol.messages import RequestMessage, UsageReport
 from tenants.models import UsageRecord
 
@@ -46,6 +48,8 @@ log = logging.getLogger(__name__)
 # The reconciliation records ledger entries older than this (seconds): younger ones are being
 # recorded by the task their ender sent.
 RECONCILE_AFTER_S = 10.0
+# A record that its web process could not write is handed to the Celery task this much later (s).
+USAGE_RETRY_FIRST_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -227,12 +231,20 @@ def record(request_id: str, client: redis.Redis | None = None, *,
 async def record_if_ended(request_id: str) -> None:
     """:func:`record` ``request_id`` now, on a thread, if it ended (its ledger entry is there):
     the web process that wrote its end note does when a recorder came first and waited for it
-    (:mod:`gateway.delivery`). Never raises: what fails here is recorded by the reconciliation."""
+    (:mod:`gateway.delivery`). Never raises: a write that fails here is handed to the Celery task
+    :func:`gateway.tasks.record_usage` (which retries a database outage), and what that cannot
+    record, the reconciliation does."""
     try:
         if await aredis().hexists(redis_keys().usage_pending, request_id):
             await sync_to_async(record)(request_id)
-    except Exception:  # noqa: BLE001 - the reconciliation records it
-        log.warning("could not record the usage of %s now", request_id, exc_info=True)
+    except Exception:  # noqa: BLE001 - the task or the reconciliation records it
+        log.warning("could not record the usage of %s now; handing it to the usage task",
+                    request_id, exc_info=True)
+        try:
+            await sync_to_async(current_app.send_task)(
+                USAGE_TASK_NAME, args=[request_id], countdown=USAGE_RETRY_FIRST_S, retry=False)
+        except Exception:  # noqa: BLE001 - the reconciliation records it
+            log.warning("could not hand the usage of %s to its task", request_id)
 
 
 def reconcile(older_than_s: float = RECONCILE_AFTER_S, client: redis.Redis | None = None,
@@ -257,8 +269,9 @@ def reconcile(older_than_s: float = RECONCILE_AFTER_S, client: redis.Redis | Non
         if seen >= limit:
             break
     if written:
-        log.warning("reconciliation recorded the usage of %d request(s) whose task was lost "
-                    "or whose web process is gone", written)
+        log.warning("reconciliation recorded the usage of %d request(s) that no task recorded "
+                    "in time (a task lost or failing, a database that refused the write) or whose "
+                    "web process is gone", written)
     return written
 
 

@@ -114,8 +114,17 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     VAR_DIR.mkdir(exist_ok=True)
     # A file, not memory, so the end-to-end tests' server processes share the test database.
     DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test_db.sqlite3")}
+    # A connection never creates the file: a missing database is an outage (503), not an empty
+    # one (llm_platform.sqlite.base).
+    DATABASES["default"]["ENGINE"] = "llm_platform.sqlite"
     # Concurrent async views and Celery write at once; wait for the lock instead of failing.
-    DATABASES["default"].setdefault("OPTIONS", {}).setdefault("timeout", 20)
+    # A transaction takes the write lock when it begins (IMMEDIATE): one that read first and
+    # then asked for it could only fail at once ("database is locked") while another writes.
+    # WAL lets readers go on while one writes.
+    _sqlite_options = DATABASES["default"].setdefault("OPTIONS", {})
+    _sqlite_options.setdefault("timeout", 20)
+    _sqlite_options.setdefault("transaction_mode", "IMMEDIATE")
+    _sqlite_options.setdefault("init_command", "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL")
 elif DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
     # A database host that does not answer fails a request (503) after this long, instead of
     # the system's TCP timeout (minutes). libpq takes whole seconds, at least 2.

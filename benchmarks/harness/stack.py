@@ -35,7 +35,7 @@ def free_port() -> int:
 def database_url(settings_dict: dict) -> str:
     """A DATABASE_URL for the test database pytest-django created."""
     engine, name = settings_dict["ENGINE"], settings_dict["NAME"]
-    if engine.endswith("sqlite3"):
+    if "sqlite" in engine:  # Django's backend or the platform's (llm_platform.sqlite)
         return f"sqlite:///{name}"
     user, password = settings_dict.get("USER") or "", settings_dict.get("PASSWORD") or ""
     auth = f"{user}:{password}@" if password else (f"{user}@" if user else "")

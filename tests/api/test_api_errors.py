@@ -263,3 +263,41 @@ def test_a_host_not_allowed_gets_a_json_400_on_the_api(client, path):
     response = client.get(path, HTTP_HOST="evil.example")
     assert response.status_code == 400 and response["Content-Type"] == "application/json"
     assert error_of(response)["code"] == "bad_request"
+
+
+# 7. A worker that dies under an answer not streamed ---------------------------------------------
+
+def test_an_answer_not_streamed_whose_worker_died_says_its_client_got_nothing(
+        client, tenant_key, live_worker, rclient, keys):
+    """The worker died after 5 tokens, and the reclaim ended the request: the client of an answer
+    not streamed got none of them (it goes out only whole), and its error says so, with the
+    retry hints in its body as in its headers."""
+    import threading
+    import time
+
+    from inference.protocol.events import TokenEvent
+    from inference.worker.fair_queue import FairQueue
+
+    dead, judge = FairQueue(rclient, keys, "dead", "vtc"), FairQueue(rclient, keys, "judge", "vtc")
+    rclient.zadd(keys.workers, {"dead": time.time()})
+
+    def worker_dies() -> None:
+        deadline = time.monotonic() + 20
+        while not (taken := dead.take(1)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        [request] = taken
+        tokens = [(TokenEvent(request_id=request.request_id, seq=i, token_id=97, text="a"),
+                   request.take) for i in range(5)]
+        dead.write_events(tokens, 60, {request.request_id: 9})
+        rclient.zadd(keys.workers, {"dead": time.time() - 60})  # its heartbeat lapsed
+        judge.reclaim(ttl_s=10, events_ttl_s=60, sight_s=3600.0)
+
+    thread = threading.Thread(target=worker_dies, daemon=True)
+    thread.start()
+    response = post(client, tenant_key[2], chat(max_tokens=50))
+    thread.join(5)
+    assert response.status_code == 503 and response["Retry-After"] == "1"
+    error = error_of(response)
+    assert error["code"] == "worker_lost" and error["details"]["completion_tokens"] == 0
+    assert not any(ch.isdigit() for ch in error["message"])  # no count of the engine's
+    assert error["retryable"] is True and error["retry_after_ms"] == 1000

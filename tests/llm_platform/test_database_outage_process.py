@@ -188,3 +188,54 @@ def test_a_database_that_never_answers_costs_a_request_the_connect_timeout(silen
         web.stop()
     assert_database_outage(raised.value)
     assert 1.5 < waited < 10, waited
+
+
+def manage(database_url: str, *args: str) -> str:
+    done = subprocess.run([sys.executable, "manage.py", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=300,
+                          env={**os.environ, "DATABASE_URL": database_url,
+                               "DJANGO_SETTINGS_MODULE": "llm_platform.settings"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_a_sqlite_file_moved_away_is_an_outage_never_an_empty_database(tmp_path):
+    """The file goes (moved, deleted, its disk gone): a retryable 503 and not ready, with no
+    empty database created in its place; once it is back, it serves as before."""
+    path = tmp_path / "db.sqlite3"
+    url = f"sqlite:///{path}"
+    manage(url, "migrate", "--no-input")  # creates the file: no connection would
+    key = manage(url, "create_tenant", "Moved").strip().splitlines()[-1]
+    web = WebProcess(url, tmp_path / "daphne.log").wait_up()
+    client = openai.OpenAI(base_url=f"{web.url}/v1", api_key=key, max_retries=0, timeout=30)
+    away = tmp_path / "away"
+    away.mkdir()
+    try:
+        assert MODEL in [m.id for m in client.models.list()]
+        assert httpx.get(f"{web.url}/readyz", timeout=30).json()["checks"]["database"] == "ok"
+        for file in tmp_path.glob("db.sqlite3*"):  # with its WAL and shared-memory files
+            file.rename(away / file.name)
+        with pytest.raises(openai.APIStatusError) as raised:
+            client.models.list()
+        assert_database_outage(raised.value)
+        ready = httpx.get(f"{web.url}/readyz", timeout=30)
+        assert ready.status_code == 503 and ready.json()["checks"]["database"].startswith("error")
+        assert not path.exists(), "a connection created an empty database in its place"
+        for file in away.iterdir():
+            file.rename(tmp_path / file.name)
+        assert MODEL in [m.id for m in client.models.list()]
+        assert httpx.get(f"{web.url}/readyz", timeout=30).json()["checks"]["database"] == "ok"
+    finally:
+        web.stop()
+
+
+def test_readyz_says_not_ready_on_a_database_without_the_platform_tables(tmp_path):
+    """A file in its place that is not the platform's database (empty, never migrated)."""
+    path = tmp_path / "db.sqlite3"
+    path.touch()
+    web = WebProcess(f"sqlite:///{path}", tmp_path / "daphne.log").wait_up()
+    try:
+        ready = httpx.get(f"{web.url}/readyz", timeout=30)
+    finally:
+        web.stop()
+    assert ready.status_code == 503 and "no such table" in ready.json()["checks"]["database"]

@@ -62,8 +62,8 @@ for _, worker in ipairs(dead) do
     local sent = fq_tokens_sent(p, rec.id)
     local event = fq_error_event(
       rec.id, sent, 'worker_lost',
-      'the inference worker serving this request stopped after ' .. sent ..
-      ' token(s); retry the request',
+      'the inference worker serving this request stopped before it finished; retry the ' ..
+      'request (details.completion_tokens: the tokens this response holds)',
       {worker = worker, completion_tokens = sent}, sent, rec.prompt_tokens)
     fq_finish(p, rec, event, events_ttl, now)
     out[#out + 1] = rec.id

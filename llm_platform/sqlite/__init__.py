@@ -1,0 +1,1 @@
+"""The platform's SQLite database backend (``DATABASES["default"]["ENGINE"]``); see :mod:`.base`."""
