@@ -57,7 +57,18 @@ class DrainingServer(Server):
     def run(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
+        reactor.callWhenRunning(self._start_monitor)
         super().run()
+
+    @staticmethod
+    def _start_monitor() -> None:
+        """Start the web monitor (:mod:`gateway.monitor`) as the process starts serving, not at
+        its first request: its heartbeat is published from the start, and its sight of Redis
+        is continuous by the time a worker dies, so that death is declared one heartbeat TTL
+        after the worker's last beat (a monitor started later must wait two TTLs)."""
+        from gateway import monitor  # loads Django's models: daphne set Django up by now
+
+        asyncio.ensure_future(monitor.ensure_started())
 
     def listen_success(self, port: Any) -> None:
         self._ports.append(port)
