@@ -35,6 +35,9 @@ RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_eq
 _FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Longest value shown in a range error; a longer one is described, not shown.
 MAX_SHOWN_VALUE = 24
+# Longest field name shown in an unknown field's path; a longer one is cut.
+MAX_SHOWN_NAME = 64
+UNKNOWN_FIELD = "extra_forbidden"  # pydantic's error type for a field a body object lacks
 
 
 def param(loc: tuple[int | str, ...]) -> str | None:
@@ -50,6 +53,25 @@ def param(loc: tuple[int | str, ...]) -> str | None:
         elif _FIELD_NAME.fullmatch(part) and part not in ("str", "int", "float", "bool"):
             out += f".{part}" if out else part
     return out or None
+
+
+def written_path(loc: tuple[int | str, ...]) -> str:
+    """Every segment of ``loc`` as the client wrote it (``messages[0].tool_call_id``), for a
+    field the client made up: a name with a lone surrogate is shown escaped, a long one cut."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+            continue
+        name = part[:MAX_SHOWN_NAME].encode("utf-8", "backslashreplace").decode("utf-8")
+        name = (name or '""') + ("..." if len(part) > MAX_SHOWN_NAME else "")
+        out += f".{name}" if out else name
+    return out
+
+
+def unknown_field_message(path: str, why: str = "") -> str:
+    """OpenAI's words for a field it does not know, with ``why`` after them."""
+    return f"Unrecognized request argument supplied: {path}{f' ({why})' if why else ''}."
 
 
 def json_type(value: Any) -> str:
@@ -106,6 +128,8 @@ def _shown(value: Any) -> str:
 def message(model: type[BaseModel], error: ErrorDetails, name: str | None) -> str:
     """The client's message for pydantic's ``error`` in ``model``, about the field ``name``."""
     kind, value = error["type"], error.get("input")
+    if kind == UNKNOWN_FIELD:
+        return unknown_field_message(written_path(error["loc"]))
     if kind == "missing":
         return f"'{name}' is required."
     if kind in (NOT_UNICODE, "string_unicode"):  # the latter: pydantic's, with str constraints

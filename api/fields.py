@@ -3,7 +3,8 @@
 - Types are strict, as in the OpenAI API: integers must be JSON integers (not strings, booleans or
   decimal numbers), booleans JSON booleans, numbers JSON numbers.
 - Text is valid Unicode: a lone surrogate escape such as ``"\\ud800"`` is refused.
-- Unknown fields are ignored.
+- Unknown fields are refused, naming the field (``api.served_fields`` says which fields each
+  endpoint knows).
 - ``null`` means the default: an optional field sent as JSON ``null`` is the same as the field
   left out. The OpenAI API marks its optional request fields nullable and its clients send
   ``null`` for ``None`` (``temperature=None``, ``top_p=None``, ...). A required field sent as
@@ -41,9 +42,9 @@ Text = Annotated[str, AfterValidator(unicode_text)]
 
 
 class BodyObject(BaseModel):
-    """An object of a request body: strict types, unknown fields ignored, null as the default."""
+    """An object of a request body: strict types, unknown fields refused, null as the default."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     @model_validator(mode="before")
     @classmethod

@@ -88,8 +88,9 @@ class Answer:
     the chunks of a stream (:meth:`chunks`), or the whole body (:meth:`add`, then :meth:`body`).
 
     An echoed prompt comes first, with the prompt's logprobs (the worker sends them on the
-    request's first event); then each token's text with its logprobs. A token whose text is
-    held back (a possible stop string) still brings its logprobs, in a chunk of empty text.
+    request's first event); then each token's text with its logprobs. A token's logprobs come
+    with its text (the worker holds both back while a stop string may be forming, and drops
+    those past one), so the entries' texts join to the answer's.
     """
 
     shape: ResponseShape
@@ -109,8 +110,8 @@ class Answer:
             prompt = list(event.prompt_logprobs or ()) if self.shape.logprobs else []
             pieces.append((self.shape.echo or "", prompt))
         entries = []
-        if isinstance(event, TokenEvent) and self.shape.logprobs and event.logprobs is not None:
-            entries = [event.logprobs]
+        if isinstance(event, TokenEvent | FinalEvent) and self.shape.logprobs and event.logprobs:
+            entries = list(event.logprobs)
         if event.text or entries:
             pieces.append((event.text, entries))
         return pieces

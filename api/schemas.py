@@ -1,10 +1,10 @@
 """Request bodies of the OpenAI-compatible endpoints, validated with pydantic.
 
 The rules every body object follows (strict JSON types, valid Unicode text, unknown fields
-ignored, ``null`` as the default) are :mod:`api.fields`'; how an error is told to the client,
-:mod:`api.field_errors`'. Known fields that would change the answer and that this server does not
-offer (``tools``, ``response_format`` other than text, ``logit_bias``, ...) are refused with a 400
-naming the field.
+refused, ``null`` as the default) are :mod:`api.fields`'; how an error is told to the client,
+:mod:`api.field_errors`'. Which fields are honoured, accepted without changing the answer, refused
+as not served (``tools``, ``response_format`` other than text, ``logit_bias``, vLLM's
+``guided_json``, ...) or unknown: :mod:`api.served_fields`.
 
 Log-probabilities, as the OpenAI API bounds them: chat ``logprobs`` (a boolean) and
 ``top_logprobs`` (0 to 20, only with ``logprobs``); completions ``logprobs`` (0 to 5 likeliest
@@ -17,9 +17,16 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    AfterValidator,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from api import field_errors
+from api import field_errors, served_fields
 from api.fields import BodyObject, Text, unicode_text, wrong_type
 from gateway.errors import APIError
 
@@ -31,42 +38,82 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # The OpenAI API's bounds: chat ``top_logprobs``, completions ``logprobs``.
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
+# The OpenAI API's bounds of ``metadata``.
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+
+Name = Annotated[str, Field(max_length=256), AfterValidator(unicode_text)]
 
 
 class StreamOptions(BodyObject):
     include_usage: bool = False
+    # Accepted when false (served_fields refuses true): no chunk carries an obfuscation field.
+    include_obfuscation: bool = False
+
+
+class PromptCacheOptions(BodyObject):
+    """OpenAI's prompt-cache options: checked, not used (this server's prefix cache needs none)."""
+
+    mode: Literal["implicit", "explicit"] | None = None
+    ttl: Text | None = None
 
 
 class ChatMessage(BodyObject):
-    """One chat message; content is a string or a list of text parts (null: an assistant's
-    empty turn, as the OpenAI API allows for an assistant message)."""
+    """One chat message, of any role's fields in OpenAI's message schema
+    (:data:`api.served_fields.MESSAGE_FIELDS` says which role has which).
+
+    Content is a string or a list of text parts (an assistant's: text and refusal parts); an
+    assistant's content may be null or left out (an empty turn). An assistant's ``refusal`` is
+    part of its turn: the turn's text is its content, then its refusal. ``audio``,
+    ``function_call`` and ``tool_calls`` are accepted empty only (``api.served_fields`` refuses
+    the rest); ``name`` and ``annotations`` are checked, not used (the chat template has no place
+    for them).
+    """
 
     role: Literal["system", "developer", "user", "assistant"]
     content: Text
-    # The participant's name (OpenAI's field); checked, not used.
-    name: Annotated[str, Field(max_length=256), AfterValidator(unicode_text)] | None = None
+    name: Name | None = None
+    refusal: Text | None = None
+    annotations: list[Any] | None = None
+    audio: None = None
+    function_call: None = None
+    tool_calls: Annotated[list[Any], Field(max_length=0)] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _assistant_content_optional(cls, data: Any) -> Any:
+        """An assistant message without content is an empty turn, as with null content."""
+        if isinstance(data, dict) and data.get("role") == "assistant" and "content" not in data:
+            return {**data, "content": None}
+        return data
 
     @field_validator("content", mode="before")
     @classmethod
     def _text_parts_only(cls, value: Any, info: ValidationInfo) -> Any:
-        """A string, or the text of a list of ``{"type": "text", "text": ...}`` parts."""
+        """A string, or the text of a list of ``{"type": "text", "text": ...}`` parts (and, in an
+        assistant's message, ``{"type": "refusal", "refusal": ...}`` parts)."""
+        assistant = info.data.get("role") == "assistant"
         if isinstance(value, str):
             return value
-        if value is None and info.data.get("role") == "assistant":
+        if value is None and assistant:
             return ""
         if not isinstance(value, list):
             raise wrong_type("a string or an array of text content parts")
         texts = []
         for part in value:
-            if not (isinstance(part, dict) and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)):
-                raise ValueError("only text content parts are supported")
-            texts.append(part["text"])
+            kind = part.get("type") if isinstance(part, dict) else None
+            key = "text" if kind == "text" else "refusal" if kind == "refusal" and assistant \
+                else None
+            if key is None or not isinstance(part.get(key), str):
+                raise ValueError("only text content parts are supported" if not assistant else
+                                 "only text and refusal content parts are supported")
+            if not isinstance(part.get("prompt_cache_breakpoint"), dict | None):
+                raise ValueError("a content part's 'prompt_cache_breakpoint' must be an object")
+            texts.append(part[key])
         return "".join(texts)
 
     def as_dict(self) -> dict[str, str]:
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.content}
+        return {"role": role, "content": self.content + (self.refusal or "")}
 
 
 class GenerationRequest(BodyObject):
@@ -81,13 +128,22 @@ class GenerationRequest(BodyObject):
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: list[Text] = []
-    n: int = Field(1, ge=1)
-    user: Annotated[str, Field(max_length=256), AfterValidator(unicode_text)] | None = None
+    n: int = Field(1, ge=1)  # served_fields refuses n > 1
+    user: Name | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     top_k: int = Field(0, ge=-1, le=MAX_TOKENS_LIMIT)
     min_tokens: int = Field(0, ge=0, le=MAX_TOKENS_LIMIT)
     ignore_eos: bool = False
+    # OpenAI fields that do not change the answer: checked, not used (taken on both endpoints,
+    # so that a client may send the same options to each).
+    store: bool | None = None
+    metadata: dict[Text, Text] | None = None
+    service_tier: Name | None = None
+    prompt_cache_key: Name | None = None
+    prompt_cache_retention: Name | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
+    safety_identifier: Name | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -108,11 +164,19 @@ class GenerationRequest(BodyObject):
     def _drop_empty_stops(cls, value: list[str]) -> list[str]:
         return [s for s in value if s]
 
-    @field_validator("n")
+    @field_validator("metadata")
     @classmethod
-    def _single_choice(cls, value: int) -> int:
-        if value > 1:
-            raise ValueError("n > 1 is not supported by this server; send n separate requests")
+    def _metadata_bounds(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        """At most 16 pairs, keys of at most 64 characters, values of at most 512."""
+        if value is None:
+            return value
+        if len(value) > MAX_METADATA_PAIRS:
+            raise ValueError(f"expected at most {MAX_METADATA_PAIRS} key-value pairs, but got "
+                             f"{len(value)}")
+        if any(len(key) > MAX_METADATA_KEY for key in value):
+            raise ValueError(f"a key is longer than {MAX_METADATA_KEY} characters")
+        if any(len(text) > MAX_METADATA_VALUE for text in value.values()):
+            raise ValueError(f"a value is longer than {MAX_METADATA_VALUE} characters")
         return value
 
     @property
@@ -170,6 +234,8 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Accepted, not used: no tool is ever offered (served_fields refuses tools).
+    parallel_tool_calls: bool | None = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -244,28 +310,6 @@ class CompletionRequest(GenerationRequest):
         return self.prompt if self.echo else None
 
 
-# Fields that would change the answer; refused unless absent or at their neutral value.
-UNSUPPORTED_CHAT_FIELDS = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "functions": (None, []),
-    "function_call": (None, "none"),
-    "logit_bias": (None, {}),
-    "audio": (None,),
-    "modalities": (None, ["text"]),
-    "prediction": (None,),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-}
-UNSUPPORTED_COMPLETION_FIELDS = {
-    "suffix": (None, ""),
-    "best_of": (None, 1),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-}
-
-
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON value")
 
@@ -295,32 +339,26 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _refuse_unsupported(body: dict[str, Any], unsupported: dict[str, tuple]) -> None:
-    for name, neutral in unsupported.items():
-        if name in body and body[name] not in neutral:
-            raise APIError(400, f"'{name}' is not supported by this server.", param=name,
-                           code="unsupported_parameter")
-    response_format = body.get("response_format")
-    if response_format not in (None, {"type": "text"}):
-        raise APIError(400, "'response_format' other than text is not supported by this server.",
-                       param="response_format", code="unsupported_parameter")
-
-
 def validate(model: type[GenerationRequest], body: dict[str, Any]) -> GenerationRequest:
     """Validate ``body`` against ``model``.
 
     Raises:
-        APIError: 400 naming the first offending field, as the client wrote it.
+        APIError: 400 naming the first offending field, as the client wrote it:
+            ``unsupported_parameter`` for a field this server does not serve,
+            ``unknown_parameter`` for a field it does not know, else ``invalid_value``.
     """
-    unsupported = (UNSUPPORTED_CHAT_FIELDS if model is ChatCompletionRequest
-                   else UNSUPPORTED_COMPLETION_FIELDS)
-    _refuse_unsupported(body, unsupported)
+    body = served_fields.refuse_unserved(body, chat=model is ChatCompletionRequest)
     try:
         req = model.model_validate(body)
     except RecursionError as exc:
         raise _too_deep() from exc
     except ValidationError as exc:
         first = exc.errors()[0]
+        if first["type"] == field_errors.UNKNOWN_FIELD:
+            raise served_fields.unknown(first["loc"]) from exc
+        if first["type"] == "string_unicode" and (
+                key := served_fields.key_not_unicode(body, first["loc"])):
+            raise served_fields.unknown(key) from exc  # no field's name is a lone surrogate
         param = field_errors.param(first["loc"])
         raise APIError(400, field_errors.message(model, first, param), param=param,
                        code="invalid_value") from exc

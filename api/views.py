@@ -34,14 +34,13 @@ from gateway import lifecycle, monitor, ratelimits, workers
 from gateway.admission import Principal
 from gateway.clients import aredis
 from gateway.conf import platform_settings, redis_keys
-from gateway.credentials import bearer_token
-from gateway.errors import APIError, unexpected_error
+from gateway.credentials import authenticate_headers
+from gateway.errors import APIError, request_too_large, unexpected_error
 from gateway.events import Waiting
 from gateway.lifecycle import Generation
 from inference.protocol.events import ErrorInfo, Event, FinalEvent, TokenEvent
 from inference.protocol.messages import Sampling
 from tenants.models import ApiKey
-from tenants.selectors import aauthenticate_key
 
 log = logging.getLogger(__name__)
 
@@ -53,19 +52,23 @@ API_PATH_PREFIXES = ("/v1", "/scheduler/", "/healthz", "/readyz", "/metrics")
 
 
 def api_view(*methods: str) -> Callable[[View], View]:
-    """Allow ``methods`` only, skip CSRF (bearer auth), and answer every error as a JSON body.
+    """Allow ``methods`` only (and ``HEAD`` wherever ``GET`` is: the same status and headers, the
+    server sends no body), skip CSRF (bearer auth), and answer every error as a JSON body.
 
-    :class:`APIError` becomes its own body; any other exception goes through
-    :func:`unexpected_error` (503 for Redis trouble, else 500), never Django's HTML page.
+    Another method gets 405 ``method_not_allowed`` with ``Allow``. :class:`APIError` becomes its
+    own body; any other exception goes through :func:`unexpected_error` (503 for Redis trouble,
+    else 500), never Django's HTML page.
     """
+    allowed = (*methods, "HEAD") if "GET" in methods and "HEAD" not in methods else methods
 
     def decorate(view: View) -> View:
         @csrf_exempt
         @functools.wraps(view)
         async def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
-            if request.method not in methods:
+            if request.method not in allowed:
                 return APIError(405, f"Method {request.method} is not allowed here.",
-                                code="method_not_allowed", type="invalid_request_error").response()
+                                code="method_not_allowed", type="invalid_request_error",
+                                extra_headers={"Allow": ", ".join(allowed)}).response()
             try:
                 return await view(request, *args, **kwargs)
             except APIError as exc:
@@ -81,31 +84,28 @@ def api_view(*methods: str) -> Callable[[View], View]:
 def read_body(request: HttpRequest) -> bytes:
     """The request body.
 
+    The web process refuses a body over ``MAX_BODY_BYTES`` before reading it
+    (:mod:`llm_platform.http_guard`); Django's ``DATA_UPLOAD_MAX_MEMORY_SIZE``, the same number,
+    refuses one that reaches Django another way.
+
     Raises:
-        APIError: 413 for a body over ``DATA_UPLOAD_MAX_MEMORY_SIZE``.
+        APIError: 413 :func:`~gateway.errors.request_too_large` for a body over
+            ``DATA_UPLOAD_MAX_MEMORY_SIZE``.
     """
     try:
         return request.body
     except RequestDataTooBig as exc:
-        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
-        raise APIError(413, f"The request body is larger than the limit of {limit} bytes.",
-                       code="request_too_large", should_retry=False) from exc
+        raise request_too_large(settings.DATA_UPLOAD_MAX_MEMORY_SIZE) from exc
 
 
 async def authenticate(request: HttpRequest) -> ApiKey:
-    """The API key of a request's ``Authorization: Bearer`` header.
+    """The API key of a request's ``Authorization: Bearer`` header
+    (:func:`gateway.credentials.authenticate_headers`).
 
     Raises:
         APIError: 401 for a missing, malformed, unknown or revoked key.
     """
-    credentials = bearer_token(request.headers)
-    if not credentials.present:
-        raise APIError(401, "Missing API key: send 'Authorization: Bearer <key>'.",
-                       code="missing_api_key")
-    key = await aauthenticate_key(credentials.token) if credentials.token else None
-    if key is None:
-        raise APIError(401, "Incorrect or revoked API key.", code="invalid_api_key")
-    return key
+    return await authenticate_headers(request.headers)
 
 
 # Longest model name repeated back in a 404 (a longer one is cut).
@@ -123,7 +123,11 @@ def _check_model(name: str) -> str:
 
 @api_view("POST")
 async def chat_completions(request: HttpRequest) -> HttpResponse:
-    """``POST /v1/chat/completions``."""
+    """``POST /v1/chat/completions``.
+
+    Special-token text inside a message's content is ordinary text (several tokens), never a
+    control token of the chat template (``inference.tokenization.Tokenizer.chat_ids``).
+    """
     key = await authenticate(request)
     req = validate(ChatCompletionRequest, parse_json_body(read_body(request)))
     model = _check_model(req.model)
@@ -133,7 +137,12 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
 
 @api_view("POST")
 async def completions(request: HttpRequest) -> HttpResponse:
-    """``POST /v1/completions``."""
+    """``POST /v1/completions``.
+
+    The raw ``prompt`` is the client's own text, given to the model as is: special-token text
+    in it (``<|im_end|>``, ``<|endoftext|>``) is the control token, as OpenAI and vLLM parse it
+    (``docs/design.md``, section 9).
+    """
     key = await authenticate(request)
     req = validate(CompletionRequest, parse_json_body(read_body(request)))
     model = _check_model(req.model)

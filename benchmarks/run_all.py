@@ -120,6 +120,10 @@ STEPS = (
     Step("large_prompts", "benchmarks.serving.large_prompts", (),
          ("--duration", "3", "--prompt-bytes", "100000"), OUT_DIR,
          "experiment 7, 2.4 MB and 400 KB prompts beside running streams"),
+    Step("body_limit", "benchmarks.serving.body_limit", (),
+         ("--body-mib", "8", "--concurrency", "2", "--rounds", "1", "--settle-s", "0.5"),
+         OUT_DIR, "300 MiB bodies without a key: the web process's time to answer and memory, "
+         "with its body limit and without it"),
     Step("backlog", "benchmarks.serving.backlog", (),
          ("--backlogs", "40,240", "--repeats", "1", "--workers", "1"), OUT_DIR,
          "experiment 8, a light tenant's TTFT behind a heavy tenant's backlog, 1 and 2 "

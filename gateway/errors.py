@@ -178,6 +178,14 @@ def database_unavailable(exc: BaseException) -> bool:
     return isinstance(exc, db.OperationalError | db.InterfaceError)
 
 
+def request_too_large(limit: int) -> APIError:
+    """413 ``request_too_large``: a request body over ``limit`` bytes (named in the message and
+    in ``details.limit_bytes``); never retried, as the same body can never fit."""
+    return APIError(413, f"The request body is larger than the limit of {limit} bytes.",
+                    code="request_too_large", should_retry=False,
+                    details={"limit_bytes": limit})
+
+
 def database_outage() -> APIError:
     """503 ``service_unavailable`` naming the database (``details.dependency``), to retry."""
     return APIError(503, "The database is unavailable; retry shortly.",

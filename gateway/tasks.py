@@ -34,7 +34,8 @@ def record_usage(self: Task, request_id: str) -> bool:
     except DatabaseError as exc:
         if not database_unavailable(exc):
             raise
-        raise self.retry(exc=exc, countdown=USAGE_RETRY_FIRST_S * 2 ** self.request.retries)
+        countdown = USAGE_RETRY_FIRST_S * 2 ** self.request.retries
+        raise self.retry(exc=exc, countdown=countdown) from exc
 
 
 @shared_task(name=RECONCILE_TASK, ignore_result=True)

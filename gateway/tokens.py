@@ -184,16 +184,19 @@ def measure_here(messages: Sequence[dict[str, str]] | None, prompt: str | None,
     """The token count of a chat (``messages``) or completion (``prompt``), in this process.
 
     A chat is rendered with the model's chat template and its additions count too (a default
-    system prompt, role markers, the generation prompt); a completion prompt gets no special
-    tokens. Blocking (the tokenizer holds the GIL): for the counting processes, never on an
-    event loop.
+    system prompt, role markers, the generation prompt), and special-token text inside a content
+    counts as the ordinary text it is tokenized as (:meth:`Tokenizer.chat_ids`); a completion
+    prompt gets no special tokens added (its own special-token text stays control tokens, as the
+    worker tokenizes it). Blocking (the tokenizer holds the GIL): for the counting processes,
+    never on an event loop.
 
     Args:
         most: tokens the prompt may have at most (None: no limit). A prompt whose byte bound
             alone shows more is not tokenized: its count is that bound, not exact.
 
     Raises:
-        ValueError: the chat template refuses the messages.
+        ValueError: the chat template refuses the messages (or changes a content holding
+            special-token text).
     """
     text = prompt_text(messages, prompt)
     if text is None:  # no tokenizer, or no template: an estimate
@@ -205,7 +208,9 @@ def measure_here(messages: Sequence[dict[str, str]] | None, prompt: str | None,
     if bounds is not None and most is not None and (
             fewest := bounds.at_least(bounds.countable_bytes(data))) > most:
         return PromptCount(fewest, False, n_bytes, os.getpid())
-    return PromptCount(len(tokenizer().encode(text)), True, n_bytes, os.getpid())
+    tok = tokenizer()
+    ids = tok.encode(text) if messages is None else tok.chat_ids(text, messages)
+    return PromptCount(len(ids), True, n_bytes, os.getpid())
 
 
 def _start_process(folder: str) -> None:

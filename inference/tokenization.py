@@ -14,16 +14,33 @@ and ``lstrip_blocks``, the ``raise_exception`` and ``strftime_now`` globals, a `
 that does not escape HTML, the special tokens as variables) and the text is then tokenized
 without adding special tokens; ``tests/test_tokenization.py`` checks the result against
 ``transformers``.
+
+**Message contents are plain text.** Only the template's own markers become special (control)
+tokens: the text of a special token (``<|im_start|>``, ``<|im_end|>``, ``<|endoftext|>``, ...)
+inside a message's content is tokenized as ordinary text, several tokens, so a message cannot
+close its own turn and forge another (a system or assistant turn). A chat whose contents hold no
+such text gets exactly the ids of tokenizing the rendered text as one text (as ``transformers``
+does); for one that does, :meth:`Tokenizer.chat_ids` finds each content's place in the rendered
+text (the template is rendered a second time with each content between two Unicode
+noncharacters) and keeps as special only the special tokens outside the contents. A template
+that changes a content holding such text (trims it, tests its length, ...) refuses the chat
+(``ValueError``) rather than letting it through. A completion's raw prompt is the client's own
+text, given to the model as is: special-token text in it stays a control token
+(:meth:`Tokenizer.encode`).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+# Around each content in the second rendering (noncharacters: never in interchange text).
+_OPEN, _CLOSE = "\ufdd0", "\ufdd1"
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                        "cls_token", "mask_token")
@@ -129,6 +146,8 @@ class Tokenizer:
                  eos_token_ids: Sequence[int] = ()) -> None:
         self._tok = tokenizer
         self._byte_level: bool | None = None  # whether its decoder is byte-level (found once)
+        self._plain: Any = None  # a copy that encodes special-token text as ordinary text
+        self._special: dict[str, int] | None = None  # special token text -> id (found once)
         self.chat_template = chat_template
         self.special_tokens = dict(special_tokens or {})
         self.eos_token_ids: frozenset[int] = frozenset(int(i) for i in eos_token_ids)
@@ -162,7 +181,13 @@ class Tokenizer:
                    special_tokens=special, eos_token_ids=eos)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``, no special tokens added."""
+        """Token ids of ``text``, no special tokens added.
+
+        Special-token text in ``text`` becomes its control token: this is how a completion's raw
+        prompt is tokenized (the client's own text, given to the model as is, as OpenAI and vLLM
+        parse it; a client writing its own chat format needs its markers). Chat contents never
+        go through here alone (:meth:`chat_ids`).
+        """
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -224,7 +249,84 @@ class Tokenizer:
     def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Prompt ids of chat ``messages`` by the model's own template, generation prompt added.
 
+        Special-token text inside a content is ordinary text (see :meth:`chat_ids`).
+
         Raises:
-            ValueError: as :meth:`render_chat`.
+            ValueError: as :meth:`render_chat` and :meth:`chat_ids`.
         """
-        return self.encode(self.render_chat(messages))
+        return self.chat_ids(self.render_chat(messages), messages)
+
+    def special_token_ids(self) -> dict[str, int]:
+        """The text -> id of each special token of the vocabulary (added tokens marked special)."""
+        if self._special is None:
+            decoder = getattr(self._tok, "get_added_tokens_decoder", dict)()
+            self._special = {t.content: int(i) for i, t in decoder.items() if t.special}
+        return self._special
+
+    def chat_ids(self, text: str, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Prompt ids of ``text``, the rendering of ``messages`` (:meth:`render_chat`), with
+        special-token text inside a content tokenized as ordinary text (several tokens).
+
+        Only the special tokens the template wrote are control tokens. Without special-token
+        text in any content, the ids are :meth:`encode` of ``text``.
+
+        Raises:
+            ValueError: a content holds special-token text and the template changes that
+                content (its place in ``text`` cannot be found), or refuses the messages.
+        """
+        special = self.special_token_ids()
+        contents = [m.get("content") for m in messages]
+        if not any(isinstance(c, str) and any(s in c for s in special) for c in contents):
+            return self.encode(text)
+        spans = self._content_spans(text, messages)
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        ids: list[int] = []
+        cut = 0
+        for token_id, (start, end) in zip(encoding.ids, encoding.offsets, strict=True):
+            if token_id in special.values() and not any(a < end and start < b for a, b in spans):
+                ids += self._plain_encode(text[cut:start])
+                ids.append(token_id)
+                cut = end
+        return ids + self._plain_encode(text[cut:])
+
+    def _plain_encode(self, text: str) -> list[int]:
+        """Ids of ``text`` with special-token text as ordinary text."""
+        if not text:
+            return []
+        if self._plain is None:
+            from tokenizers import Tokenizer as RustTokenizer
+
+            plain = RustTokenizer.from_str(self._tok.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    def _content_spans(self, text: str,
+                       messages: Sequence[dict[str, str]]) -> list[tuple[int, int]]:
+        """``[start, end)`` (characters of ``text``) of each message content, in order.
+
+        Raises:
+            ValueError: the places cannot be found (the template changes the contents).
+        """
+        refused = ValueError("the chat template changes a message content that holds the text "
+                             "of a special token; remove that text from the message")
+        if any(_OPEN in str(m.get("content")) or _CLOSE in str(m.get("content"))
+               for m in messages):
+            raise refused
+        marked = self.render_chat([{**m, "content": f"{_OPEN}{m['content']}{_CLOSE}"}
+                                   if isinstance(m.get("content"), str) else m for m in messages])
+        spans: list[tuple[int, int]] = []
+        plain_len, start = 0, None
+        for piece in re.split(f"([{_OPEN}{_CLOSE}])", marked):
+            if piece == _OPEN and start is None:
+                start = plain_len
+            elif piece == _CLOSE and start is not None:
+                spans.append((start, plain_len))
+                start = None
+            elif piece in (_OPEN, _CLOSE):
+                raise refused
+            else:
+                plain_len += len(piece)
+        if start is not None or marked.replace(_OPEN, "").replace(_CLOSE, "") != text:
+            raise refused
+        return spans

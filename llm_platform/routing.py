@@ -5,6 +5,10 @@ which page did in the ``Origin`` header; so a socket is accepted only from this 
 (the scheme, host and port the request came to: :func:`own_origin`) or an origin listed in
 Django's ``CSRF_TRUSTED_ORIGINS``, the same list that may post forms here with the cookies
 (``https://example.com``, ``https://*.example.com`` for its subdomains).
+
+A handshake to a path no route serves (``/ws/``, ``/ws/chat`` without its slash, ``/v1/models``)
+is refused by :class:`KnownRoutesOnly` before anything else, as a 403 handshake refusal, instead
+of Channels' router failing on it (a 500 and a traceback for each).
 """
 
 from __future__ import annotations
@@ -100,6 +104,33 @@ def origin_allowed(scope: dict[str, Any]) -> bool:
     if parsed is None:
         return False
     return parsed == own_origin(scope) or trusted_origin(origin)
+
+
+def has_route(scope: dict[str, Any], routes: list) -> bool:
+    """Whether one of ``routes`` (Channels' ``URLRouter`` entries) serves the path of ``scope``,
+    matched as ``URLRouter`` matches it."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    if root:
+        if not path.startswith(root):
+            return False
+        path = path[len(root):]
+    path = path.lstrip("/")
+    return any(route.pattern.match(path) for route in routes)
+
+
+class KnownRoutesOnly:
+    """ASGI middleware: refuses a websocket handshake to a path that none of ``routes`` serves
+    (a 403 refusal, Channels' ``WebsocketDenier``), before the origin check, the session or the
+    user are looked at."""
+
+    def __init__(self, application: Any, routes: list):
+        self.application = application
+        self.routes = routes
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> Any:
+        if scope["type"] == "websocket" and not has_route(scope, self.routes):
+            return await WebsocketDenier()(scope, receive, send)
+        return await self.application(scope, receive, send)
 
 
 class SameOriginValidator:

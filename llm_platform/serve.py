@@ -8,6 +8,10 @@ with 503), lets the responses in flight finish for up to ``WEB_DRAIN_S`` seconds
 then stops the generations still running (their clients get a retryable ``interrupted`` error)
 and stops as daphne does (a chat's websocket is closed). A second SIGTERM or SIGINT stops it at
 once.
+
+Its HTTP layer is :mod:`llm_platform.http_guard`'s: a body over ``MAX_BODY_BYTES`` (or its path's
+limit) is refused before it is read, a large one is read only with a valid API key, and what
+twisted and daphne refuse gets the platform's JSON error.
 """
 
 from __future__ import annotations
@@ -21,12 +25,14 @@ import time
 from http import HTTPStatus
 from typing import Any
 
+from daphne.access import AccessLogGenerator
 from daphne.cli import CommandLineInterface
 from daphne.server import Server
 from twisted.internet import reactor
 from twisted.web import http
 
 from chat.frames import MAX_FRAME_CHARS
+from llm_platform.log_redaction import RedactingAccessLog
 
 log = logging.getLogger("llm_platform.serve")
 
@@ -43,6 +49,10 @@ class DrainingServer(Server):
 
     def __init__(self, *args: Any, **kwargs: Any):
         kwargs["signal_handlers"] = False  # ours, installed in run()
+        # The access log with any key a client put in a URL cut to its visible prefix.
+        access_log = kwargs.get("action_logger")
+        if isinstance(access_log, AccessLogGenerator):
+            kwargs["action_logger"] = RedactingAccessLog(access_log.stream)
         # Every frame the chat's consumer reads to the end of (MAX_FRAME_CHARS characters, up
         # to 4 bytes each in UTF-8) reaches it, so that a longer one gets the consumer's error
         # frame; daphne's default of 1 MiB dropped the connection of some instead.
@@ -53,6 +63,20 @@ class DrainingServer(Server):
         self._ports: list[Any] = []
         self._draining_since: float | None = None
         self._interrupted = False
+
+    @property
+    def http_factory(self) -> Any:
+        return self._http_factory
+
+    @http_factory.setter
+    def http_factory(self, factory: Any) -> None:
+        # daphne's run() makes its own HTTPFactory; this one (its subclass) takes its place. Set
+        # in run(), once Django is set up (the application was imported): the module reads the
+        # settings and the API's key check.
+        from llm_platform.http_guard import PlatformHTTPFactory
+
+        self._http_factory = (factory if isinstance(factory, PlatformHTTPFactory)
+                              else PlatformHTTPFactory(self))
 
     def run(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):

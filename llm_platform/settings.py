@@ -14,6 +14,7 @@ import environ
 
 from dashboard.conf import beat_schedule
 from inference.protocol.settings import PlatformSettings
+from llm_platform import private_files
 from llm_platform.secret_key import load_secret_key
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -111,7 +112,7 @@ DATABASES = {
     "default": env.db_url("DATABASE_URL", default=f"sqlite:///{VAR_DIR / 'db.sqlite3'}"),
 }
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
-    VAR_DIR.mkdir(exist_ok=True)
+    private_files.private_folder(VAR_DIR)
     # A file, not memory, so the end-to-end tests' server processes share the test database.
     DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test_db.sqlite3")}
     # A connection never creates the file: a missing database is an outage (503), not an empty
@@ -130,6 +131,11 @@ elif DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
     # the system's TCP timeout (minutes). libpq takes whole seconds, at least 2.
     DATABASES["default"].setdefault("OPTIONS", {}).setdefault(
         "connect_timeout", env.int("DATABASE_CONNECT_TIMEOUT_S", default=5))
+# Files holding secrets are their owner's only (llm_platform.private_files): var/ and every file
+# in it (the SQLite database, the keys, the logs), and a SQLite database kept elsewhere; a looser
+# mode found when a process starts is tightened.
+private_files.make_private(VAR_DIR, private_files.sqlite_files(DATABASES["default"]["NAME"])
+                           if DATABASES["default"]["ENGINE"] == "llm_platform.sqlite" else ())
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [
@@ -214,12 +220,25 @@ LLM_PLATFORM = {
     "TOKENIZER_PATH": env.str("TOKENIZER_PATH", default=""),
     # Processes per web process that count prompt tokens off the event loop; 0: gateway.tokens'.
     "TOKENIZER_PROCESSES": env.int("TOKENIZER_PROCESSES", default=0),
+    # The largest request body (bytes): a larger one is refused (413) before it is read, from its
+    # Content-Length or, chunked, as soon as it passes the limit (llm_platform.http_guard).
+    "MAX_BODY_BYTES": env.int("MAX_BODY_BYTES", default=2_621_440),
+    # Paths that take larger bodies (files): "PATH=BYTES,..." (a path covers the paths below it;
+    # the longest match wins). A body over MAX_BODY_BYTES is read there only once the request's
+    # API key, from its headers, was found valid (else 401, nothing read).
+    "MAX_BODY_BYTES_BY_PATH": {path: int(limit) for path, limit in
+                               env.dict("MAX_BODY_BYTES_BY_PATH", default={}).items()},
 }
+# Django's own limit on a body it reads (request.body, forms), the same: a body that reaches
+# Django without the web process (a test client, another server) is refused alike.
+DATA_UPLOAD_MAX_MEMORY_SIZE = LLM_PLATFORM["MAX_BODY_BYTES"]
 
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    # A key a client put where none belongs (a URL) is cut to its visible prefix in every line.
+    "filters": {"redact_keys": {"()": "llm_platform.log_redaction.RedactKeys"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "filters": ["redact_keys"]}},
     "root": {"handlers": ["console"], "level": SHARED.log_level},
 }
 

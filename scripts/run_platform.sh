@@ -11,7 +11,8 @@ PY=${PYTHON:-python3}
 HOST=${HOST:-127.0.0.1}
 PORT=${PORT:-8000}
 export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379/0}
-mkdir -p var
+# var/ holds secrets (the database, the keys, the logs): its owner's only.
+mkdir -p -m 700 var
 
 # The virtual environment, the pinned requirements and (unless another model or the reference
 # backend is chosen) the default model, converted once into the cache folder.
@@ -67,6 +68,10 @@ DEMO_LOGIN=$(echo "$demo" | sed -n 2p)
 # The worker needs more than its SHUTDOWN_TIMEOUT_S (default 10 s) to hand its requests back.
 worker_stopwaitsecs=$(awk -v t="${SHUTDOWN_TIMEOUT_S:-10}" \
   'BEGIN { s = int(t); if (s < t) s++; print s + 10 }')
+# From here on every file made (the logs, supervisord's socket and pid, what the processes
+# write) is its owner's only: mode 0600, folders 0700. Files found looser in var/ are tightened
+# by every process as it starts (llm_platform.private_files).
+umask 077
 # Each start begins fresh logs; the previous run's stay beside them as var/<name>.log.1.
 for name in daphne worker celery celery-beat redis supervisord; do
   if [ -s "var/$name.log" ]; then mv -f "var/$name.log" "var/$name.log.1"; fi

@@ -1,9 +1,12 @@
-"""Admin for tenants, tiers, users, keys and usage. A new key is shown once, after saving."""
+"""Admin for tenants, tiers, users, keys and usage. A new key is shown once, on the page that
+answers the form that made it."""
 
 from __future__ import annotations
 
-from django.contrib import admin, messages
-from django.http import HttpRequest
+from django.contrib import admin
+from django.http import HttpRequest, HttpResponse
+from django.template.response import TemplateResponse
+from django.utils.cache import add_never_cache_headers
 
 from tenants.models import ApiKey, Membership, PriorityTier, Tenant, UsageRecord
 from tenants.services import VISIBLE_PREFIX_LEN, generate_raw_key, hash_key, revoke_api_key
@@ -72,11 +75,31 @@ class ApiKeyAdmin(admin.ModelAdmin):
             obj.prefix = raw[:VISIBLE_PREFIX_LEN]
             obj.hashed_key = hash_key(raw)
             super().save_model(request, obj, form, change)
-            messages.warning(
-                request, f"The new key is {raw} - copy it now: it is not shown again."
-            )
+            obj._raw_key = raw  # for response_add, which shows it: never stored
             return
         super().save_model(request, obj, form, change)
+
+    def response_add(self, request: HttpRequest, obj: ApiKey,
+                     post_url_continue: str | None = None) -> HttpResponse:
+        """The page answering the form that made ``obj``, which shows its raw key once.
+
+        The key is written into this page only, never into a cookie (Django's messages travel
+        in one, signed but readable), the session or the database; the page is not cached."""
+        raw = getattr(obj, "_raw_key", None)
+        if raw is None:
+            return super().response_add(request, obj, post_url_continue)
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "API key created",
+            "opts": self.opts,
+            "key": obj,
+            "raw_key": raw,
+            "has_change_permission": self.has_change_permission(request, obj),
+            "has_add_permission": self.has_add_permission(request),
+        }
+        response = TemplateResponse(request, "admin/tenants/apikey/created.html", context)
+        add_never_cache_headers(response)
+        return response
 
     # Only for users who may change keys: the admin then neither offers nor runs it for others.
     @admin.action(description="Revoke the selected keys", permissions=["change"])

@@ -120,8 +120,11 @@ DEMO_USERNAME = "demo"
 
 
 def write_private(path: Path, secret: str) -> None:
-    """Write ``secret`` to ``path`` readable by its owner only, from the first byte (mode 0600)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write ``secret`` to ``path`` readable by its owner only, from the first byte (mode 0600;
+    its folder, when this creates it, 0700)."""
+    if not path.parent.is_dir():
+        path.parent.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)  # an older file may have had a wider mode
     with os.fdopen(fd, "w") as f:

@@ -128,7 +128,11 @@ class PositionLogprobs(Message):
 class TokenEvent(Message):
     """One generated token: its id and the text it adds (valid UTF-8, maybe empty).
 
-    ``logprobs``: the token's log-probabilities, for a request that asked (``Sampling.logprobs``).
+    ``logprobs``: for a request that asked (``Sampling.logprobs``), the entries of the tokens
+    whose text this event completes, in order (None: none). An entry waits with its token's text
+    while it is held back for a possible stop string; a token past a stop string has none, and
+    the token a stop string starts inside has its ``token`` cut to the returned text, so the
+    entries' texts join to the answer's text.
     ``prompt_logprobs``: one entry per prompt token, on the request's first event only (this
     one, or the final event when no token was streamed), for a request that asked
     (``Sampling.prompt_logprobs``).
@@ -139,7 +143,7 @@ class TokenEvent(Message):
     seq: int = Field(ge=0)
     token_id: int
     text: str
-    logprobs: PositionLogprobs | None = None
+    logprobs: tuple[PositionLogprobs, ...] | None = None
     prompt_logprobs: tuple[PositionLogprobs, ...] | None = None
 
 
@@ -150,6 +154,7 @@ class FinalEvent(Message):
     end (usually empty). ``error`` is set exactly when ``finish_reason`` is ``error``.
     ``timings`` (seconds) may hold ``queue_s``, ``ttft_s`` and ``e2e_s``. ``prompt_logprobs``:
     as :class:`TokenEvent`'s, here when the request streamed no token (its first was EOS).
+    ``logprobs``: the entries still held back with ``text`` (as :class:`TokenEvent`'s).
     """
 
     type: Literal["final"] = "final"
@@ -161,6 +166,7 @@ class FinalEvent(Message):
     error: ErrorInfo | None = None
     timings: dict[str, float] = Field(default_factory=dict)
     prompt_logprobs: tuple[PositionLogprobs, ...] | None = None
+    logprobs: tuple[PositionLogprobs, ...] | None = None
 
     @model_validator(mode="after")
     def _error_iff_failed(self) -> FinalEvent:

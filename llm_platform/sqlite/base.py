@@ -10,18 +10,23 @@ and ``/readyz`` says not ready.
 
 The file is created by whoever sets a database up: ``manage.py migrate``
 (:mod:`tenants.management.commands.migrate`) and the test runner
-(:meth:`DatabaseCreation._create_test_db`), both through :meth:`DatabaseWrapper.create_file`.
+(:meth:`DatabaseCreation._create_test_db`), both through :meth:`DatabaseWrapper.create_file`,
+readable by its owner only (mode 0600; :mod:`llm_platform.private_files`).
 An in-memory database (``:memory:`` or a ``mode=memory`` URI) and a URI given in ``NAME`` are
 passed through as they are.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 from django.db.backends.sqlite3 import base, creation
+
+from llm_platform import private_files
 
 
 def _file_path(name: Any) -> Path | None:
@@ -45,11 +50,24 @@ class DatabaseWrapper(base.DatabaseWrapper):
 
     @staticmethod
     def create_file(name: Any) -> None:
-        """Create the (empty) database file ``name`` and its folder if missing."""
+        """Create the (empty) database file ``name`` with mode 0600, and its folder (0700) if
+        missing; an existing file keeps its content and loses any permission of the group and
+        of others.
+
+        The file holds every session and conversation: its owner's only. SQLite creates the
+        ``-wal``, ``-shm`` and ``-journal`` files with the database file's permissions.
+
+        Raises:
+            OSError: the file or its folder cannot be created.
+        """
         path = _file_path(name)
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.touch(exist_ok=True)
+            private_files.private_folder(path.parent)
+            with contextlib.suppress(FileExistsError):  # kept as it is, its mode tightened
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                                 private_files.FILE_MODE))
+            for file in private_files.sqlite_files(path):
+                private_files.tighten(file)
 
     def get_connection_params(self) -> dict[str, Any]:
         params = super().get_connection_params()

@@ -2,10 +2,11 @@
 // A lost connection does not lose the answer: the page reconnects by itself (backoff with
 // jitter), says it is reconnecting, and resumes the answer in place from the last token it has
 // (each token frame carries its "seq"); a reloaded page resumes an answer still being written.
-// Model output is Markdown: marked turns it into HTML and DOMPurify keeps only inert Markdown
-// before it enters the page: no script, and nothing that loads a resource by itself (an image
-// becomes a link to it), styles the page (no style attribute or element, no class) or sends
-// anything (no form or form control). The page's Content-Security-Policy blocks the same.
+// Model output is Markdown: marked turns it into HTML, raw HTML in it shown as text (a literal
+// "<svg>" or "<template>" is text, hiding nothing after it), and DOMPurify keeps only inert
+// Markdown before it enters the page: no script, and nothing that loads a resource by itself
+// (an image becomes a link to it), styles the page (no style attribute or element, no class) or
+// sends anything (no form or form control). The page's Content-Security-Policy blocks the same.
 (function () {
   "use strict";
 
@@ -51,7 +52,19 @@
 
   marked.setOptions({ gfm: true, breaks: true });
   marked.use({
+    // Raw HTML in an answer is text: with no "html" (block) or "tag" (inline) token, marked
+    // reads "<svg>", "<!--", "<script>", ... as the characters they are, escapes them, and the
+    // Markdown around them still renders (an HTML block would swallow it up to a blank line).
+    // So an unclosed element can hide nothing after it; DOMPurify stays as a second guard.
+    tokenizer: {
+      html: function () { return undefined; },
+      tag: function () { return undefined; },
+    },
     renderer: {
+      // Should an HTML token still come (an extension's), it is shown as its text.
+      html: function (token) {
+        return escapeHtml(token.text);
+      },
       // An image is shown as a link to it: nothing is fetched unless the user follows it.
       image: function (token) {
         const label = "image: " + (token.text || token.href || "");

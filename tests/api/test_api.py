@@ -66,9 +66,11 @@ def test_bad_input_gets_400_naming_the_field(client, tenant_key, body, param):
     assert error["type"] == "invalid_request_error" and error["param"] == param
 
 
-def test_unknown_fields_are_ignored_and_neutral_ones_accepted(client, tenant_key, inproc_worker):
-    body = chat(some_future_field=1, logprobs=False, response_format={"type": "text"}, user="u1")
+def test_unknown_fields_are_refused_and_neutral_ones_accepted(client, tenant_key, inproc_worker):
+    body = chat(logprobs=False, response_format={"type": "text"}, user="u1")
     assert post(client, tenant_key[2], body).status_code == 200
+    response = post(client, tenant_key[2], {**body, "some_future_field": 1})
+    assert response.status_code == 400 and error_of(response)["param"] == "some_future_field"
 
 
 def test_another_model_gets_404(client, tenant_key):

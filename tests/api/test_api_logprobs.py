@@ -128,3 +128,68 @@ def test_out_of_bounds_logprobs_get_400_naming_the_field(client, tenant_key, pat
     response = post(client, tenant_key[2], body, path=path)
     assert response.status_code == 400
     assert error_of(response)["param"] == param
+
+
+def offsets_of(tokens: list[str]) -> list[int]:
+    """Where each token starts in their joined text (characters)."""
+    starts, at = [], 0
+    for token in tokens:
+        starts.append(at)
+        at += len(token)
+    return starts
+
+
+def test_logprobs_cover_exactly_the_text_a_stop_string_cuts(tenant_key, inproc_worker):
+    """With ``stop``, the entries are those of the returned text, streamed or not, on both
+    endpoints: their tokens join to the text, and ``text_offset`` places them in it."""
+    prompt = "Once upon a time"
+
+    async def calls(client: openai.AsyncOpenAI):
+        free_text = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                                    temperature=0)
+        free_chat = await client.chat.completions.create(model=MODEL, messages=MESSAGES,
+                                                         max_tokens=12, temperature=0)
+        text_stop = free_text.choices[0].text[6:8]
+        chat_stop = free_chat.choices[0].message.content[6:8]
+        text_args = dict(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=2,
+                         stop=[text_stop])
+        chat_args = dict(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0,
+                         logprobs=True, top_logprobs=2, stop=[chat_stop])
+        return {
+            "free": (free_text.choices[0].text, free_chat.choices[0].message.content),
+            "stops": (text_stop, chat_stop),
+            "text": await client.completions.create(**text_args),
+            "text_stream": [c async for c in await client.completions.create(
+                **text_args, stream=True)],
+            "chat": await client.chat.completions.create(**chat_args),
+            "chat_stream": [c async for c in await client.chat.completions.create(
+                **chat_args, stream=True)],
+        }
+
+    got = in_process(tenant_key[2], calls)
+    (free_text, free_chat), (text_stop, chat_stop) = got["free"], got["stops"]
+    want_text = free_text[:free_text.index(text_stop)]
+    want_chat = free_chat[:free_chat.index(chat_stop)]
+    assert want_text and want_chat  # the stop strings cut inside the answers
+
+    choice = got["text"].choices[0]
+    lp = choice.logprobs
+    assert choice.text == want_text and choice.finish_reason == "stop"
+    assert "".join(lp.tokens) == want_text
+    assert len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.tokens)
+    assert lp.text_offset == offsets_of(lp.tokens)
+    chunks = [c.choices[0] for c in got["text_stream"] if c.choices]
+    assert "".join(c.text for c in chunks) == want_text
+    streamed = {key: [v for c in chunks if c.logprobs for v in getattr(c.logprobs, key)]
+                for key in ("tokens", "token_logprobs", "text_offset")}
+    assert streamed == {key: getattr(lp, key) for key in streamed}
+
+    choice = got["chat"].choices[0]
+    assert choice.message.content == want_chat and choice.finish_reason == "stop"
+    entries = choice.logprobs.content
+    assert "".join(e.token for e in entries) == want_chat
+    assert b"".join(bytes(e.bytes) for e in entries).decode() == want_chat
+    chunks = [c.choices[0] for c in got["chat_stream"] if c.choices]
+    assert "".join(c.delta.content or "" for c in chunks) == want_chat
+    streamed = [e for c in chunks if c.logprobs for e in c.logprobs.content]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in entries]

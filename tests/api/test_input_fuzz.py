@@ -9,11 +9,19 @@ Hypothesis drives, in-process through the ASGI stack:
 - the ``Authorization`` header (any bytes, as HTTP carries them; enormous) of every endpoint, and
   the query parameters of the GET ones, ``/v1/models/<id>`` with any id;
 - the dashboard's query parameters (``since``: any text, ``nan``, ``1e20``, ...; any others; too
-  many of them).
+  many of them);
+- ``HEAD`` wherever ``GET`` is served, in-process and on a real web process (the same status and
+  headers, no body);
+- on a real web process (``python -m llm_platform.serve``), over raw sockets, what only a server
+  sees: bodies over the limit (announced and never sent, or chunked past it), odd request targets
+  (raw bytes, absolute-form, ``*``, dot segments into and out of ``/static/``), websocket
+  upgrades to any path, malformed HTTP, and any mix of them: an answer always comes, never a
+  5xx, and under ``/v1`` every error is the JSON error shape.
 
 Requests that pass validation run to the end on an in-process worker (reference backend), so a
 valid request's whole path is fuzzed too, streaming or not. Every response must be < 500; every
-error a JSON body in the OpenAI shape; an error about the field that was changed must name it.
+error a JSON body in the OpenAI shape; an error about the field that was changed must name it; a
+field the server does not know gets a 400 naming it, whatever its value (``null`` too).
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ FUZZ = hypothesis_settings(max_examples=100, deadline=None,
                                                   HealthCheck.too_slow,
                                                   HealthCheck.data_too_large])
 # Error codes that are about one field of the request (the rest are about the whole body).
-FIELD_CODES = {"invalid_value", "unsupported_parameter", "model_not_found",
+FIELD_CODES = {"invalid_value", "unsupported_parameter", "unknown_parameter", "model_not_found",
                "context_length_exceeded"}
 
 # -- JSON values of every shape ----------------------------------------------------------------
@@ -95,17 +103,20 @@ CHAT_FIELDS = [
     "stop", "n", "user", "stream", "stream_options", "top_k", "min_tokens", "ignore_eos",
     "tools", "tool_choice", "functions", "function_call", "logprobs", "top_logprobs",
     "logit_bias", "audio", "modalities", "prediction", "presence_penalty", "frequency_penalty",
-    "response_format", "an_unknown_field",
+    "response_format", "store", "metadata", "parallel_tool_calls", "reasoning_effort",
+    "guided_json", "an_unknown_field",
 ]
 TEXT_FIELDS = [
     "model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "user",
     "stream", "stream_options", "top_k", "min_tokens", "ignore_eos", "logprobs", "echo",
     "suffix", "best_of", "logit_bias", "presence_penalty", "frequency_penalty",
-    "response_format", "an_unknown_field",
+    "response_format", "store", "guided_regex", "an_unknown_field",
 ]
+UNKNOWN = "an_unknown_field"
 # Nested places: (top-level field, the path below it).
 CHAT_NESTED = [("messages", (0,)), ("messages", (0, "role")), ("messages", (0, "content")),
                ("messages", (0, "content", 0)), ("messages", (0, "content", 0, "text")),
+               ("messages", (0, "name")), ("messages", (0, "tool_calls")),
                ("stream_options", ("include_usage",)), ("stop", (0,))]
 TEXT_NESTED = [("prompt", (0,)), ("stream_options", ("include_usage",)), ("stop", (1,))]
 
@@ -166,7 +177,7 @@ def mutated(draw, path: str) -> tuple[str, str, bool]:
     value = draw(st.one_of(JSON_VALUES, NEAR_VALID)) if not remove else None
     put(body, top, below, value, remove)
     return top, json.dumps(body), value is None and not remove and not below and \
-        top not in REQUIRED
+        top not in REQUIRED | {UNKNOWN}
 
 
 @st.composite
@@ -197,6 +208,8 @@ def send(method: str, path: str, body: str | bytes | None = None, **headers: str
         if method == "post":
             response = await client.post(path, body, content_type="application/json",
                                          headers=headers)
+        elif method == "head":
+            response = await client.head(path, headers=headers)
         else:
             response = await client.get(path, headers=headers)
         if response.streaming:
@@ -255,6 +268,9 @@ def test_one_field_changed(tenant_key, worker, path):
         check(response, content, field=field)
         if default:  # null means the default: the request is as valid as without the field
             assert response.status_code == 200, (field, content[:300])
+        if field == UNKNOWN and f'"{UNKNOWN}"' in body:
+            assert response.status_code == 400, content[:300]
+            assert json.loads(content)["error"]["param"] == UNKNOWN
 
     run()
 
@@ -309,15 +325,19 @@ GET_PATHS = ["/v1/models", "/scheduler/stats", "/metrics", "/readyz", "/healthz"
 @pytest.mark.slow
 def test_any_authorization_header_and_query(worker, db):
     @FUZZ
-    @given(path=st.sampled_from(GET_PATHS + [CHAT, TEXT]), auth=AUTHORIZATION, query=QUERY)
-    def run(path, auth, query):
+    @given(path=st.sampled_from(GET_PATHS + [CHAT, TEXT]), auth=AUTHORIZATION, query=QUERY,
+           head=st.booleans())
+    def run(path, auth, query, head):
         if path in (CHAT, TEXT):
             response, content = send("post", f"{path}?{query}", json.dumps(base(path)),
                                      Authorization=auth)
         else:
-            response, content = send("get", f"{path}?{query}", Authorization=auth)
+            response, content = send("head" if head else "get", f"{path}?{query}",
+                                     Authorization=auth)
         assert response.status_code < 500, content[:300]
-        if response.status_code >= 400 and path != "/readyz":
+        if head and path not in (CHAT, TEXT):
+            assert content == b""
+        elif response.status_code >= 400 and path != "/readyz":
             assert json.loads(content)["error"]["code"]
 
     run()
@@ -412,3 +432,197 @@ def test_a_session_cookie_with_a_nul_gets_no_500(client, path):
     client.raise_request_exception = False
     client.cookies["sessionid"] = "abcdefgh\x00ijklmnop"
     assert client.get(path).status_code < 500
+
+
+# -- below the views: a real web process, raw sockets -------------------------------------------
+#
+# What only a real server sees, below Django and the views: bodies over the limit (announced and
+# not sent, or chunked past it), odd request targets (raw bytes, absolute-form, ``*``, dot
+# segments into and out of /static/), websocket upgrades to any path, ``HEAD``, malformed HTTP.
+# The process runs with a small body limit (64 KiB; /v1/files 256 KiB) so a large body is cheap.
+
+WEB_LIMIT, WEB_FILES_LIMIT = 65_536, 262_144
+
+
+@pytest.fixture(scope="module")
+def web(django_db_setup, django_db_blocker, tmp_path_factory):
+    from django.conf import settings
+
+    from benchmarks.harness.stack import database_url
+    from tests.support.web_process import WebProcess
+
+    with django_db_blocker.unblock():
+        url = database_url(connection.settings_dict)
+    process = WebProcess(url, tmp_path_factory.mktemp("fuzz-web") / "daphne.log",
+                         MAX_BODY_BYTES=str(WEB_LIMIT),
+                         MAX_BODY_BYTES_BY_PATH=f"/v1/files={WEB_FILES_LIMIT}").wait_up()
+    yield process
+    process.stop(settings.REDIS_URL)
+
+
+def raw_request(method: bytes, target: bytes, headers: list[bytes], body: bytes = b"") -> bytes:
+    lines = [method + b" " + target + b" HTTP/1.1", *headers]
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+
+def chunk(payload: bytes, *, end: bool = True) -> bytes:
+    framed = b"%x\r\n%s\r\n" % (len(payload), payload) if payload else b""
+    return framed + (b"0\r\n\r\n" if end else b"")
+
+
+def under_v1(target: bytes) -> bool:
+    """Whether the platform serves ``target`` as a path under /v1 (or cannot parse it: the
+    server's own refusal, JSON too)."""
+    from llm_platform.http_guard import parse_target
+
+    try:
+        route = parse_target(target).route
+    except ValueError:
+        return True
+    return route == "/v1" or route.startswith("/v1/")
+
+
+def check_raw(web, method: bytes, target: bytes, raw: bytes, upgrade: bool) -> None:
+    """An answer came, below 500; under /v1 an error is the platform's JSON error; a HEAD's
+    answer has no body."""
+    from tests.support.web_process import exchange
+
+    answer = exchange(web.port, raw, timeout_s=10)
+    assert answer.status != 0, raw[:200]
+    # /readyz answers 503 while no worker is alive (none is, here): its answer, not an error.
+    ready = answer.status == 503 and b'"status": "unavailable"' in answer.body
+    assert answer.status < 500 or ready, (raw[:200], answer.raw[:300])
+    if upgrade or answer.status < 400:
+        return
+    if method == b"HEAD":
+        assert answer.body == b"", (raw[:200], answer.raw[:300])
+    elif under_v1(target):
+        answer.json_error()
+
+
+OWN = b"Host: 127.0.0.1"
+ODD_TARGETS = [
+    b"/static/%2e%2e/%2e%2e/etc/passwd", b"/static/..%2f..%2fmanage.py", b"/static/%2E%2E/",
+    b"/static/%00", b"/static/" + b"a" * 300, b"/v1/%00", b"/v1/%ff", b"/%2e%2e/v1/models",
+    b"//v1/models", b"/v1//models", b"/v1/models/..", b"*", b"127.0.0.1:443", b"v1/models",
+    b"http://127.0.0.1/v1/models", b"http://evil.example/v1/models", b"HTTP://127.0.0.1:1/v1/x?a",
+    b"https://127.0.0.1/static/%2e%2e/manage.py", b"http://user@127.0.0.1/v1/models",
+    b"http:///v1/models", b"/v1/\xff\xfe", b"/v1/models/\x80", b"/v1/models?q=\xe9",
+    b"/chat/\xc3\xa9", b"/v1/models?" + b"a" * 20_000, b"/ws/", b"/ws/chat", b"/ws/chat/x",
+]
+# (name, extra headers, body) of the request's body.
+BODY_CASES = [
+    ("none", [], b""),
+    ("small", [b"Content-Length: 2"], b"{}"),
+    ("announced 300 MB", [b"Content-Length: 300000000"], b""),
+    ("announced 10^30 bytes", [b"Content-Length: " + b"9" * 30], b""),
+    ("over the limit by one", [b"Content-Length: %d" % (WEB_LIMIT + 1)], b"x" * (WEB_LIMIT + 1)),
+    ("over the files limit", [b"Content-Length: %d" % (WEB_FILES_LIMIT + 1)], b""),
+    ("chunked past the limit", [b"Transfer-Encoding: chunked"],
+     chunk(b"x" * (WEB_LIMIT + 1), end=False)),
+    ("chunked, small", [b"Transfer-Encoding: chunked"], chunk(b"{}")),
+    ("chunked, malformed", [b"Transfer-Encoding: chunked"], b"zz\r\n"),
+    ("length and chunked", [b"Content-Length: 2", b"Transfer-Encoding: chunked"], b"{}"),
+    ("negative length", [b"Content-Length: -1"], b""),
+    ("two lengths", [b"Content-Length: 1", b"Content-Length: 2"], b"{}"),
+    ("expect 100-continue", [b"Content-Length: 300000", b"Expect: 100-continue"], b""),
+]
+UPGRADE_HEADERS = [b"Upgrade: websocket", b"Connection: Upgrade",
+                   b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==", b"Sec-WebSocket-Version: 13"]
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("target", ODD_TARGETS)
+@pytest.mark.parametrize("method", [b"GET", b"HEAD", b"POST"])
+def test_odd_targets_on_the_real_server(web, method, target):
+    raw = raw_request(method, target, [OWN, b"Connection: close", b"Content-Length: 0"])
+    check_raw(web, method, target, raw, upgrade=False)
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("name, headers, body", BODY_CASES, ids=[c[0] for c in BODY_CASES])
+@pytest.mark.parametrize("target", [b"/v1/chat/completions", b"/v1/completions", b"/v1/files",
+                                    b"/v1/models", b"/chat/login/", b"/static/%2e%2e/x"])
+def test_bodies_on_the_real_server(web, target, name, headers, body):
+    raw = raw_request(b"POST", target, [OWN, b"Connection: close",
+                                        b"Authorization: Bearer sk-" + b"x" * 43, *headers], body)
+    check_raw(web, b"POST", target, raw, upgrade=False)
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("target", [b"/ws/", b"/ws/chat", b"/v1/models", b"/healthz", b"/",
+                                    b"/static/%2e%2e/x", b"http://127.0.0.1/ws/", b"/v1/\xff"])
+@pytest.mark.parametrize("origin", [None, b"http://127.0.0.1", b"http://evil.example"])
+def test_websocket_upgrades_on_the_real_server(web, target, origin):
+    headers = [OWN, *UPGRADE_HEADERS] + ([b"Origin: " + origin] if origin else [])
+    check_raw(web, b"GET", target, raw_request(b"GET", target, headers), upgrade=True)
+
+
+MALFORMED = [
+    b"GARBAGE\r\n\r\n", b"\r\n\r\n", b"GET\r\n\r\n", b"GET /v1/models\r\n\r\n",
+    b"GET /v1/models HTTP/2.0\r\nHost: 127.0.0.1\r\n\r\n",
+    b"GET /v1/models HTTP/1.1\r\nNo colon\r\n\r\n",
+    b"GET /v1/models HTTP/1.1\r\nBad Name: x\r\n\r\n",
+    b"GET /v1/models HTTP/1.1\r\nX: a\x00b\r\n\r\n",
+    b"GET /v1/models HTTP/1.1\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n",
+    b"GET /v1/models HTTP/1.1\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(600)) + b"\r\n",
+    b"\xff\xfe\r\n\r\n", b"G\x00T /v1/models HTTP/1.1\r\n\r\n",
+]
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("raw", MALFORMED)
+def test_malformed_http_on_the_real_server(web, raw):
+    check_raw(web, b"GET", b"/v1", raw, upgrade=False)
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("path", GET_PATHS + ["/", "/chat/login/"])
+def test_head_on_the_real_server_is_get_without_a_body(web, path):
+    from tests.support.web_process import exchange
+
+    headers = [OWN, b"Connection: close"]
+    get = exchange(web.port, raw_request(b"GET", path.encode(), headers))
+    head = exchange(web.port, raw_request(b"HEAD", path.encode(), headers))
+    assert head.status == get.status, (path, get.raw[:300])
+    assert get.status < 500 or path == "/readyz"  # not ready: no worker is alive here
+    assert head.body == b""
+    assert head.headers.get("content-length") == get.headers.get("content-length")
+
+
+# Pieces the fuzzer puts together into one request.
+RAW_METHODS = st.sampled_from([b"GET", b"HEAD", b"POST", b"PUT", b"DELETE", b"OPTIONS", b"PATCH",
+                               b"TRACE", b"CONNECT", b"FOO", b"get"])
+RAW_TARGETS = st.one_of(
+    st.sampled_from(ODD_TARGETS + [p.encode() for p in GET_PATHS]
+                    + [b"/v1/chat/completions", b"/v1/completions", b"/v1/files", b"/chat/",
+                       b"/admin/", b"/", b"/static/chat/chat.js"]),
+    st.lists(st.sampled_from(["v1", "models", "files", "..", "%2e%2e", "%2f", "static", "ws",
+                              "chat", "", "%00", "%ff", "%0a", "admin", "metrics"]),
+             max_size=5).map(lambda parts: ("/" + "/".join(parts)).encode()),
+    st.binary(min_size=1, max_size=16).map(lambda raw: b"/v1/" + raw),
+    st.binary(min_size=1, max_size=16),
+    st.sampled_from([b"http://127.0.0.1", b"http://localhost:1", b"https://[::1]"]).flatmap(
+        lambda host: st.sampled_from(GET_PATHS + ["/v1/x", "/static/%2e%2e/a", ""]).map(
+            lambda path: host + path.encode())),
+)
+RAW_HOSTS = st.sampled_from([[OWN], [], [b"Host: evil.example"], [OWN, OWN], [b"Host: "]])
+RAW_AUTH = st.sampled_from([[], [b"Authorization: Bearer sk-" + b"x" * 43],
+                            [b"Authorization: Bearer \xff"], [b"Authorization: Basic eA=="]])
+
+
+@pytest.mark.slow
+@pytest.mark.process
+def test_any_request_on_the_real_server(web):
+    @FUZZ
+    @given(method=RAW_METHODS, target=RAW_TARGETS, host=RAW_HOSTS, auth=RAW_AUTH,
+           upgrade=st.booleans(), body=st.sampled_from(BODY_CASES))
+    def run(method, target, host, auth, upgrade, body):
+        _, body_headers, payload = body
+        headers = [*host, b"Connection: close", *auth, *body_headers]
+        if upgrade:
+            headers = [*host, *UPGRADE_HEADERS, b"Origin: http://127.0.0.1", *auth]
+            payload = b""
+        check_raw(web, method, target, raw_request(method, target, headers, payload), upgrade)
+
+    run()

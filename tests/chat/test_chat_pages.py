@@ -62,3 +62,26 @@ def test_a_user_without_a_tenant_is_told_so(client, django_user_model):
     response = client.get("/chat/")
     assert response.status_code == 403 and b"does not belong to an active tenant" in \
         response.content
+
+
+RAW_HTML = "Look: <svg> <template> <!-- <textarea> and the rest **after** them."
+
+
+def test_raw_html_in_a_conversation_reaches_the_page_as_data_and_the_admin_as_text(
+        client, admin_client, make_member):
+    user = make_member()
+    conversation = conversation_of(user, "<svg> in a title")
+    Message.objects.create(conversation=conversation, role="user", content="show tags")
+    Message.objects.create(conversation=conversation, role="assistant", content=RAW_HTML)
+    client.force_login(user)
+    page = client.get(f"/chat/c/{conversation.pk}/")
+    # The chat page carries the stored text as JSON data for its script, unchanged.
+    assert page.context["chat_state"]["messages"][-1]["content"] == RAW_HTML
+    assert b"<svg>" not in page.content and b"<template>" not in page.content
+    # The admin shows a conversation's messages as text, escaped, all of it.
+    shown = admin_client.get(f"/admin/chat/conversation/{conversation.pk}/change/")
+    html = shown.content.decode()
+    assert shown.status_code == 200
+    assert ("Look: &lt;svg&gt; &lt;template&gt; &lt;!-- &lt;textarea&gt; and the rest "
+            "**after** them.") in html
+    assert "<svg>" not in html and "<template>" not in html and "<textarea>" not in html

@@ -92,3 +92,46 @@ def test_top_k_one_and_tiny_top_p_are_greedy():
             for s in range(20)} == {1}
     assert {sample(logits, [_request(temperature=1.5, top_p=0.01, seed=s)], frozenset())[0]
             for s in range(20)} == {1}
+
+
+class PieceTokenizer:
+    """Tokens of several characters each (id = index in ``PIECES``), as BPE vocabularies have."""
+
+    PIECES = ["he", "llo", " wor", "ld", " ", "E", "ND", "x", "END", "o w", "é", "🙂"]
+
+    def decode(self, token_ids):
+        return "".join(self.PIECES[t] for t in token_ids)
+
+
+def run_with_items(pieces: list[int], stop: tuple[str, ...]) -> tuple[str, list[str]]:
+    """(the returned text, the texts of the items released) for tokens ``pieces``, each token
+    holding its own text as its item, as a token's logprob entry waits."""
+    detok = IncrementalDetokenizer(PieceTokenizer(), stop)
+    streamed, released = [], []
+    for t in pieces:
+        start = len(detok.text)
+        streamed.append(detok.add_token(t))
+        detok.hold(PieceTokenizer.PIECES[t], start)
+        released += [cut if cut is not None else item for item, cut in detok.release()]
+        if detok.stopped:
+            break
+    streamed.append(detok.flush())
+    released += [cut if cut is not None else item for item, cut in detok.release(final=True)]
+    return "".join(streamed), released
+
+
+def test_a_token_a_stop_string_starts_inside_keeps_its_item_cut_and_later_ones_none():
+    # "llo" straddles the stop string "lo w": its text is cut to "l"; " wor", "ld" are past it.
+    text, items = run_with_items([0, 1, 2, 3], stop=("lo w",))
+    assert text == "hel" and items == ["he", "l"]
+    # A stop string starting exactly at a token's start: that token and the rest have none.
+    text, items = run_with_items([0, 1, 4, 8, 2], stop=("END",))
+    assert text == "hello " and items == ["he", "llo", " "]
+
+
+@given(st.lists(st.integers(0, len(PieceTokenizer.PIECES) - 1), max_size=12),
+       st.lists(st.sampled_from(["lo", "o w", "END", "E", "ld", "x", "é", "🙂w", "ENDx"]),
+                max_size=2))
+def test_the_items_released_cover_exactly_the_returned_text(pieces, stop):
+    text, items = run_with_items(pieces, tuple(stop))
+    assert "".join(items) == text

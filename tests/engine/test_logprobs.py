@@ -60,8 +60,10 @@ def test_values_equal_a_direct_pass_in_every_prefill_mode(mode):
                         params.prompt_logprobs)
         assert all(e.prompt_logprobs is None for e in events[1:]), "sent once"
         sequence = prompt + [e.token_id for e in tokens]
-        for i, event in enumerate(tokens):
-            check_entry(event.logprobs, expected(backend, sequence, len(prompt) + i),
+        entries = [x for e in events if e.logprobs for x in e.logprobs]
+        assert len(entries) == len(tokens)  # each token's, with its text
+        for i, (event, entry) in enumerate(zip(tokens, entries, strict=True)):
+            check_entry(entry, expected(backend, sequence, len(prompt) + i),
                         event.token_id, params.logprobs)
     plain = log.by_request["plain"]
     assert all(e.logprobs is None and e.prompt_logprobs is None

@@ -78,8 +78,11 @@ def test_logprobs_equal_a_direct_transformers_forward_pass(backend, corpus_ids, 
         output = [e.token_id for e in tokens]
         assert len(output) == 5, rid
         want = direct_logprobs(backend, prompt + output)
-        for i, event in enumerate(tokens):
-            check(event.logprobs, want[len(prompt) - 1 + i], output[i], params.logprobs,
+        # Each token's entry comes with its text (a split character's: with its last byte).
+        generated = [x for e in events[rid] if e.logprobs for x in e.logprobs]
+        assert len(generated) == len(output), rid
+        for i, entry in enumerate(generated):
+            check(entry, want[len(prompt) - 1 + i], output[i], params.logprobs,
                   f"{rid}: generated token {i}")
         entries = tokens[0].prompt_logprobs
         if params.prompt_logprobs is None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import re
+import stat
 
 import pytest
 from asgiref.sync import async_to_sync
@@ -61,6 +63,9 @@ def test_demo_tenant_is_created_once_and_its_key_kept(settings, tmp_path):
     assert tenant == again and raw == raw_again
     assert (tmp_path / "var" / "demo_api_key").read_text().strip() == raw
     assert authenticate(raw).is_operator
+    # Readable by the owner only, in a folder of the owner's only.
+    assert stat.S_IMODE((tmp_path / "var" / "demo_api_key").stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "var").stat().st_mode) == 0o700
 
 
 def test_the_demo_user_signs_in_to_the_chat_as_a_member_of_the_demo_tenant(client, settings,
@@ -70,9 +75,23 @@ def test_the_demo_user_signs_in_to_the_chat_as_a_member_of_the_demo_tenant(clien
     username, password = ensure_demo_user(tenant)
     assert ensure_demo_user(tenant) == (username, password)
     assert (tmp_path / "var" / "demo_password").read_text().strip() == password
+    assert stat.S_IMODE((tmp_path / "var" / "demo_password").stat().st_mode) == 0o600
     assert client.login(username=username, password=password)
     assert client.get("/chat/").status_code == 200
     assert client.get("/admin/scheduler/").status_code == 200
+
+
+def test_the_demo_command_prints_the_key_to_its_output_only(settings, tmp_path):
+    """The run script reads the key from standard output (and drops standard error): what the
+    command says besides names the file the key is kept in, not the key."""
+    settings.BASE_DIR = tmp_path
+    out, err = io.StringIO(), io.StringIO()
+    call_command("ensure_demo_tenant", "--user", stdout=out, stderr=err)
+    raw, login = out.getvalue().splitlines()
+    password = login.split()[1]
+    assert authenticate(raw).is_operator
+    assert raw[10:] not in err.getvalue() and password not in err.getvalue()
+    assert str(tmp_path / "var" / "demo_api_key") in err.getvalue()
 
 
 @pytest.mark.parametrize("model", ["prioritytier", "tenant", "membership", "apikey",
@@ -88,14 +107,15 @@ def test_admin_shows_a_new_key_once(admin_client, tenant_key):
     tenant, _, _ = tenant_key
     response = admin_client.post(reverse("admin:tenants_apikey_add"), {
         "tenant": tenant.pk, "name": "ci", "requests_per_minute": 0, "tokens_per_minute": 0,
-    }, follow=True)
+    })
     assert response.status_code == 200
-    shown = [str(m) for m in response.context["messages"]]
-    raw = next(m.split()[4] for m in shown if "The new key is" in m)
+    raw = re.search(r'<code id="new-api-key">(sk-[\w-]+)</code>', response.content.decode())[1]
+    assert "no-store" in response["Cache-Control"]
     key = authenticate(raw)
     assert key is not None and key.name == "ci"
     page = admin_client.get(reverse("admin:tenants_apikey_change", args=[key.pk]))
     assert raw not in page.content.decode()
+    assert raw not in admin_client.get(reverse("admin:tenants_apikey_changelist")).content.decode()
 
 
 @pytest.mark.parametrize(("args", "complaint"), [

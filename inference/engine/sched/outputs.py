@@ -5,8 +5,9 @@ token means for its request (EOS, a stop string, ``max_tokens``, ``min_tokens``)
 events the client receives. Text deltas come from the request's incremental detokenizer
 (:mod:`inference.engine.detokenizer`), so a stop string is never streamed, not even in part.
 
-A request that asked for logprobs gets its token's entry on the token's event and the prompt's
-entries on its first event (:mod:`inference.engine.logprobs`).
+A request that asked for logprobs gets each token's entry on the event that emits the token's
+text (held back with it, cut with it at a stop string: :func:`released_logprobs`) and the
+prompt's entries on its first event (:mod:`inference.engine.logprobs`).
 
 It also builds the errors that end rows: :class:`RowFault` for a failure of one request's own
 output (its text or its stop strings: that row ends, nobody else's does), and
@@ -28,6 +29,7 @@ from inference.engine.request import (
     Request,
     TokenEvent,
 )
+from inference.protocol.events import PositionLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +82,9 @@ def append_token(request: Request, token: int, eos_token_ids: Set[int]) -> Token
     Returns:
         The token's event to stream, or None for an EOS token that ends the answer (EOS is never
         streamed; before ``min_tokens``, or with ``ignore_eos``, it is streamed as empty text).
-        The event carries the token's logprobs, and on the request's first event its prompt's,
-        where the request asked for them.
+        The event carries the logprobs of the tokens whose text it completes
+        (:func:`released_logprobs`), and on the request's first event its prompt's, where the
+        request asked for them.
 
     Raises:
         RowFault: detokenizing the token or looking for the stop strings failed; the token is
@@ -91,6 +94,8 @@ def append_token(request: Request, token: int, eos_token_ids: Set[int]) -> Token
     logprobs = take_sampled(request)  # taken in any case: it belongs to this token only
     request.output_token_ids.append(token)
     n_out = len(request.output_token_ids)
+    detokenizer = request.detokenizer
+    start = len(detokenizer.text)
     if token in eos_token_ids:
         if not params.ignore_eos and n_out > params.min_tokens:
             request.finish_reason = FinishReason.STOP
@@ -104,8 +109,10 @@ def append_token(request: Request, token: int, eos_token_ids: Set[int]) -> Token
         except Exception as exc:
             request.output_token_ids.pop()
             raise RowFault(_text_failed(request, "detokenize", token)) from exc
+    if logprobs is not None:
+        detokenizer.hold(logprobs, start)
     event = TokenEvent(request_id=request.request_id, seq=request.next_event_seq(),
-                       token_id=token, text=text, logprobs=logprobs,
+                       token_id=token, text=text, logprobs=released_logprobs(request),
                        prompt_logprobs=take_prompt(request))
     if request.detokenizer.stopped:
         request.finish_reason = FinishReason.STOP
@@ -126,13 +133,15 @@ def final_event(request: Request, reason: FinishReason, error: ErrorInfo | None,
     without it. The caller reads the reason and error from the event.
     """
     held_text = ""
+    logprobs = None
     if request.detokenizer is not None and reason is not FinishReason.ERROR:
         try:
             held_text = request.detokenizer.flush()
+            logprobs = released_logprobs(request, final=True)
             if not isinstance(held_text, str):
                 raise TypeError(f"the detokenizer returned {type(held_text).__name__}, not text")
         except Exception:
-            held_text = ""
+            held_text, logprobs = "", None
             failure = _text_failed(request, "flush", None)
             if reason is not FinishReason.ABORT:
                 reason, error = FinishReason.ERROR, failure
@@ -142,4 +151,22 @@ def final_event(request: Request, reason: FinishReason, error: ErrorInfo | None,
         timings["ttft_s"] = request.first_token_time - request.arrival_time
     return FinalEvent(request_id=request.request_id, seq=request.next_event_seq(),
                       finish_reason=reason, usage=request.usage(), text=held_text, error=error,
-                      timings=timings, prompt_logprobs=take_prompt(request))
+                      timings=timings, prompt_logprobs=take_prompt(request), logprobs=logprobs)
+
+
+def released_logprobs(request: Request,
+                      final: bool = False) -> tuple[PositionLogprobs, ...] | None:
+    """The entries of the generated tokens whose text is now out (None: the request did not
+    ask for logprobs, or none is out).
+
+    An entry waits with its token's text (held back for a possible stop string); entries of
+    tokens past a stop string are dropped, and the token a stop string starts inside keeps its
+    entry with its text cut to the returned part (its ``raw_bytes`` then those of the cut
+    text; its log-probabilities the whole token's). ``final``: the request ends, every entry
+    still held goes out.
+    """
+    if request.logprobs is None or request.sampling.logprobs is None:
+        return None
+    out = tuple(entry if cut is None else entry.model_copy(update={"token": cut, "raw_bytes": None})
+                for entry, cut in request.detokenizer.release(final))
+    return out or None
