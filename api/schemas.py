@@ -139,7 +139,8 @@ class GenerationRequest(BodyObject):
     # so that a client may send the same options to each).
     store: bool | None = None
     metadata: dict[Text, Text] | None = None
-    service_tier: Name | None = None
+    # OpenAI's tiers (the openai package's ``service_tier`` Literal); all served alike here.
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
     prompt_cache_key: Name | None = None
     prompt_cache_retention: Name | None = None
     prompt_cache_options: PromptCacheOptions | None = None

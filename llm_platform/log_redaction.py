@@ -16,13 +16,19 @@ from typing import Any
 from daphne.access import AccessLogGenerator
 
 # ``sk-`` and URL-safe characters, as keys are made (tenants.services.generate_raw_key): the
-# first 10 characters are the prefix the admin lists (VISIBLE_PREFIX_LEN), the rest is cut.
-KEY_SHAPED = re.compile(r"(sk-[A-Za-z0-9_-]{7})[A-Za-z0-9_-]+")
+# first 10 characters are the prefix the admin lists (VISIBLE_PREFIX_LEN), the rest is cut. A
+# URL may carry any of its characters percent-encoded (``sk%2D...``, ``%73%6B%2D...``), which
+# the server decodes: those spellings are keys too (an encoded character after a key is cut with
+# it: a log line may lose a little, never keep a key).
+_PREFIX = r"(?:s|%73)(?:k|%6[bB])(?:-|%2[dD])"
+_CHAR = r"(?:[A-Za-z0-9_-]|%[0-9A-Fa-f]{2})"
+KEY_SHAPED = re.compile(rf"({_PREFIX}{_CHAR}{{7}}){_CHAR}+")
 
 
 def redact(text: str) -> str:
-    """``text`` with every key-shaped word cut to its visible prefix and ``…``."""
-    return KEY_SHAPED.sub(r"\1…", text) if "sk-" in text else text
+    """``text`` with every key-shaped word (also percent-encoded) cut to its visible prefix and
+    ``…``."""
+    return KEY_SHAPED.sub(r"\1…", text) if ("sk-" in text or "%" in text) else text
 
 
 class RedactKeys(logging.Filter):
@@ -46,3 +52,14 @@ class RedactingAccessLog(AccessLogGenerator):
 
     def write_entry(self, host: Any, date: Any, request: str, *args: Any, **kwargs: Any) -> None:
         super().write_entry(host, date, redact(str(request)), *args, **kwargs)
+
+
+class WithoutTraceback(logging.Filter):
+    """A logger's filter that keeps its records to their one line: for refusals whose message
+    says all (Django's ``django.security.DisallowedHost``: a ``Host`` not allowed, which any
+    client can send), a traceback per request would only fill the log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info = None
+        record.exc_text = None
+        return True

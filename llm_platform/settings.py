@@ -237,9 +237,12 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     # A key a client put where none belongs (a URL) is cut to its visible prefix in every line.
-    "filters": {"redact_keys": {"()": "llm_platform.log_redaction.RedactKeys"}},
+    "filters": {"redact_keys": {"()": "llm_platform.log_redaction.RedactKeys"},
+                "without_traceback": {"()": "llm_platform.log_redaction.WithoutTraceback"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "filters": ["redact_keys"]}},
     "root": {"handlers": ["console"], "level": SHARED.log_level},
+    # A Host header not allowed (any client can send one) is one line, not a traceback each.
+    "loggers": {"django.security.DisallowedHost": {"filters": ["without_traceback"]}},
 }
 
 

@@ -214,7 +214,8 @@ def test_stream_options_take_include_obfuscation_false(client, tenant_key, inpro
      "at most 16 key-value pairs"),
     (CHAT, sent(CHAT, metadata={"k" * 65: "v"}), "metadata", "longer than 64 characters"),
     (CHAT, sent(CHAT, metadata={"k": "v" * 513}), "metadata", "longer than 512 characters"),
-    (CHAT, sent(CHAT, service_tier=["flex"]), "service_tier", "a string"),
+    (CHAT, sent(CHAT, service_tier=["flex"]), "service_tier", "'auto'"),
+    (TEXT, sent(TEXT, service_tier="bogus"), "service_tier", "'priority'"),
     (CHAT, sent(CHAT, prompt_cache_options={"mode": "always"}), "prompt_cache_options.mode",
      "'implicit'"),
 ])

@@ -17,6 +17,7 @@ import openai
 import pytest
 import websocket
 
+from tests.support.e2e import wait_for
 from tests.support.web_process import (
     WebProcess,
     committed_key,
@@ -202,9 +203,13 @@ def test_an_absolute_form_target_is_served_as_its_path(web):
     assert models.status == 200 and b'"object": "list"' in models.body
     missing = exchange(web.port, request("GET", f"HTTP://127.0.0.1:{web.port}/v1/nothing", auth))
     assert missing.status == 404 and missing.json_error()["code"] == "not_found"
-    # The target's host counts, not the Host header: one not in ALLOWED_HOSTS is refused.
+    # The target's host counts, not the Host header: one not in ALLOWED_HOSTS is refused, in
+    # one log line (any client can send one: no traceback each).
+    before = tracebacks(web)
     foreign = exchange(web.port, request("GET", "http://evil.example/v1/models", auth))
     assert foreign.status == 400 and foreign.json_error()["code"] == "bad_request"
+    assert wait_for(lambda: "evil.example" in web.process.output(), 5)
+    assert tracebacks(web) == before
 
 
 @pytest.mark.parametrize("method, target", [("OPTIONS", "*"), ("CONNECT", "127.0.0.1:443"),

@@ -16,6 +16,18 @@ def test_a_key_is_cut_to_its_visible_prefix():
     assert redact("nothing secret: sk-short") == "nothing secret: sk-short"
 
 
+def test_a_percent_encoded_key_is_a_key():
+    """A URL may spell any of a key's characters as %XX, which the server decodes."""
+    from urllib.parse import quote, unquote
+
+    key = generate_raw_key()
+    for spelled in (key.replace("-", "%2D"), "".join(f"%{b:02X}" for b in key.encode()),
+                    quote(key, safe="").replace("_", "%5F")):
+        line = redact(f"GET /v1/models?api_key={spelled} HTTP/1.1")
+        assert key not in unquote(line) and key[:VISIBLE_PREFIX_LEN] in unquote(line)
+    assert redact("a 50% share, 100%") == "a 50% share, 100%"
+
+
 def test_the_handler_filter_redacts_messages_arguments_and_tracebacks():
     key = generate_raw_key()
     out = io.StringIO()
