@@ -35,6 +35,18 @@ def stack(request, django_db_setup, django_db_blocker, tmp_path_factory):
                        SSE_KEEPALIVE_S=1, WEB_DRAIN_S=DRAIN_S)
 
 
+@pytest.fixture(autouse=True)
+def whole_stack(stack):
+    """Each test starts on a whole stack: a test that failed between killing a process and
+    restarting it leaves the next ones their worker and web process, so that only it fails."""
+    yield
+    dead = [name for name in ("daphne", "worker0") if stack.processes[name].poll() is not None]
+    for name in dead:
+        stack.restart(name)
+    if dead:
+        stack.wait_ready(1, 60)
+
+
 @dataclass
 class Stream:
     """One streaming completion read on a thread: what the client saw, and when it ended."""
