@@ -16,9 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
@@ -26,46 +24,13 @@ import pytest
 import websocket
 
 from benchmarks.harness.stack import REPO, free_port
+from tests.support.web_process import WebProcess
 
 pytestmark = pytest.mark.process
 
 MODEL = "SmolLM2-135M-Instruct"
 # A session key of the shape the session store issues: reading it needs the database.
 SESSION_COOKIE = "sessionid=" + "a1" * 16
-
-
-class WebProcess:
-    """One web process on a port of its own, with ``DATABASE_URL`` set to ``database_url``."""
-
-    def __init__(self, database_url: str, log: Path, **env: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "llm_platform.serve", "-b", "127.0.0.1", "-p",
-                 str(self.port), "llm_platform.asgi:application"],
-                cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                env={**os.environ, "DATABASE_URL": database_url,
-                     "REDIS_PREFIX": f"test-{uuid.uuid4().hex[:10]}",
-                     "DJANGO_SETTINGS_MODULE": "llm_platform.settings", **env})
-
-    def wait_up(self, timeout_s: float = 60) -> WebProcess:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError("the web process did not start:\n"
-                                     + self.log.read_text()[-3000:])
-            time.sleep(0.2)
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait(10)
 
 
 def closed_port() -> int:

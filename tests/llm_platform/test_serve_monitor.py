@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from inference.protocol.keys import Keys
-from tests.llm_platform.test_database_outage_process import WebProcess
+from tests.support.web_process import WebProcess
 
 pytestmark = pytest.mark.process
 
