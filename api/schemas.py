@@ -3,8 +3,13 @@
 The rules every body object follows (strict JSON types, valid Unicode text, unknown fields
 refused, ``null`` as the default) are :mod:`api.fields`'; how an error is told to the client,
 :mod:`api.field_errors`'. Which fields are honoured, accepted without changing the answer, refused
-as not served (``tools``, ``response_format`` other than text, ``logit_bias``, vLLM's
-``guided_json``, ...) or unknown: :mod:`api.served_fields`.
+as not served (``tools``, ``logit_bias``, vLLM's old ``guided_json``, ...) or unknown:
+:mod:`api.served_fields`.
+
+Structured outputs, on both endpoints: OpenAI's ``response_format`` (``text``, ``json_object``,
+``json_schema``) and vLLM's ``structured_outputs`` (one of ``json``, ``regex``, ``choice``,
+``grammar``), whose shapes and checks are :mod:`api.structured_fields`'; the request's
+:attr:`GenerationRequest.structured` goes to the worker in its sampling settings.
 
 Log-probabilities, as the OpenAI API bounds them: chat ``logprobs`` (a boolean) and
 ``top_logprobs`` (0 to 20, only with ``logprobs``); completions ``logprobs`` (0 to 5 likeliest
@@ -26,9 +31,12 @@ from pydantic import (
     model_validator,
 )
 
-from api import field_errors, served_fields
+from api import field_errors, served_fields, structured_fields
 from api.fields import BodyObject, Text, unicode_text, wrong_type
+from api.structured_fields import ResponseFormat, StructuredOutputs
+from gateway.conf import platform_settings
 from gateway.errors import APIError
+from inference.protocol.structured import StructuredOutput
 
 MAX_STOP_SEQUENCES = 4
 # Upper bound of the token counts a request may name (an int32, as most servers take).
@@ -135,6 +143,9 @@ class GenerationRequest(BodyObject):
     top_k: int = Field(0, ge=-1, le=MAX_TOKENS_LIMIT)
     min_tokens: int = Field(0, ge=0, le=MAX_TOKENS_LIMIT)
     ignore_eos: bool = False
+    # Structured outputs (api.structured_fields): OpenAI's, and vLLM's; at most one asks.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     # OpenAI fields that do not change the answer: checked, not used (taken on both endpoints,
     # so that a client may send the same options to each).
     store: bool | None = None
@@ -213,6 +224,11 @@ class GenerationRequest(BodyObject):
         """The prompt text to send back before the answer (None: not asked)."""
         return None
 
+    @property
+    def structured(self) -> StructuredOutput | None:
+        """What the answer must match (None: unconstrained), as :func:`validate` checked it."""
+        return structured_fields.requested(self.response_format, self.structured_outputs)
+
     def sampling(self, max_tokens: int | None) -> dict[str, Any]:
         """Fields of ``inference.engine.request.SamplingParams``; a None max_tokens: the worker
         decides."""
@@ -227,6 +243,7 @@ class GenerationRequest(BodyObject):
             "ignore_eos": self.ignore_eos,
             "logprobs": self.token_logprobs,
             "prompt_logprobs": self.prompt_logprobs,
+            "structured": self.structured,
         }
 
 
@@ -346,7 +363,9 @@ def validate(model: type[GenerationRequest], body: dict[str, Any]) -> Generation
     Raises:
         APIError: 400 naming the first offending field, as the client wrote it:
             ``unsupported_parameter`` for a field this server does not serve,
-            ``unknown_parameter`` for a field it does not know, else ``invalid_value``.
+            ``unknown_parameter`` for a field it does not know, ``invalid_json_schema`` or
+            ``invalid_structured_output`` for a structured-output spec the grammar library cannot
+            apply (:func:`api.structured_fields.check`), else ``invalid_value``.
     """
     body = served_fields.refuse_unserved(body, chat=model is ChatCompletionRequest)
     try:
@@ -368,4 +387,8 @@ def validate(model: type[GenerationRequest], body: dict[str, Any]) -> Generation
         raise APIError(400, f"Invalid value for 'min_tokens': expected at most "
                             f"'{req.max_tokens_param}' ({most}), but got {req.min_tokens}.",
                        param="min_tokens", code="invalid_value")
+    try:
+        structured_fields.check_request(req, platform_settings()["STRUCTURED_MAX_SPEC_BYTES"])
+    except RecursionError as exc:  # a schema as deep as the parser goes, written back as JSON
+        raise _too_deep() from exc
     return req

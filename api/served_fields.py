@@ -4,13 +4,16 @@ Every top-level field of a request body is in one of four classes (``docs/platfo
 fields, by what the server does with them"):
 
 (a) honoured: the fields of :class:`api.schemas.ChatCompletionRequest` and
-    :class:`api.schemas.CompletionRequest` that shape the answer;
+    :class:`api.schemas.CompletionRequest` that shape the answer, structured outputs included
+    (OpenAI's ``response_format``, vLLM's ``structured_outputs``: :mod:`api.structured_fields`);
 (b) accepted: OpenAI fields that do not change the answer (``store``, ``metadata``, ...), declared
     on the same classes: type-checked, not used;
 (c) not served: OpenAI fields that would change the answer (``tools``, ``logit_bias``, ...) and
-    vLLM's guided decoding (``guided_json``, ...): refused here with a 400
-    ``unsupported_parameter`` naming the field, unless ``null`` or at a value that asks for
-    nothing (``tools: []``, ``response_format: {"type": "text"}``, ``n: 1``);
+    vLLM's old guided decoding (``guided_json``, ...: its message points to ``response_format``
+    and ``structured_outputs``): refused here with a 400 ``unsupported_parameter`` naming the
+    field, unless ``null`` or at a value that asks for nothing (``tools: []``, ``n: 1``). So are
+    the keys of ``structured_outputs`` other than its four constraints (``whitespace_pattern``,
+    ``json_object``, ...), named by their path (``structured_outputs.whitespace_pattern``);
 (d) unknown: any other field, refused by the body classes (:class:`api.fields.BodyObject`) with a
     400 ``unknown_parameter`` naming it, in OpenAI's words ("Unrecognized request argument
     supplied: X").
@@ -38,7 +41,6 @@ UNSERVED_CHAT_FIELDS: dict[str, tuple[Any, ...]] = {
     "logit_bias": ({},),
     "presence_penalty": (0, 0.0),
     "frequency_penalty": (0, 0.0),
-    "response_format": ({"type": "text"},),
     "audio": (),
     "modalities": (["text"],),
     "prediction": (),
@@ -53,18 +55,35 @@ UNSERVED_COMPLETION_FIELDS: dict[str, tuple[Any, ...]] = {
     "logit_bias": ({},),
     "presence_penalty": (0, 0.0),
     "frequency_penalty": (0, 0.0),
-    "response_format": ({"type": "text"},),
 }
-# vLLM's extensions for constrained output, on both endpoints.
+# vLLM's old extensions for constrained output, on both endpoints (``structured_outputs`` took
+# their place: :mod:`api.structured_fields`).
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                 "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs")
+                 "guided_decoding_backend", "guided_whitespace_pattern")
+# The keys of vLLM's ``structured_outputs`` not served, with the values (besides null) that ask
+# for nothing, and why.
+UNSERVED_STRUCTURED_KEYS: dict[str, tuple[Any, ...]] = {
+    "json_object": (False,),
+    "structural_tag": (),
+    "whitespace_pattern": (),
+    "disable_any_whitespace": (False,),
+    "disable_additional_properties": (False,),
+    "disable_fallback": (False, True),  # one grammar library, which never falls back
+}
+STRUCTURED_REASONS = {
+    "json_object": "ask for any JSON object with 'response_format' {\"type\": \"json_object\"}",
+    "structural_tag": "it does not serve structural tags",
+    "whitespace_pattern": "the whitespace of a JSON answer is the grammar library's",
+    "disable_any_whitespace": "the whitespace of a JSON answer is the grammar library's",
+    "disable_additional_properties": "a schema is applied as written: say "
+                                     "'additionalProperties': false in it",
+}
 # Why a field is not served, where there is more to say than that.
 REASONS = {
     "tools": "it does not serve tool calling",
     "tool_choice": "it does not serve tool calling",
     "functions": "it does not serve function calling",
     "function_call": "it does not serve function calling",
-    "response_format": 'it serves only {"type": "text"}',
     "modalities": 'it answers in text only: ["text"]',
     "reasoning_effort": 'the served model does not reason: only "none" is served',
     "best_of": "it gives one choice per request",
@@ -149,9 +168,9 @@ def refuse_unserved(body: dict[str, Any], *, chat: bool) -> dict[str, Any]:
     for name, value in body.items():
         if name in GUIDED_FIELDS and value is not None:
             raise unsupported(name, (
-                f"'{name}' (vLLM's guided decoding) is not supported by this server. The OpenAI "
-                f"API asks for constrained output with 'response_format', of which this server "
-                f'serves only {{"type": "text"}}.'))
+                f"'{name}' (vLLM's old guided decoding) is not supported by this server: ask for "
+                f"constrained output with 'response_format' (OpenAI's: json_object, json_schema) "
+                f"or 'structured_outputs' (vLLM's: json, regex, choice, grammar)."))
         if name in unserved and not asks_nothing(value, unserved[name]):
             raise _not_served(name)
     n = body.get("n")
@@ -165,8 +184,24 @@ def refuse_unserved(body: dict[str, Any], *, chat: bool) -> dict[str, Any]:
             "chunks carry no obfuscation field (send false or leave it out)."))
     if chat:
         _refuse_unserved_messages(body.get("messages"))
-    return {name: value for name, value in body.items()
-            if name not in unserved and name not in GUIDED_FIELDS}
+    served = {name: value for name, value in body.items()
+              if name not in unserved and name not in GUIDED_FIELDS}
+    if isinstance(served.get("structured_outputs"), dict):
+        served["structured_outputs"] = _refuse_unserved_structured(served["structured_outputs"])
+    return served
+
+
+def _refuse_unserved_structured(fields: dict[str, Any]) -> dict[str, Any]:
+    """``structured_outputs`` without its vLLM keys not served, once each asks for nothing."""
+    for name, value in fields.items():
+        if name in UNSERVED_STRUCTURED_KEYS and not asks_nothing(
+                value, UNSERVED_STRUCTURED_KEYS[name]):
+            reason = STRUCTURED_REASONS.get(name)
+            raise unsupported(f"structured_outputs.{name}", (
+                f"'structured_outputs.{name}' is not supported by this server"
+                f"{f': {reason}' if reason else ''} (send null or leave it out)."))
+    return {name: value for name, value in fields.items()
+            if name not in UNSERVED_STRUCTURED_KEYS}
 
 
 def _refuse_unserved_messages(messages: Any) -> None:

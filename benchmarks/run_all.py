@@ -137,6 +137,13 @@ STEPS = (
          ("--redis-persistence", "none", "--duration-s", "90", "--seed", "3"),
          ("--redis-persistence", "none", "--seed", "3", *_SHORT_CHAOS), CHAOS,
          "experiment 9 on a Redis that restarts empty"),
+    Step("structured", "benchmarks.structured.workload", (), ("--quick",), OUT_DIR,
+         "structured outputs: JSON-schema requests against transformers generate with "
+         "llguidance, mask cost, ITL beside constrained rows, jump-forward and mask overlap"),
+    Step("grammar_libraries", "benchmarks.structured.grammar_libraries", (),
+         ("--runs", "1", "--walks", "1"), PRINTED,
+         "grammar libraries: compile and mask time of llguidance, outlines-core (and xgrammar "
+         "where installed)"),
     Step("engine", "benchmarks.serving.engine", (), ("--quick", "--workloads", "c"), OUT_FILE,
          "the engine against plain transformers generate and generate_batch, fp32 and bf16"),
     Step("decode_step", "benchmarks.kernels.decode_step", (),

@@ -41,6 +41,7 @@ class PlatformCollector(Collector):
         yield from self._queues(client, workers)
         yield from self._kv(workers)
         yield from self._admissions(client, workers)
+        yield from self._structured(workers)
         yield from self._usage(client)
 
     def _queues(self, client: redis.Redis, workers: dict) -> Iterator[Metric]:
@@ -126,6 +127,29 @@ class PlatformCollector(Collector):
             refused.add_metric([code], n)
         yield from (blocked_any, blocked, rejected, finished, generated, preempted, recomputed,
                     refused)
+
+    def _structured(self, workers: dict) -> Iterator[Metric]:
+        """Structured outputs: constrained requests, compile-cache hits, compile refusals (by
+        reason), forced tokens."""
+        families = {
+            field: CounterMetricFamily(f"llm_{name}", doc, labels=["worker"])
+            for field, name, doc in (
+                ("constrained_requests", "structured_requests",
+                 "Requests with a structured-output grammar each worker took."),
+                ("compile_cache_hits", "grammar_cache_hits",
+                 "Constrained requests whose grammar was compiled already (or compiling)."),
+                ("forced_tokens", "forced_tokens",
+                 "Tokens a grammar forced, appended without a sampling step (jump-forward)."))}
+        refusals = CounterMetricFamily(
+            "llm_grammar_compile_refusals", "Grammars refused by each worker, by reason "
+            "(invalid, limit, busy).", labels=["worker", "reason"])
+        for worker, snap in workers.items():
+            figures = snap.get("structured") or {}
+            for field, family in families.items():
+                family.add_metric([worker], figures.get(field, 0))
+            for reason, n in (figures.get("compile_refusals_by_reason") or {}).items():
+                refusals.add_metric([worker, reason], n)
+        yield from (*families.values(), refusals)
 
     def _usage(self, client: redis.Redis) -> Iterator[Metric]:
         raw = {k.decode(): int(v) for k, v in client.hgetall(recorder.usage_key()).items()}

@@ -18,7 +18,7 @@ TOTAL_FIELDS = (
     "num_pending", "num_prefilling", "num_active", "num_queued", "active_kv_reserved",
     "active_kv_budget", "kv_admit_blocked", "tokens_generated", "prompt_tokens_computed",
     "kv_blocks_total", "kv_blocks_held", "kv_blocks_free", "kv_blocks_evictable", "kv_pressure",
-    "preemptions", "preempted_tokens_recomputed",
+    "preemptions", "preempted_tokens_recomputed", "structured",
 )
 
 

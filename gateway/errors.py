@@ -35,6 +35,7 @@ STATUS_BY_CODE: dict[ErrorCode, int] = {
     ErrorCode.WORKER_LOST: 503,
     ErrorCode.STATE_LOST: 503,
     ErrorCode.INTERRUPTED: 503,
+    ErrorCode.GRAMMAR_BUSY: 429,
 }
 # Recorded for a request whose client went away (nginx's convention).
 CLIENT_CLOSED_STATUS = 499

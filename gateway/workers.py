@@ -42,7 +42,10 @@ FIELD_RULES: dict[str, Rule] = {
         "kv_blocks_free", "kv_blocks_evictable", "kv_blocks_reserved", "prefix_hit_tokens",
         "prefix_queried_tokens", "kv_block_evictions", "admissions_soft_held",
         "admissions_hard_rejected", "requests_finished", "preemptions",
-        "preempted_tokens_recomputed"), Rule.SUM),
+        "preempted_tokens_recomputed",
+        # structured outputs: a dict of counts (constrained requests, compile-cache hits,
+        # refusals by reason, masks, forced tokens), summed per entry
+        "structured"), Rule.SUM),
     **dict.fromkeys(("published_at", "uptime_s", "last_tick_s"), Rule.MAX),
     "max_model_len": Rule.MIN,
     **dict.fromkeys(("policy", "prefill_mode", "kv_block_size", "max_batch_size", "max_pending",

@@ -197,6 +197,11 @@ class Tokenizer:
         """
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def json_text(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (``tokenizers.Tokenizer.to_str``): what
+        llguidance builds its own tokenizer from (structured outputs)."""
+        return self._tok.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         """The id of one token of the vocabulary (e.g. a special token), or None."""
         return self._tok.token_to_id(token)

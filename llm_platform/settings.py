@@ -2,10 +2,11 @@
 
 The variables, their defaults and what they do are listed in ``docs/platform.md``. A ``.env``
 file at the repository root is read too when present. The variables that the inference worker
-reads too (Redis, gate 1, the admission deadline, heartbeats, the model's folder) come from
-:class:`inference.protocol.settings.PlatformSettings`, where their defaults are written once;
-Django's own and the web tier's come through django-environ. Engine settings (``MAX_BATCH_SIZE``,
-``BACKEND``, ...) are the worker's alone (:mod:`inference.worker.settings`).
+reads too (Redis, gate 1, the admission deadline, heartbeats, the model's folder, the largest
+structured-output spec) come from :class:`inference.protocol.settings.PlatformSettings`, where
+their defaults are written once; Django's own and the web tier's come through django-environ.
+Engine settings (``MAX_BATCH_SIZE``, ``BACKEND``, ...) are the worker's alone
+(:mod:`inference.worker.settings`).
 """
 
 from pathlib import Path
@@ -196,6 +197,7 @@ LLM_PLATFORM = {
     "WEB_HEARTBEAT_TTL_S": SHARED.web_heartbeat_ttl_s,
     "MODEL_PATH": SHARED.model_path,
     "LLM_CACHE_DIR": SHARED.llm_cache_dir,
+    "STRUCTURED_MAX_SPEC_BYTES": SHARED.structured_max_spec_bytes,
     # Connections per web process: each request in flight holds one while it waits for events.
     "REDIS_MAX_CONNECTIONS": env.int("REDIS_MAX_CONNECTIONS", default=4096),
     # The one served model; requests naming another get 404 model_not_found.

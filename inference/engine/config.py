@@ -91,6 +91,26 @@ class EngineConfig(BaseModel):
         2, ge=0, description="Times one request may be preempted; 0 never preempts."
     )
 
+    # Structured outputs (inference.engine.structured; measured defaults in docs/engine.md).
+    structured_compile_threads: int = Field(
+        1, ge=1, description="Threads compiling grammars (never the compute thread).")
+    structured_compiles_per_tenant: int = Field(
+        32, ge=1, description="Grammars one tenant may have compiling at once; more: 429.")
+    structured_cache_bytes: int = Field(
+        64 * 2**20, ge=0, description="Compiled-grammar cache (LRU) size in bytes, estimated.")
+    structured_max_spec_bytes: int = Field(
+        64 * 1024, ge=1, description="Largest schema, regex, grammar or choice list (bytes).")
+    structured_compile_fuel: int = Field(
+        1_000_000, ge=1, description="llguidance lexer fuel for compiling one grammar.")
+    structured_step_fuel: int = Field(
+        200_000, ge=1, description="llguidance lexer fuel for one row's token mask.")
+    structured_max_step_ms: float = Field(
+        20.0, gt=0, description="CPU ms a row's grammar may take for one token; more ends it.")
+    structured_jump_forward: bool = Field(
+        True, description="Append forced tokens without a step each (mixed_batch).")
+    structured_mask_overlap: bool = Field(
+        False, description="Compute token masks while the forward pass runs.")
+
     # The model. BACKEND=reference is a deterministic model-free backend for tests.
     backend: str = Field("transformers", description="transformers or reference")
     model_path: str = Field("", description="Local Hugging Face causal-LM folder; empty: default.")

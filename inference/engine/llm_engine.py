@@ -7,22 +7,20 @@ An engine that loads its own backend does all its tensor work (loading, calibrat
 
 Example::
 
-    engine = LLMEngine(EngineConfig(backend="reference"))
-    engine.start()
+    engine = LLMEngine(EngineConfig(backend="reference")); engine.start()
     handle = engine.submit(prompt="Hello", sampling=SamplingParams(max_tokens=8))
-    for event in handle.events(timeout=10):
-        ...
+    text, token_ids, final_event = handle.result(timeout=10)  # or: for event in handle.events()
     engine.shutdown()
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from inference.engine.backends.base import ModelBackend
@@ -37,23 +35,26 @@ from inference.engine.request import (
     ResumeState,
     SamplingParams,
 )
-from inference.engine.sched.preemption import generator_state
+from inference.engine.sched.preemption import for_another_engine
 from inference.engine.sched.scheduler import Scheduler
+from inference.engine.structured.compiler import GrammarCompiler
 from inference.engine.submission import (
     EngineRefusal,
     EngineStoppedError,
+    GrammarBusyError,
     InvalidRequestError,
     QueueFullError,
     RequestHandle,
     build_request,
+    gate_one_refusal,
 )
 
-__all__ = ["EngineRefusal", "EngineStoppedError", "EventSink", "InvalidRequestError",
-           "LLMEngine", "PreemptSink", "QueueFullError", "RequestHandle"]
+__all__ = ["EngineRefusal", "EngineStoppedError", "EventSink", "GrammarBusyError",
+           "InvalidRequestError", "LLMEngine", "PreemptSink", "QueueFullError", "RequestHandle"]
 
 log = logging.getLogger(__name__)
 
-EventSink = Callable[[list[Event]], None]
+EventSink = Callable[[list[Event]], None]  # see LLMEngine
 # Called on the worker thread with the requests preempted in a tick, each as the state another
 # engine needs to continue it (the Redis bridge puts them back in the shared queue).
 PreemptSink = Callable[[list[ResumeState]], None]
@@ -95,6 +96,7 @@ class LLMEngine:
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._inbox: list[tuple[str, Any]] = []
+        self.grammars = GrammarCompiler(self.tokenizer, self.backend.vocab_size, config)
         self._handles: dict[str, RequestHandle] = {}
         self._queued = 0  # gate 1: submitted and not yet admitted or ended
         self._stopping = False
@@ -105,18 +107,16 @@ class LLMEngine:
 
     @property
     def preempt_sink(self) -> PreemptSink | None:
-        """Where preempted requests go. None: each waits again in this engine's own pending
-        queue. Set (a worker's Redis bridge): each leaves the engine (no event: its client
-        sees a pause) and is handed to the sink after its tick, with what another engine needs
-        to continue it (``submit(resume=...)``). Set it before :meth:`start`."""
+        """Where preempted requests go. None: back to this engine's pending queue. Set (a
+        worker's Redis bridge): each leaves the engine (no event: its client sees a pause) and goes
+        to the sink after its tick, with what another engine needs to continue it
+        (``submit(resume=...)``). Set it before :meth:`start`."""
         return self._preempt_sink
 
     @preempt_sink.setter
     def preempt_sink(self, sink: PreemptSink | None) -> None:
         self._preempt_sink = sink
         self.scheduler.hand_out_preempted = sink is not None
-
-    # -- public API ---------------------------------------------------------------------------
 
     def submit(self, *, prompt_token_ids: Sequence[int] | None = None, prompt: str | None = None,
                messages: Sequence[dict[str, str]] | None = None,
@@ -141,9 +141,11 @@ class LLMEngine:
         Raises:
             InvalidRequestError: empty prompt, ``prompt_len + max_tokens`` beyond the context,
                 or a ``resume`` that does not match the prompt.
-            QueueFullError: ``max_pending`` requests are already waiting (gate 1 of an engine
-                used on its own).
+            QueueFullError: ``max_pending`` requests wait (gate 1 of an engine on its own).
             EngineStoppedError: the engine is shutting down.
+            GrammarBusyError: its tenant has ``STRUCTURED_COMPILES_PER_TENANT`` grammars
+                compiling here (``grammar_busy``); a constrained request waits for its grammar,
+                compiled on :attr:`grammars`' threads, before it joins the queue.
         """
         request = build_request(
             self.tokenizer, self.scheduler.eos_token_ids, self.max_model_len,
@@ -154,32 +156,34 @@ class LLMEngine:
         handle = RequestHandle(request.request_id,
                                resume.prompt_len if resume is not None else request.prompt_len)
         with self._lock:
-            if self._stopping:
-                raise EngineStoppedError(ErrorInfo(
-                    code=ErrorCode.WORKER_SHUTDOWN, message="the engine is shutting down",
-                    retryable=True))
-            if self._queued >= self.config.max_pending:
-                raise QueueFullError(ErrorInfo(
-                    code=ErrorCode.QUEUE_FULL,
-                    message=f"the queue holds {self._queued} requests (max_pending="
-                    f"{self.config.max_pending}); retry later",
-                    gate=1, retryable=True,
-                    details={"queued": self._queued, "max_pending": self.config.max_pending}))
-            if request.request_id in self._handles:
-                raise InvalidRequestError(ErrorInfo(
-                    code=ErrorCode.INVALID_REQUEST,
-                    message=f"request id {request.request_id} is already live"))
+            refusal = gate_one_refusal(self._stopping, self._queued, self.config.max_pending,
+                                       request.request_id in self._handles, request.request_id)
+            if refusal is not None:
+                raise refusal
             self._queued += 1
             self._handles[request.request_id] = handle
-            self._inbox.append(("submit", request))
+            constrained = request.sampling.structured is not None and request.grammar is None
+            if not constrained:
+                self._inbox.append(("submit", request))
+        # A constrained request joins the inbox once its grammar is compiled (at once if cached).
+        busy = constrained and self.grammars.start(request, partial(self._inbox_add, "submit"))
+        if busy:
+            with self._lock:
+                self._queued -= 1
+                self._handles.pop(request.request_id, None)
+            raise GrammarBusyError(busy)
         self._wakeup.set()
         return handle
 
+    def _inbox_add(self, kind: str, item: Any) -> None:  # from any thread
+        with self._lock:
+            self._inbox.append((kind, item))
+        self._wakeup.set()
+
     def abort(self, request_id: str) -> None:
         """End a request in any phase (final event ``abort``); unknown or ended ids are ignored."""
-        with self._lock:
-            self._inbox.append(("abort", request_id))
-        self._wakeup.set()
+        self.grammars.abort(request_id)  # one compiling ends as it joins the queue
+        self._inbox_add("abort", request_id)
 
     def withdraw_pending(self, timeout: float = 5.0) -> list[Request]:
         """Take out the requests not yet admitted (no event emitted for them), between ticks.
@@ -189,18 +193,15 @@ class LLMEngine:
         Returns:
             The withdrawn requests (none if no tick began within ``timeout`` seconds).
         """
-        item = ("withdraw", ([], threading.Event()))
-        box, done = item[1]
-        with self._lock:
-            self._inbox.append(item)
-        self._wakeup.set()
+        box, done = item = ([], threading.Event())
+        self._inbox_add("withdraw", item)
         if self._loop_done is None:
             self._drain_inbox()
             self._after_tick([])
         if not done.wait(timeout):
             with self._lock:  # not taken by a tick yet: called off (a taken one ends at once)
-                if any(queued is item for queued in self._inbox):
-                    self._inbox = [queued for queued in self._inbox if queued is not item]
+                if any(queued[1] is item for queued in self._inbox):
+                    self._inbox = [queued for queued in self._inbox if queued[1] is not item]
                     return []
             done.wait()
         return box
@@ -244,7 +245,10 @@ class LLMEngine:
         self._after_tick(events)
         return early + events
 
-    def has_work(self) -> bool:
+    def has_work(self) -> bool:  # a request queued, running, or waiting for its grammar
+        return self.grammars.compiling() > 0 or self._has_tick_work()
+
+    def _has_tick_work(self) -> bool:
         with self._lock:
             return bool(self._inbox) or self.scheduler.has_work()
 
@@ -253,6 +257,7 @@ class LLMEngine:
         its own for an engine given its backend)."""
         if self._loop_done is not None:
             return
+        self.grammars.warm_up()  # structured outputs: ready before they come
         if self._compute is None:
             self._compute = ComputeThread("engine-worker")
         self._loop_done = self._compute.submit(self._run, stop=self._ask_stop)
@@ -288,14 +293,15 @@ class LLMEngine:
         return self._loop_done is None or self._loop_done.wait(timeout)
 
     def _end(self) -> list[Request]:
+        self.grammars.close()  # compiles in flight join the inbox first
         self._drain_inbox()
         withdrawn = self.scheduler.withdraw_pending()
-        for request in withdrawn:
-            with self._lock:
+        with self._lock:
+            for request in withdrawn:
                 self._handles.pop(request.request_id, None)
         self.scheduler.fail_all(ErrorInfo(
-            code=ErrorCode.WORKER_SHUTDOWN,
-            message="the inference worker shut down while serving this request", retryable=True))
+            code=ErrorCode.WORKER_SHUTDOWN, retryable=True,
+            message="the inference worker shut down while serving this request"))
         self._after_tick(self.scheduler.take_events())
         return withdrawn
 
@@ -318,15 +324,12 @@ class LLMEngine:
         if self._compute is not None:
             self._compute.close()
 
-    # -- worker loop -------------------------------------------------------------------------
-
     def _run(self) -> None:
         while True:
             with self._lock:
-                stopping = self._stopping
-            if stopping:
-                return
-            if not self.has_work():
+                if self._stopping:
+                    return
+            if not self._has_tick_work():
                 self._wakeup.wait(timeout=0.5)
                 self._wakeup.clear()
                 continue
@@ -337,9 +340,8 @@ class LLMEngine:
                 # log has the exception, the clients a message without its (torch) text.
                 log.exception("tick failed")
                 self.scheduler.fail_all(ErrorInfo(
-                    code=ErrorCode.ENGINE_ERROR,
-                    message="the engine failed while serving this request", retryable=True,
-                    details={"phase": "tick"}))
+                    code=ErrorCode.ENGINE_ERROR, details={"phase": "tick"}, retryable=True,
+                    message="the engine failed while serving this request"))
                 self._after_tick(self.scheduler.take_events())
 
     def _drain_inbox(self) -> None:
@@ -370,9 +372,7 @@ class LLMEngine:
         self._emit(events)
         if preempted and self._preempt_sink is not None:
             try:  # after the tick's events: the sink's requests have all of theirs out
-                self._preempt_sink([dataclasses.replace(
-                    s, sampler_state=generator_state(s.generator), generator=None,
-                    detokenizer=None) for s in preempted])
+                self._preempt_sink([for_another_engine(s) for s in preempted])
             except Exception:
                 log.exception("preempt sink failed")
 
@@ -396,4 +396,5 @@ class LLMEngine:
         snapshot = self.scheduler.stats()
         snapshot["last_tick_s"] = self._tick_seconds
         snapshot["max_model_len"] = self.max_model_len
+        snapshot["structured"] = self.grammars.stats()
         return snapshot

@@ -26,6 +26,7 @@ from inference.protocol.events import (
     TokenEvent,
     Usage,
 )
+from inference.protocol.structured import StructuredOutput
 
 __all__ = ["SAMPLING_EPS", "SEED_RANGE", "ErrorCode", "ErrorInfo", "Event", "FinalEvent",
            "FinishReason", "Request", "RequestPhase", "ResumeState", "SamplingParams",
@@ -66,6 +67,9 @@ class SamplingParams:
         logprobs: report each generated token's log-probability with this many likeliest
             tokens, 0 to :data:`~inference.protocol.events.MAX_LOGPROBS` (None: none).
         prompt_logprobs: the same for every prompt token (None: none).
+        structured: the grammar every answer must match (None: unconstrained): a JSON schema,
+            any JSON object, a regex, a choice of strings or a Lark/GBNF grammar
+            (:mod:`inference.engine.structured`).
 
     Raises:
         ValueError: for a value out of range, naming the field.
@@ -81,6 +85,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -131,7 +136,8 @@ class ResumeState:
         queue_wait_s: its admission allowance (None: no deadline); it counts again from its
             return to a queue.
         sampler_state: its random generator's state (``torch.Generator.get_state``), if any.
-        generator, detokenizer: the live objects, handed on only within one engine.
+        generator, detokenizer, grammar: the live objects, handed on only within one engine
+            (another engine replays ``generated`` into new ones).
     """
 
     request_id: str
@@ -148,6 +154,7 @@ class ResumeState:
     sampler_state: bytes | None = None
     generator: Any = None
     detokenizer: Any = None
+    grammar: Any = None
 
 
 @dataclass(eq=False)
@@ -197,6 +204,10 @@ class Request:
     admit_seq: int = 0
     # Times this request has been preempted (at most ``MAX_PREEMPTIONS``).
     preemptions: int = 0
+    # ``inference.engine.structured.RowGrammar`` of a constrained request (its grammar's state
+    # after its output so far), else None; ``grammar_error``: why it could not be compiled.
+    grammar: Any = None
+    grammar_error: ErrorInfo | None = None
     # Set when the request continues after a preemption: ``prompt_token_ids`` is then the
     # original prompt followed by ``resume.generated``, and ``sampling`` counts what is left.
     resume: ResumeState | None = None

@@ -12,9 +12,12 @@ before dividing by the temperature (so a tiny temperature cannot overflow to inf
 temperature beyond float32's range acts as float32's largest value (the uniform limit), and
 top-p always keeps the most likely token (a tiny ``top_p`` rounds to 0 in float32).
 
+A constrained row (structured outputs) has its logits masked to the tokens its grammar allows
+before the greedy pick or the draw (:func:`_apply_grammars`); the other rows are untouched.
+
 A row that asked for ``logprobs`` gets its token's entry from the raw logits, before the
-temperature, top-k, top-p and the ``min_tokens`` EOS mask
-(:func:`inference.engine.logprobs.record_sampled`).
+temperature, top-k, top-p, the ``min_tokens`` EOS mask and the grammar's mask (vLLM's default,
+``logprobs_mode=raw_logprobs``) (:func:`inference.engine.logprobs.record_sampled`).
 """
 
 from __future__ import annotations
@@ -74,11 +77,17 @@ def sample(logits: torch.Tensor, requests: Sequence[Request],
             logits = logits.clone()
             rows = torch.tensor(early).unsqueeze(1)
             logits[rows, torch.tensor(sorted(eos_token_ids))] = float("-inf")
+    grammar_errors: dict[int, ErrorInfo] = {}
+    if any(r.grammar is not None for r in requests):
+        logits = _apply_grammars(logits.clone() if logits is raw else logits, requests,
+                                 grammar_errors)
     best = logits.argmax(dim=-1)  # greedy rows are done in this one op
     row_max = logits.gather(1, best.unsqueeze(1))  # [batch, 1]
     out: list[int | ErrorInfo] = list(best.tolist())
     for i, value in enumerate(row_max.flatten().tolist()):
-        if not math.isfinite(value):
+        if i in grammar_errors:
+            out[i] = grammar_errors[i]
+        elif not math.isfinite(value):
             out[i] = _unusable_logits(requests[i], value)
     sampled = [i for i, r in enumerate(requests)
                if not r.sampling.greedy and isinstance(out[i], int)]
@@ -87,6 +96,26 @@ def sample(logits: torch.Tensor, requests: Sequence[Request],
     if any(r.logprobs is not None for r in requests):
         record_sampled(raw, requests, out)
     return out
+
+
+def _apply_grammars(logits: torch.Tensor, requests: Sequence[Request],
+                    errors: dict[int, ErrorInfo]) -> torch.Tensor:
+    """Mask each constrained row of ``logits`` (``[batch, vocab]``, changed in place) to the
+    tokens its grammar allows (:meth:`inference.engine.structured.RowGrammar.allowed`); a row
+    whose grammar failed or allows nothing gets its error in ``errors`` instead."""
+    width = logits.shape[1]
+    for i, request in enumerate(requests):
+        if request.grammar is None:
+            continue
+        allowed = request.grammar.allowed()
+        if isinstance(allowed, ErrorInfo):
+            errors[i] = allowed
+            continue
+        n = min(width, allowed.shape[0])
+        logits[i, :n].masked_fill_(~allowed[:n], float("-inf"))
+        if width > n:
+            logits[i, n:] = float("-inf")
+    return logits
 
 
 def _sample_rows(logits: torch.Tensor, row_max: torch.Tensor, requests: Sequence[Request],

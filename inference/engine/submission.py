@@ -35,6 +35,11 @@ class QueueFullError(EngineRefusal):
     """The pending queue holds ``max_pending`` requests (code ``queue_full``, retryable)."""
 
 
+class GrammarBusyError(EngineRefusal):
+    """A constrained request's tenant already has its cap of grammars compiling on this engine
+    (``grammar_busy``, ``STRUCTURED_COMPILES_PER_TENANT``)."""
+
+
 class InvalidRequestError(EngineRefusal):
     """The request can never be valid for this model, e.g. beyond the context."""
 
@@ -87,6 +92,25 @@ class RequestHandle:
 def _invalid(message: str, code: ErrorCode = ErrorCode.INVALID_REQUEST,
              **details: object) -> InvalidRequestError:
     return InvalidRequestError(ErrorInfo(code=code, message=message, details=details))
+
+
+def gate_one_refusal(stopping: bool, queued: int, max_pending: int, live: bool,
+                     request_id: str) -> EngineRefusal | None:
+    """Why ``LLMEngine.submit`` refuses a request before queueing it (None: it does not): the
+    engine is stopping, gate 1 is full (``queued`` of ``max_pending``), or the id is ``live``."""
+    if stopping:
+        return EngineStoppedError(ErrorInfo(
+            code=ErrorCode.WORKER_SHUTDOWN, message="the engine is shutting down",
+            retryable=True))
+    if queued >= max_pending:
+        return QueueFullError(ErrorInfo(
+            code=ErrorCode.QUEUE_FULL,
+            message=f"the queue holds {queued} requests (max_pending={max_pending}); retry later",
+            gate=1, retryable=True, details={"queued": queued, "max_pending": max_pending}))
+    if live:
+        return InvalidRequestError(ErrorInfo(code=ErrorCode.INVALID_REQUEST,
+                                             message=f"request id {request_id} is already live"))
+    return None
 
 
 def build_request(tokenizer: Tokenizer, eos_token_ids: Collection[int], max_model_len: int, *,

@@ -53,6 +53,8 @@ class ErrorCode(StrEnum):
     WORKER_LOST = "worker_lost"  # its worker died while running it
     STATE_LOST = "state_lost"  # Redis lost its data (restarted without it) while it ran
     INTERRUPTED = "interrupted"  # stopped by the server, not by its client (a drain's end)
+    # Its tenant already has STRUCTURED_COMPILES_PER_TENANT grammars compiling on that worker.
+    GRAMMAR_BUSY = "grammar_busy"
 
 
 class ErrorInfo(Message):

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from inference.protocol.events import MAX_LOGPROBS, ErrorInfo, FinishReason, Message, Usage
+from inference.protocol.structured import StructuredOutput
 
 
 class ChatTurn(Message):
@@ -30,6 +31,8 @@ class Sampling(Message):
     the same for every prompt token (None: none); every prompt position is then computed, with
     no prefix-cache hit. A request queued again to go on from tokens already streamed (their
     prompt part of its new prompt) must not ask ``prompt_logprobs`` again: they were sent.
+    ``structured``: the grammar the answer must match (None: unconstrained), checked by the web
+    tier with :func:`inference.protocol.structured.check`.
     """
 
     max_tokens: int | None = Field(None, ge=1)
@@ -42,6 +45,7 @@ class Sampling(Message):
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    structured: StructuredOutput | None = None
 
 
 class Resume(Message):

@@ -9,6 +9,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from inference.protocol.keys import Keys
 from inference.protocol.models import model_cache_dir, model_folder
+from inference.protocol.structured import DEFAULT_MAX_SPEC_BYTES
 
 
 class PlatformSettings(BaseSettings):
@@ -40,6 +41,9 @@ class PlatformSettings(BaseSettings):
     celery_broker_url: str = ""
     # Celery's queue; empty: "{REDIS_PREFIX}-celery", so deployments sharing a Redis keep apart.
     celery_task_default_queue: str = ""
+    # The largest structured-output spec a request may give (UTF-8 bytes: a JSON schema as
+    # compact JSON, a regex, a grammar, a choice list); a larger one gets a 400 naming its field.
+    structured_max_spec_bytes: int = Field(DEFAULT_MAX_SPEC_BYTES, ge=1)
     # A local Hugging Face causal-LM folder; empty: the prepared default model. The worker loads
     # it; the web tier reads its tokenizer unless TOKENIZER_PATH names another folder.
     model_path: str = ""

@@ -54,6 +54,7 @@ def submit_args(message: RequestMessage, tokenizer: Tokenizer,
             code=ErrorCode.INVALID_REQUEST, message=str(exc),
             details={"param": "messages"})) from exc
     sampling = message.sampling.model_dump()
+    sampling["structured"] = message.sampling.structured  # the object, not its dict
     if sampling["max_tokens"] is None:
         left = max_model_len - len(ids)
         if left < 1:

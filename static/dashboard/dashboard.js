@@ -118,6 +118,10 @@
     setText("m-num_active", fmt.int(totals.num_active));
     setText("m-preemptions", fmt.int(totals.preemptions));
     setText("m-preempted_tokens_recomputed", fmt.int(totals.preempted_tokens_recomputed));
+    const structured = totals.structured || {};
+    setText("m-constrained_requests", fmt.int(structured.constrained_requests || 0));
+    setText("m-compile_cache_hits", fmt.int(structured.compile_cache_hits || 0));
+    setText("m-compile_refusals", fmt.int(structured.compile_refusals || 0));
     setText("m-gate1_queued", fmt.int(live.gate1_queued));
     setText("m-max_queue_size", fmt.int(live.max_queue_size));
     const rate = liveRate(live, data.now);

@@ -49,7 +49,7 @@ FUZZ = hypothesis_settings(max_examples=100, deadline=None,
                                                   HealthCheck.data_too_large])
 # Error codes that are about one field of the request (the rest are about the whole body).
 FIELD_CODES = {"invalid_value", "unsupported_parameter", "unknown_parameter", "model_not_found",
-               "context_length_exceeded"}
+               "context_length_exceeded", "invalid_json_schema", "invalid_structured_output"}
 
 # -- JSON values of every shape ----------------------------------------------------------------
 
@@ -104,21 +104,23 @@ CHAT_FIELDS = [
     "tools", "tool_choice", "functions", "function_call", "logprobs", "top_logprobs",
     "logit_bias", "audio", "modalities", "prediction", "presence_penalty", "frequency_penalty",
     "response_format", "store", "metadata", "parallel_tool_calls", "reasoning_effort",
-    "guided_json", "an_unknown_field",
+    "guided_json", "structured_outputs", "an_unknown_field",
 ]
 TEXT_FIELDS = [
     "model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "user",
     "stream", "stream_options", "top_k", "min_tokens", "ignore_eos", "logprobs", "echo",
     "suffix", "best_of", "logit_bias", "presence_penalty", "frequency_penalty",
-    "response_format", "store", "guided_regex", "an_unknown_field",
+    "response_format", "store", "guided_regex", "structured_outputs", "an_unknown_field",
 ]
 UNKNOWN = "an_unknown_field"
 # Nested places: (top-level field, the path below it).
 CHAT_NESTED = [("messages", (0,)), ("messages", (0, "role")), ("messages", (0, "content")),
                ("messages", (0, "content", 0)), ("messages", (0, "content", 0, "text")),
                ("messages", (0, "name")), ("messages", (0, "tool_calls")),
-               ("stream_options", ("include_usage",)), ("stop", (0,))]
-TEXT_NESTED = [("prompt", (0,)), ("stream_options", ("include_usage",)), ("stop", (1,))]
+               ("stream_options", ("include_usage",)), ("stop", (0,)),
+               ("response_format", ("type",))]
+TEXT_NESTED = [("prompt", (0,)), ("stream_options", ("include_usage",)), ("stop", (1,)),
+               ("response_format", ("type",))]
 
 
 def base(path: str) -> dict:

@@ -2,8 +2,8 @@
 
 Every top-level field of both endpoints is in one of four classes (``docs/platform.md``, "Request
 fields, by what the server does with them"): (a) honoured, (b) OpenAI fields that do not change
-the answer, accepted, (c) OpenAI fields (and vLLM's guided decoding) that would change the answer
-and are not served, a 400 ``unsupported_parameter``, (d) unknown fields, a 400
+the answer, accepted, (c) OpenAI fields (and vLLM's old guided decoding) that would change the
+answer and are not served, a 400 ``unsupported_parameter``, (d) unknown fields, a 400
 ``unknown_parameter``. The classes are written out here, one list each, so that a field moved
 from one class to another fails a test; OpenAI's own list (the ``openai`` package's typed request
 parameters) must be covered by them. Messages: every field of OpenAI's message schema is
@@ -53,6 +53,10 @@ HONOURED = {
 # Honoured too, but with no value that differs from leaving them out: the request's own, and n
 # (1 only; more is class c).
 HONOURED_AS_IS = {CHAT: ["model", "messages", "n"], TEXT: ["model", "prompt", "n"]}
+# Honoured: structured outputs, on both endpoints (tests/api/test_structured_fields.py has their
+# shapes; here, only that each changes what the worker is asked).
+STRUCTURED = {"response_format": {"type": "json_object"},
+              "structured_outputs": {"choice": ["yes", "no"]}}
 # (b) accepted, and the answer is the same.
 COMMON_ACCEPTED = {
     "store": True, "metadata": {"project": "alpha", "run": "7"}, "service_tier": "flex",
@@ -63,13 +67,11 @@ ACCEPTED = {CHAT: {**COMMON_ACCEPTED, "parallel_tool_calls": False}, TEXT: COMMO
 # (c) not served: a value that asks for something, and the values that ask for nothing.
 GUIDED = {"guided_json": {"type": "object"}, "guided_regex": "[a-z]+",
           "guided_choice": ["yes", "no"], "guided_grammar": "root ::= 'a'",
-          "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ",
-          "structured_outputs": {"json": {"type": "object"}}}
+          "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " "}
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 COMMON_UNSERVED = {
     "logit_bias": ({"42": 5}, [{}]), "presence_penalty": (0.5, [0, 0.0]),
     "frequency_penalty": (-0.5, [0, 0.0]),
-    "response_format": ({"type": "json_object"}, [{"type": "text"}]),
     "n": (2, [1]),
 }
 UNSERVED = {
@@ -141,8 +143,8 @@ def sent(path: str, **fields) -> dict:
 
 @pytest.mark.parametrize("path", [CHAT, TEXT])
 def test_every_openai_field_is_in_one_class(path):
-    classes = [set(HONOURED[path]) | set(HONOURED_AS_IS[path]), set(ACCEPTED[path]),
-               set(UNSERVED[path]) - {"n"}]
+    classes = [set(HONOURED[path]) | set(HONOURED_AS_IS[path]) | set(STRUCTURED),
+               set(ACCEPTED[path]), set(UNSERVED[path]) - {"n"}]
     assert OPENAI_FIELDS[path] - set().union(*classes) == set()
     assert not set(UNKNOWN[path]) & OPENAI_FIELDS[path]
     for i, one in enumerate(classes):
@@ -169,7 +171,7 @@ def test_the_documented_classes_are_the_served_ones(path, column):
         chat_docs = {letter: cells[0] for letter, cells in _documented().items()}
         named["b"] = set(re.findall(r"`([a-z_]+)`", chat_docs["b"])) - {"parallel_tool_calls"}
         named["c"] |= set(GUIDED)
-    assert set(HONOURED[path]) | set(HONOURED_AS_IS[path]) <= named["a"]
+    assert set(HONOURED[path]) | set(HONOURED_AS_IS[path]) | set(STRUCTURED) <= named["a"]
     assert set(ACCEPTED[path]) <= named["b"]
     assert set(UNSERVED[path]) | set(GUIDED) <= named["c"]
 
@@ -185,6 +187,12 @@ def test_an_honoured_field_changes_what_the_worker_is_asked(client, tenant_key, 
     body = {**sent(path, **companions), name: value}
     status, _ = answer(tenant_key[2], path, body)
     assert status == 200
+
+
+@pytest.mark.parametrize(("path", "name"), case(CHAT, STRUCTURED) + case(TEXT, STRUCTURED))
+def test_a_structured_output_field_changes_what_the_worker_is_asked(path, name):
+    assert asked(path, {**BASE[path], name: STRUCTURED[name]}) != asked(path, BASE[path])
+    assert asked(path, {**BASE[path], name: None}) == asked(path, BASE[path])
 
 
 # -- (b) accepted, the answer unchanged ---------------------------------------------------------
@@ -255,6 +263,7 @@ def test_guided_decoding_gets_400_pointing_to_response_format(client, tenant_key
     error = error_of(response)
     assert (error["code"], error["param"]) == ("unsupported_parameter", name)
     assert "'response_format'" in error["message"] and "guided decoding" in error["message"]
+    assert "'structured_outputs'" in error["message"]
     assert asked(path, {**BASE[path], name: None}) == asked(path, BASE[path])
 
 
@@ -442,8 +451,11 @@ def test_the_openai_client_default_calls_and_its_replies_sent_back(tenant_key, i
     ("chat", {"extra_body": {"repetition_penalty": 1.2}}, "unknown_parameter",
      "repetition_penalty"),
     ("chat", {"tools": [TOOL]}, "unsupported_parameter", "tools"),
-    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-     "unsupported_parameter", "response_format"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "if": {}, "then": {}}}}},
+     "invalid_json_schema", "response_format.json_schema.schema"),
+    ("text", {"extra_body": {"structured_outputs": {"regex": "[a-z"}}},
+     "invalid_structured_output", "structured_outputs.regex"),
     ("chat", {"messages": [USER, {"role": "assistant", "tool_calls": [CALL]},
                            {"role": "tool", "content": "{}", "tool_call_id": "call_1"}]},
      "unsupported_parameter", "messages[1].tool_calls"),
@@ -465,4 +477,4 @@ def test_the_openai_client_gets_a_400_naming_the_field(tenant_key, endpoint, fie
     assert exc is not None and exc.status_code == 400
     assert (exc.code, exc.param) == (code, param)
     if param.startswith("guided_"):
-        assert "'response_format'" in exc.message
+        assert "'response_format'" in exc.message and "'structured_outputs'" in exc.message

@@ -75,10 +75,11 @@ def listed(argv: list[str], capsys) -> list[tuple[str, list[str]]]:
 
 
 def entry_points() -> set[str]:
-    """Every experiment and micro-benchmark: each module of ``benchmarks/serving/`` and
-    ``benchmarks/kernels/`` with a ``main``, and each package there with a ``__main__``."""
+    """Every experiment and micro-benchmark: each module of ``benchmarks/serving/``,
+    ``benchmarks/structured/`` and ``benchmarks/kernels/`` with a ``main``, and each package
+    there with a ``__main__``."""
     found = set()
-    for folder in ("serving", "kernels"):
+    for folder in ("serving", "structured", "kernels"):
         for path in (REPO / "benchmarks" / folder).iterdir():
             package = (path / "__main__.py").is_file()
             if package or (path.suffix == ".py" and "\ndef main(" in path.read_text()):

@@ -50,6 +50,17 @@ class ByteTokenizer:
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
         return [self.bos_token_id, *self.encode(text)]
 
+    @property
+    def tokens(self) -> list[bytes]:
+        """Every token's bytes, by id (what llguidance's ``TokenizerWrapper`` reads: structured
+        outputs work on this backend too)."""
+        return [self.token_bytes(i) for i in range(self.vocab_size)]
+
+    special_token_ids = (eos_token_id, bos_token_id)
+
+    def __call__(self, text: bytes) -> list[int]:  # llguidance's encode: bytes to ids
+        return list(text)
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes of one token: its byte, or the name of EOS or BOS."""
         if token_id == self.eos_token_id:

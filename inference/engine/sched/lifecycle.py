@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from inference.engine.backends.base import DecodeRow, PrefillChunk
+from inference.engine.config import PrefillMode
 from inference.engine.detokenizer import IncrementalDetokenizer
 from inference.engine.logprobs import keep_prompt_logprobs, new_logprob_state
 from inference.engine.request import ErrorInfo, FinishReason, Request, RequestPhase
@@ -32,6 +33,7 @@ from inference.engine.sampling import sample
 from inference.engine.sched.gates import never_fits
 from inference.engine.sched.outputs import RowFault, append_token, final_event, pass_failed
 from inference.engine.sched.state import SchedulerState
+from inference.engine.structured.row_grammar import prefetch_masks
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,12 @@ class RowLifecycle:
         request.logprobs = new_logprob_state(request, state.tokenizer)
         state.pending[request.request_id] = request
         state.policy.on_request_arrived(request)
+        if request.grammar_error is not None:  # its grammar was refused when compiled
+            self.finish(request, FinishReason.ERROR, request.grammar_error)
+            return
+        if request.abort_requested:  # aborted while its grammar compiled
+            self.finish(request, FinishReason.ABORT)
+            return
         refusal = never_fits(request, state.kv, state.active_kv_budget)
         if refusal is not None:
             self.hard_reject(request, *refusal)
@@ -141,7 +149,13 @@ class RowLifecycle:
 
     def apply_decode(self, rows: list[Request], logits: torch.Tensor) -> None:
         """Sample each decode row's next token from its logits (``[len(rows), vocab]``) and
-        append it."""
+        append it.
+
+        A row's pass fed every token it had not computed: its last token, or with jump-forward
+        its last sampled token and the tokens its grammar forced after it. Each is charged to
+        its fairness key as a generated token (VTC's output weight), as the client is billed
+        for it as a completion token.
+        """
         if not rows:
             return
         state = self.state
@@ -150,9 +164,10 @@ class RowLifecycle:
             if isinstance(token, ErrorInfo):  # this row's logits or draw; the others go on
                 self.finish(request, FinishReason.ERROR, token)
                 continue
-            request.num_computed_tokens += 1
+            fed = request.num_tokens - request.num_computed_tokens
+            request.num_computed_tokens += fed
             state.kv.commit_full_blocks(request)
-            state.policy.on_tokens_processed(request, 0, 1)
+            state.policy.on_tokens_processed(request, 0, fed)
             self.append_token(request, token)
 
     # -- every pass and every token ------------------------------------------------------------
@@ -162,6 +177,8 @@ class RowLifecycle:
         """One forward pass over ``rows``: its ``[len(rows), vocab]`` logits, or None if it raised
         or gave another shape (then each of ``rows`` has ended once, with :func:`pass_failed`).
         """
+        if self.state.config.structured_mask_overlap:  # masks computed while the pass runs
+            prefetch_masks([r.grammar for r in rows])
         try:
             logits = run()
             if logits.dim() != 2 or logits.shape[0] != len(rows):
@@ -177,21 +194,61 @@ class RowLifecycle:
 
     def append_token(self, request: Request, token: int | ErrorInfo) -> None:
         """Record a sampled token, stream its text, mark the row finished if it stopped; a token
-        that is an error, or whose text fails (:class:`RowFault`), ends this row alone."""
+        that is an error, whose text fails (:class:`RowFault`) or that the row's grammar does not
+        take ends this row alone.
+
+        A constrained row then takes the tokens its grammar forces (jump-forward,
+        :meth:`jumps_forward`): each is appended, streamed and billed as a generated token,
+        without a sampling step; the next pass computes them with the sampled one. A row whose
+        grammar then allows nothing but its end stops (``stop``) without sampling an EOS.
+        """
+        if not self._record(request, token):
+            return
+        grammar = request.grammar
+        if grammar is None or request.finish_reason is not None:
+            return
+        if self.jumps_forward(request):
+            for forced in grammar.forced_tokens(
+                    request.max_tokens - len(request.output_token_ids)):
+                grammar.stats.forced += 1
+                if not self._record(request, forced) or request.finish_reason is not None:
+                    return
+        if grammar.complete() and not request.sampling.ignore_eos:
+            # Nothing may follow but its end: the answer stops here, without a step for EOS.
+            request.finish_reason = FinishReason.STOP
+
+    def jumps_forward(self, request: Request) -> bool:
+        """Whether ``request``'s forced tokens are appended without a step each: with
+        ``STRUCTURED_JUMP_FORWARD`` in ``mixed_batch`` mode (where a pass takes several tokens of
+        a running row), for a decode row that asked for no logprobs (every token of such a row
+        is sampled, so each has the model's entry)."""
+        state = self.state
+        return (state.config.structured_jump_forward
+                and state.prefill_mode is PrefillMode.MIXED_BATCH
+                and request.phase is RequestPhase.ACTIVE and request.sampling.logprobs is None)
+
+    def _record(self, request: Request, token: int | ErrorInfo) -> bool:
+        """Append one token (:meth:`append_token`); False when the row ended instead."""
         if isinstance(token, ErrorInfo):
             self.finish(request, FinishReason.ERROR, token)
-            return
+            return False
         state = self.state
+        if request.grammar is not None:
+            error = request.grammar.consume(token)
+            if error is not None:
+                self.finish(request, FinishReason.ERROR, error)
+                return False
         try:
             event = append_token(request, token, state.eos_token_ids)
         except RowFault as fault:
             self.finish(request, FinishReason.ERROR, fault.error)
-            return
+            return False
         state.tokens_generated += 1
         if request.first_token_time is None:
             request.first_token_time = state.clock()
         if event is not None:
             state.emit(event)
+        return True
 
     # -- the exit ------------------------------------------------------------------------------
 

@@ -7,7 +7,8 @@ while streams run; then evict the rows that stopped. After the pass each decode 
 token; a row whose final prompt chunk was in the pass is promoted (``_promote_to_decode``) and
 streams its first token in this same tick (and its final event too, if that token ends it); it
 decodes from the next tick on. Eviction after the pass frees blocks that admission reuses from the
-next tick.
+next tick. A constrained row whose grammar forced tokens after its sampled one (jump-forward)
+feeds them all in the pass as a chunk of its own, and samples from its last position.
 
 :class:`MixedPass` is the scheduler's collaborator for this pass: it reads the queues of the
 :class:`~inference.engine.sched.state.SchedulerState` it is given and runs, accounts and promotes
@@ -100,10 +101,13 @@ class MixedPass:
 
     def _mixed_pass(self) -> None:
         state, rows = self.state, self.rows
-        decode_rows = list(state.active)
+        # A row whose grammar forced tokens after its last sampled one (jump-forward) feeds them
+        # all in this pass, as a prompt-like chunk of its own; the others feed one token.
+        forced_rows = [r for r in state.active if r.num_tokens - r.num_computed_tokens > 1]
+        decode_rows = [r for r in state.active if r.num_tokens - r.num_computed_tokens <= 1]
         prefilling = list(state.prefilling)
-        decode_shape = PassShape(len(decode_rows),
-                                 sum(r.num_tokens for r in decode_rows), 0, 0)
+        decode_shape = PassShape(len(decode_rows) + len(forced_rows),
+                                 sum(r.num_tokens for r in state.active), 0, 0)
         take = plan_prefill(
             [(r.num_computed_tokens, r.prompt_len - r.num_computed_tokens) for r in prefilling],
             decode_shape, self.cost_model, self.target_itl_s, state.chunk_size)
@@ -118,16 +122,22 @@ class MixedPass:
                                        request.prompt_token_ids[start:start + n], start,
                                        tuple(request.block_table),
                                        all_logits=request.needs_prompt_logprobs))
+        sampled_rows = prefill_rows + forced_rows
+        for request in forced_rows:
+            start = request.num_computed_tokens
+            state.kv.ensure_slots(request, request.num_tokens)
+            chunks.append(PrefillChunk(request.request_id, request.all_token_ids[start:], start,
+                                       tuple(request.block_table)))
         batch = rows.decode_rows(decode_rows)
         if not chunks and not batch:
             return
         shape = PassShape(decode_shape.decode_rows, decode_shape.decode_context, sum(take),
                           sum(chunk_attention(c.start_pos, len(c.token_ids)) for c in chunks))
         started = time.perf_counter()
-        logits = rows.forward("mixed", prefill_rows + decode_rows,
+        logits = rows.forward("mixed", sampled_rows + decode_rows,
                               lambda: keep_prompt_logprobs(
                                   state.backend.prefill_and_decode(chunks, batch), chunks,
-                                  prefill_rows, len(chunks) + len(batch)))
+                                  sampled_rows, len(chunks) + len(batch)))
         elapsed = time.perf_counter() - started
         predicted = self.cost_model.predict(shape) if self.cost_model is not None else 0.0
         # A pass that computed prompt logprobs (every position's logits) is not a usual pass.
@@ -138,8 +148,9 @@ class MixedPass:
                           "seconds": round(elapsed, 4), "predicted_s": round(predicted, 4)}
         if logits is None:
             return
-        rows.apply_prefill(prefill_rows, chunks, logits[:len(chunks)])
-        rows.apply_decode(decode_rows, logits[len(chunks):])
+        n_prefill = len(prefill_rows)
+        rows.apply_prefill(prefill_rows, chunks[:n_prefill], logits[:n_prefill])
+        rows.apply_decode(forced_rows + decode_rows, logits[n_prefill:])
 
     def tick_budget_stats(self) -> dict[str, Any]:
         """The mixed-batch tick's target, cost model and last pass, for stats."""

@@ -85,7 +85,15 @@ def preempted_state(request: Request, clock: Callable[[], float]) -> ResumeState
                               else request.num_cached_tokens),
         arrived_at=unix(request.arrival_time) or 0.0, admitted_at=unix(request.admitted_time),
         first_token_at=unix(request.first_token_time), queue_wait_s=queue_wait_s,
-        generator=request.sampler_state, detokenizer=request.detokenizer)
+        generator=request.sampler_state, detokenizer=request.detokenizer,
+        grammar=request.grammar)
+
+
+def for_another_engine(state: ResumeState) -> ResumeState:
+    """``state`` without its live objects (the generator's state as bytes instead): what a
+    preempted request takes to another engine, which replays its tokens into new ones."""
+    return dataclasses.replace(state, sampler_state=generator_state(state.generator),
+                               generator=None, detokenizer=None, grammar=None)
 
 
 def replay_detokenizer(tokenizer: Tokenizer, state: ResumeState,
@@ -143,6 +151,9 @@ def resumed_request(state: ResumeState, prompt_token_ids: Sequence[int], *, tena
                            else replay_detokenizer(tokenizer, state, eos_token_ids))
     request.sampler_state = (state.generator if state.generator is not None
                              else generator_from(state.sampler_state))
+    # A constrained request's grammar: the live one within an engine, else compiled again and
+    # fed ``generated`` (inference.engine.structured.compiler) before it is queued.
+    request.grammar = state.grammar
     request.resume = dataclasses.replace(state, generator=None, detokenizer=None,
-                                         sampler_state=None)
+                                         sampler_state=None, grammar=None)
     return request

@@ -1,0 +1,1 @@
+"""Micro-benchmarks of structured (grammar-constrained) decoding."""
