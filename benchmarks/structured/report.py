@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ def mask_ms(counters: dict[str, Any] | None) -> float | None:
 def verdicts(results: dict[str, Any]) -> dict[str, Any]:
     """The ratios and targets: platform (and engine) over transformers, validity, the ITL cost
     of constrained neighbours, jump-forward and mask overlap on against off."""
-    wl, st = results["workload"], results["settings"]
+    wl = results["workload"]
     rest, hf = wl.get("platform (REST)", {}), wl.get("transformers generate", {})
     out: dict[str, Any] = {
         "platform_over_transformers": _ratio(rest.get("tok_s"), hf.get("tok_s")),
@@ -47,22 +48,62 @@ def verdicts(results: dict[str, Any]) -> dict[str, Any]:
     }
     ratio = out["platform_over_transformers"]
     out["ratio_pass"] = None if ratio is None else ratio >= TARGET_RATIO
-    itl = {r["run"]: r.get("itl_p50_ms") for r in results.get("itl", [])}
-    base, with_c = itl.get("unconstrained neighbours"), itl.get("constrained neighbours")
-    if base and with_c:
-        out["itl_cost"] = with_c / base - 1
-        out["itl_pass"] = out["itl_cost"] <= ITL_AIM
-    if itl.get("alone") and with_c:
-        out["itl_cost_vs_alone"] = with_c / itl["alone"] - 1
-    no_jump = itl.get("constrained, jump-forward off")
-    if base and no_jump:
-        out["itl_cost_no_jump"] = no_jump / base - 1
-    on = st.get("engine", {})
-    if "jump-forward off" in st and on:
-        out["jump_speedup"] = _ratio(on.get("tok_s"), st["jump-forward off"].get("tok_s"))
-    if "mask overlap on" in st and on:  # the default is overlap off
-        out["overlap_speedup"] = _ratio(st["mask overlap on"].get("tok_s"), on.get("tok_s"))
+    itl = {r["run"]: r for r in results.get("itl", [])}
+    base = itl.get("unconstrained neighbours")
+    for key, run in (("itl_cost", "constrained neighbours"), ("itl_cost_vs_alone", "alone"),
+                     ("itl_cost_flipped", _flipped_itl(itl))):
+        other = itl.get(run) if run else None
+        if other is None or base is None:
+            continue
+        if key == "itl_cost_vs_alone":  # constrained neighbours against the streams alone
+            ratio = paired(itl.get("constrained neighbours"), other, "itl_p50_ms")
+        else:
+            ratio = paired(other, base, "itl_p50_ms")
+        if ratio is not None:
+            out[key] = {**ratio, "median": ratio["median"] - 1,
+                        "rounds": [r - 1 for r in ratio["rounds"]]}
+    if "itl_cost" in out:
+        out["itl_pass"] = out["itl_cost"]["median"] <= ITL_AIM
+    for key, field, label in (("jump", "structured_jump_forward", "jump-forward"),
+                              ("overlap", "structured_mask_overlap", "mask overlap")):
+        on, off = switch_runs(results, field, label)
+        ratio = paired(on, off, "tok_s")
+        if ratio is not None:
+            out[f"{key}_speedup"] = ratio
     return out
+
+
+def _flipped_itl(itl: dict[str, Any]) -> str | None:
+    return next((name for name in itl if name.startswith("constrained, jump-forward")), None)
+
+
+def paired(a: dict[str, Any] | None, b: dict[str, Any] | None,
+           key: str) -> dict[str, Any] | None:
+    """``a``'s figure over ``b``'s, round by round (``<key>_runs``: both ran once per round,
+    one after the other), and the median of those ratios; the medians' ratio with one round."""
+    if not a or not b or a.get(key) is None or not b.get(key):
+        return None
+    xs, ys = a.get(f"{key}_runs") or [a[key]], b.get(f"{key}_runs") or [b[key]]
+    rounds = [x / y for x, y in zip(xs, ys, strict=False) if x is not None and y]
+    if not rounds:
+        return None
+    return {"median": statistics.median(rounds), "rounds": rounds}
+
+
+def switch_runs(results: dict[str, Any], field: str,
+                label: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(the run with the switch on, the run with it off): the defaults' run and the run that
+    flipped it, whichever way the default is."""
+    st = results["settings"]
+    default = results.get("defaults", {}).get(field, True)
+    flipped = st.get(f"{label} {'off' if default else 'on'}")
+    base = st.get("engine")
+    return (base, flipped) if default else (flipped, base)
+
+
+def _fmt_rounds(ratio: dict[str, Any], pct: bool = False) -> str:
+    shown = [f"{100 * r:+.1f} %" if pct else f"{r:.2f}x" for r in ratio["rounds"]]
+    return f" (rounds: {', '.join(shown)})" if len(shown) > 1 else ""
 
 
 def workload_rows(results: dict[str, Any]) -> list[list[str]]:
@@ -96,13 +137,13 @@ def itl_rows(results: dict[str, Any]) -> list[list[str]]:
 def on_path_s(run: dict[str, Any]) -> float:
     """Seconds the compute thread spent on masks: its waits for masks computed ahead (overlap
     on), or every mask's own time (overlap off: it computes them itself)."""
-    if run.get("settings", {}).get("structured_mask_overlap", False):
+    if run.get("settings", {}).get("structured_mask_overlap", True):
         return run["mask_wait_seconds"]
     return run["mask_seconds"]
 
 
 def settings_rows(results: dict[str, Any]) -> list[list[str]]:
-    """Parts 4 and 5: the engine's default and each switch off."""
+    """Parts 2, 4 and 5: the engine's defaults and each switch flipped."""
     return [[name, _num(r["tok_s"]), _pct(r["forced_share"]), _num(mask_ms(r)),
              _num(r["mask_wait_seconds"]), _num(on_path_s(r)), str(r["masks"]),
              f"{r['valid']}/{r['stop']}", _num(r["busy"], 2)]
@@ -153,23 +194,33 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
                      f"apply_token_bitmask_inplace) {hf['processor_seconds']:.1f} s of its "
                      f"{hf['wall_s']:.1f} s [{cpu}]")
     if "itl_cost" in v:
+        c = v["itl_cost"]
         lines.append(f"ITL p50 of unconstrained streams, constrained vs unconstrained "
-                     f"neighbours: {100 * v['itl_cost']:+.1f} % (aim within "
+                     f"neighbours: {100 * c['median']:+.1f} %{_fmt_rounds(c, True)} (aim within "
                      f"{100 * ITL_AIM:.0f} %): {'PASS' if v['itl_pass'] else 'MISS'} [{cpu}]")
-    if "itl_cost_no_jump" in v:
-        lines.append(f"ITL p50, constrained neighbours with jump-forward off vs unconstrained "
-                     f"neighbours: {100 * v['itl_cost_no_jump']:+.1f} % [{cpu}]")
+    if "itl_cost_flipped" in v:
+        c = v["itl_cost_flipped"]
+        name = _flipped_itl({r["run"]: r for r in results["itl"]}) or ""
+        name = name.replace("constrained, ", "constrained neighbours with ")
+        lines.append(f"ITL p50, {name} vs unconstrained neighbours: {100 * c['median']:+.1f} %"
+                     f"{_fmt_rounds(c, True)} [{cpu}]")
     if "itl_cost_vs_alone" in v:
+        c = v["itl_cost_vs_alone"]
         lines.append(f"ITL p50, constrained neighbours vs streams alone: "
-                     f"{100 * v['itl_cost_vs_alone']:+.1f} % (more rows per step too) [{cpu}]")
-    if v.get("jump_speedup") is not None:
-        lines.append(f"jump-forward on / off tok/s: {v['jump_speedup']:.2f}x; forced share "
-                     f"{_pct(st['engine']['forced_share'])} on, "
-                     f"{_pct(st['jump-forward off']['forced_share'])} off [{cpu}]")
-    if v.get("overlap_speedup") is not None:
-        lines.append(f"mask overlap on / off tok/s: {v['overlap_speedup']:.2f}x; compute thread "
-                     f"on masks {on_path_s(st['mask overlap on']):.3f} s on (waits), "
-                     f"{on_path_s(st['engine']):.3f} s off (computing them) [{cpu}]")
+                     f"{100 * c['median']:+.1f} % (more rows per step too) [{cpu}]")
+    jump_on, jump_off = switch_runs(results, "structured_jump_forward", "jump-forward")
+    if v.get("jump_speedup") is not None and jump_on and jump_off:
+        lines.append(f"jump-forward on / off tok/s: {v['jump_speedup']['median']:.2f}x"
+                     f"{_fmt_rounds(v['jump_speedup'])}; forced share "
+                     f"{_pct(jump_on['forced_share'])} on, {_pct(jump_off['forced_share'])} off"
+                     f" [{cpu}]")
+    ov_on, ov_off = switch_runs(results, "structured_mask_overlap", "mask overlap")
+    if v.get("overlap_speedup") is not None and ov_on and ov_off:
+        lines.append(f"mask overlap on / off tok/s: {v['overlap_speedup']['median']:.2f}x"
+                     f"{_fmt_rounds(v['overlap_speedup'])}; compute thread on masks "
+                     f"{on_path_s(ov_on):.3f} s on (waits), {on_path_s(ov_off):.3f} s off "
+                     f"(computing them), {_pct(on_path_s(ov_off) / ov_off['wall_s'])} of that "
+                     f"run's {ov_off['wall_s']:.1f} s [{cpu}]")
     return lines
 
 
@@ -229,8 +280,11 @@ def write_markdown(results: dict[str, Any], path: str | Path) -> None:
                   f"answer, EOS ignored; {rounds}) [{label}]:", "",
                   _md_table(ITL_COLS, itl_rows(results)), ""]
     if results["settings"]:
-        parts += [f"Engine in-process: defaults (overlap off), jump-forward off, mask overlap "
-                  f"on (mask ms/row: `mask_seconds / masks`, per constrained row per step; "
-                  f"{rounds}) [{label}]:", "", _md_table(SETTINGS_COLS, settings_rows(results)), ""]
+        defaults = ", ".join(f"{k.removeprefix('structured_')} {'on' if v else 'off'}"
+                             for k, v in results.get("defaults", {}).items())
+        parts += [f"Engine in-process: `engine` has the defaults ({defaults}), each other row "
+                  f"one switch flipped (mask ms/row: `mask_seconds / masks`, per constrained row "
+                  f"per step; {rounds}) [{label}]:", "",
+                  _md_table(SETTINGS_COLS, settings_rows(results)), ""]
     parts += [f"- {line}" for line in summary_lines(results)]
     Path(path).write_text("\n".join(parts) + "\n")

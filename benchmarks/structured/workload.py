@@ -21,10 +21,14 @@ greedy (or ``--temperature`` with a seed per request), ``--max-tokens`` each:
    within 10 % of unconstrained neighbours). Each unconstrained neighbour runs as many tokens
    (EOS ignored) as its prompt's constrained answer did in part 1, so both kinds end and are
    replaced after the same number of tokens; and beside constrained neighbours with
-   jump-forward off (how much of their cost is the forced tokens riding in the same passes);
+   jump-forward flipped (how much of their cost is the forced tokens riding in the same passes);
 4. jump-forward on and off (``structured_jump_forward``): tokens/s, the share of tokens forced;
-5. mask overlap on and off (``structured_mask_overlap``): tokens/s, seconds the compute thread
-   waited for masks.
+5. mask overlap on and off (``structured_mask_overlap``): tokens/s, the compute thread's seconds
+   on masks (waiting for those computed ahead, or computing them itself).
+
+Parts 4 and 5 flip each switch from the engine's default (read from EngineConfig): the
+``engine`` run has the defaults, ``jump-forward off`` (or ``on``) and ``mask overlap on`` (or
+``off``) one switch flipped; on/off ratios are medians of each round's own ratio.
 
 Every system runs alone, one after another (2 cores: never two at once); ``busy`` is the cores
 other processes kept busy meanwhile (noise when high). The in-process runs (the engine's
@@ -62,20 +66,29 @@ from benchmarks.structured.report import print_report, write_markdown
 from benchmarks.structured.schemas import summarize, tasks
 
 PARTS = ("rest", "transformers", "engine", "itl", "jump", "overlap")
-# name -> EngineConfig fields of the in-process runs of parts 1, 4 and 5.
-ENGINE_RUNS: dict[str, dict[str, bool]] = {
-    "engine": {},
-    "jump-forward off": {"structured_jump_forward": False},
-    "mask overlap on": {"structured_mask_overlap": True},  # off by default
-}
+SWITCHES = {"jump": ("structured_jump_forward", "jump-forward"),
+            "overlap": ("structured_mask_overlap", "mask overlap")}
 
 
-def _engine_runs(args: argparse.Namespace) -> list[str]:
-    wanted = {"engine": "engine", "jump": "jump-forward off", "overlap": "mask overlap on"}
-    names = [name for part, name in wanted.items() if part in args.parts]
-    if names and "engine" not in names:
-        names.insert(0, "engine")  # the on side of each on/off comparison
-    return names
+def engine_defaults() -> dict[str, bool]:
+    """The engine's default of each switch (``structured_jump_forward``, ...), read from
+    EngineConfig, so the runs stay right when a default changes."""
+    from inference.engine.config import EngineConfig
+
+    return {field: bool(EngineConfig.model_fields[field].default)
+            for field, _ in SWITCHES.values()}
+
+
+def engine_runs(args: argparse.Namespace) -> dict[str, dict[str, bool]]:
+    """name -> EngineConfig fields of the in-process runs of parts 1, 4 and 5: ``engine`` (the
+    defaults) and, for each switch asked for, the run with it flipped (``jump-forward off``
+    while jump-forward is on by default, ``mask overlap on`` while overlap is off, ...)."""
+    defaults = engine_defaults()
+    runs = {"engine": {}} if {"engine", *SWITCHES} & set(args.parts) else {}
+    for part, (field, label) in SWITCHES.items():
+        if part in args.parts:
+            runs[f"{label} {'off' if defaults[field] else 'on'}"] = {field: not defaults[field]}
+    return runs
 
 
 def run_rest_part(args: argparse.Namespace, work: list[Any]) -> dict[str, Any]:
@@ -141,26 +154,31 @@ def run_transformers_part(args: argparse.Namespace, work: list[Any]) -> dict[str
 
 
 def run_engine_part(args: argparse.Namespace, work: list[Any], backend: Any,
-                    name: str) -> dict[str, Any]:
-    """One in-process engine run of the workload under ``ENGINE_RUNS[name]``."""
+                    name: str, overrides: dict[str, bool]) -> dict[str, Any]:
+    """One in-process engine run of the workload, ``overrides`` (EngineConfig fields) beside
+    the defaults; ``settings`` in the result: every switch as it was in the run."""
     print(f"[{name}] {len(work)} requests in-process", flush=True)
     (answers, wall, counters), busy = measured(
         inproc.run_workload, backend, work, concurrency=args.concurrency,
-        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-        **ENGINE_RUNS[name])
-    out = {**summarize(answers, wall), "busy": busy, "settings": ENGINE_RUNS[name], **counters,
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed, **overrides)
+    out = {**summarize(answers, wall), "busy": busy,
+           "settings": {**engine_defaults(), **overrides}, **counters,
            "lengths": [a.completion_tokens for a in answers]}
     out["forced_share"] = (counters["forced_tokens"] / out["completion_tokens"]
                            if out["completion_tokens"] else None)
     return out
 
 
-# (label, with neighbours, constrained, EngineConfig fields): the last shows how much of the
-# constrained neighbours' cost is jump-forward's (their forced tokens ride in the same passes).
-ITL_RUNS: tuple[tuple[str, bool, bool, dict[str, bool]], ...] = (
-    ("alone", False, False, {}), ("unconstrained neighbours", True, False, {}),
-    ("constrained neighbours", True, True, {}),
-    ("constrained, jump-forward off", True, True, {"structured_jump_forward": False}))
+def itl_runs() -> list[tuple[str, bool, bool, dict[str, bool]]]:
+    """(label, with neighbours, constrained, EngineConfig fields) of each ITL run: the streams
+    alone, beside unconstrained neighbours, beside constrained ones, and beside constrained ones
+    with jump-forward flipped from its default (how much of their cost is the forced tokens
+    riding in the same passes)."""
+    jump = engine_defaults()["structured_jump_forward"]
+    return [("alone", False, False, {}), ("unconstrained neighbours", True, False, {}),
+            ("constrained neighbours", True, True, {}),
+            (f"constrained, jump-forward {'off' if jump else 'on'}", True, True,
+             {"structured_jump_forward": not jump})]
 
 
 def run_itl_part(args: argparse.Namespace, work: list[Any], backend: Any, label: str,
@@ -187,8 +205,8 @@ def median_run(runs: list[dict[str, Any]], key: str) -> dict[str, Any]:
 def run_in_process(args: argparse.Namespace, work: list[Any], results: dict[str, Any]) -> None:
     """Parts 1 (the engine row), 3, 4 and 5: ``--repeats`` rounds, each setting once per
     round (so a slow spell of a shared machine does not land on one setting only); medians."""
-    names = _engine_runs(args)
-    itl = ITL_RUNS if "itl" in args.parts else ()
+    names = engine_runs(args)
+    itl = itl_runs() if "itl" in args.parts else []
     if not names and not itl:
         return
     backend = inproc.load_backend()
@@ -198,8 +216,8 @@ def run_in_process(args: argparse.Namespace, work: list[Any], results: dict[str,
     for round_ in range(args.repeats):
         if args.repeats > 1:
             print(f"-- in-process round {round_ + 1} of {args.repeats}", flush=True)
-        for name in names:
-            settings[name].append(run_engine_part(args, work, backend, name))
+        for name, overrides in names.items():
+            settings[name].append(run_engine_part(args, work, backend, name, overrides))
         if itl and not lengths:  # the constrained answers' lengths, for unconstrained twins
             lengths = (settings["engine"][0]["lengths"] if names else
                        [a.completion_tokens for a in inproc.run_workload(
@@ -254,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.structured.hf_generate import worker_dtype
 
     results: dict[str, Any] = {"cpu": info, "args": vars(args), "workload": {}, "settings": {},
-                               "dtype": str(worker_dtype()).removeprefix("torch.")}
+                               "dtype": str(worker_dtype()).removeprefix("torch."),
+                               "defaults": engine_defaults()}
     if "rest" in args.parts:
         results["workload"]["platform (REST)"] = run_rest_part(args, work)
     if "transformers" in args.parts:
