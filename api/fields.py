@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 NOT_UNICODE = "invalid_unicode"
@@ -39,6 +39,8 @@ def wrong_type(expected: str) -> PydanticCustomError:
 
 
 Text = Annotated[str, AfterValidator(unicode_text)]
+# A short name (a user, a cache key, a message's author): at most 256 characters.
+Name = Annotated[str, Field(max_length=256), AfterValidator(unicode_text)]
 
 
 class BodyObject(BaseModel):

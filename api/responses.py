@@ -1,12 +1,26 @@
-"""Response bodies in the OpenAI shapes: chat and text completions, stream chunks, models."""
+"""Response bodies in the OpenAI shapes: chat and text completions, stream chunks, models.
+
+A request of ``n`` choices gets one :class:`Answer` per choice (:class:`Choices`): the worker's
+token events say their choice (``TokenEvent.index``) and its final event how each ended
+(``FinalEvent.choices``), and every chunk and body entry carries its choice's ``index``.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from api.logprobs import CompletionLogprobs, chat_logprobs
-from inference.protocol.events import Event, FinalEvent, PositionLogprobs, TokenEvent, Usage
+from api.tool_calls import Piece, ToolCallParser
+from inference.protocol.events import (
+    Event,
+    FinalEvent,
+    FinishReason,
+    PositionLogprobs,
+    TokenEvent,
+    Usage,
+)
 
 
 @dataclass(frozen=True)
@@ -14,7 +28,9 @@ class ResponseShape:
     """What every body of one response shares: ``kind`` is ``chat`` or ``text``.
 
     ``logprobs``: the choices carry log-probabilities. ``echo``: a text completion's prompt,
-    sent back before the answer (None: not asked).
+    sent back before the answer (None: not asked). ``tools``: a chat's answer may call tools
+    (its text is read for calls: :mod:`api.tool_calls`; ``calls_only``: no text may come
+    before a call). ``n``: the choices.
     """
 
     kind: str
@@ -24,6 +40,9 @@ class ResponseShape:
     include_usage: bool = False
     logprobs: bool = False
     echo: str | None = None
+    tools: bool = False
+    calls_only: bool = False
+    n: int = 1
 
     @property
     def object(self) -> str:
@@ -44,17 +63,12 @@ def usage_body(usage: Usage) -> dict[str, Any]:
     }
 
 
-def full_response(shape: ResponseShape, text: str, final: FinalEvent,
-                  logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A non-streaming response for the answer ``text`` and the worker's final event."""
-    if shape.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "finish_reason": final.finish_reason.value, "logprobs": logprobs}
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": final.finish_reason.value,
-                  "logprobs": logprobs}
-    return {"id": shape.id, "object": shape.object, "created": shape.created,
-            "model": shape.model, "choices": [choice], "usage": usage_body(final.usage)}
+def finish_reason(reason: FinishReason, called: bool) -> str:
+    """A choice's ``finish_reason``: ``tool_calls`` for an answer that ended where the model
+    stopped after calling tools, else the worker's."""
+    if called and reason is FinishReason.STOP:
+        return "tool_calls"
+    return reason.value
 
 
 def _chunk(shape: ResponseShape, choice: dict[str, Any]) -> dict[str, Any]:
@@ -65,86 +79,40 @@ def _chunk(shape: ResponseShape, choice: dict[str, Any]) -> dict[str, Any]:
     return chunk
 
 
-def opening_chunk(shape: ResponseShape) -> dict[str, Any] | None:
-    """The chat stream's first chunk (the assistant role); None for text completions."""
+def opening_chunks(shape: ResponseShape) -> list[dict[str, Any]]:
+    """The chat stream's first chunk of each choice (the assistant role); none for text
+    completions."""
     if shape.kind != "chat":
-        return None
-    return _chunk(shape, {"index": 0, "delta": {"role": "assistant", "content": ""},
+        return []
+    return [_chunk(shape, {"index": i, "delta": {"role": "assistant", "content": ""},
+                           "finish_reason": None, "logprobs": None}) for i in range(shape.n)]
+
+
+def tool_calls_chunk(shape: ResponseShape, calls: list[dict[str, Any]],
+                     index: int = 0) -> dict[str, Any]:
+    """A chunk adding to choice ``index``'s tool calls: each entry ``{"index", "id", "type",
+    "function": {"name", "arguments"}}`` for a call's start, ``{"index", "function":
+    {"arguments"}}`` for more of its arguments."""
+    return _chunk(shape, {"index": index, "delta": {"tool_calls": calls},
                           "finish_reason": None, "logprobs": None})
 
 
-def text_chunk(shape: ResponseShape, text: str,
-               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A chunk adding ``text`` (and the ``logprobs`` of its tokens) to the answer."""
+def text_chunk(shape: ResponseShape, text: str, logprobs: dict[str, Any] | None = None,
+               index: int = 0) -> dict[str, Any]:
+    """A chunk adding ``text`` (and the ``logprobs`` of its tokens) to choice ``index``."""
     if shape.kind == "chat":
-        return _chunk(shape, {"index": 0, "delta": {"content": text}, "finish_reason": None,
-                              "logprobs": logprobs})
-    return _chunk(shape, {"index": 0, "text": text, "finish_reason": None, "logprobs": logprobs})
+        return _chunk(shape, {"index": index, "delta": {"content": text},
+                              "finish_reason": None, "logprobs": logprobs})
+    return _chunk(shape, {"index": index, "text": text, "finish_reason": None,
+                          "logprobs": logprobs})
 
 
-@dataclass
-class Answer:
-    """One choice's text and log-probabilities, built from the worker's events as they come:
-    the chunks of a stream (:meth:`chunks`), or the whole body (:meth:`add`, then :meth:`body`).
-
-    An echoed prompt comes first, with the prompt's logprobs (the worker sends them on the
-    request's first event); then each token's text with its logprobs. A token's logprobs come
-    with its text (the worker holds both back while a stop string may be forming, and drops
-    those past one), so the entries' texts join to the answer's.
-    """
-
-    shape: ResponseShape
-    _echo_pending: bool = field(init=False)
-    _texts: list[str] = field(init=False, default_factory=list)
-    _entries: list[PositionLogprobs] = field(init=False, default_factory=list)
-    _offsets: CompletionLogprobs = field(init=False, default_factory=CompletionLogprobs)
-
-    def __post_init__(self) -> None:
-        self._echo_pending = self.shape.echo is not None
-
-    def _pieces(self, event: Event) -> list[tuple[str, list[PositionLogprobs]]]:
-        """The ``(text, logprob entries)`` pieces ``event`` adds to the answer, in order."""
-        pieces = []
-        if self._echo_pending:
-            self._echo_pending = False
-            prompt = list(event.prompt_logprobs or ()) if self.shape.logprobs else []
-            pieces.append((self.shape.echo or "", prompt))
-        entries = []
-        if isinstance(event, TokenEvent | FinalEvent) and self.shape.logprobs and event.logprobs:
-            entries = list(event.logprobs)
-        if event.text or entries:
-            pieces.append((event.text, entries))
-        return pieces
-
-    def _logprobs(self, entries: list[PositionLogprobs]) -> dict[str, Any] | None:
-        if not self.shape.logprobs:
-            return None
-        return chat_logprobs(entries) if self.shape.kind == "chat" else self._offsets.render(
-            entries)
-
-    def chunks(self, event: Event) -> list[dict[str, Any]]:
-        """The stream chunks of ``event`` (a final event's: before its finish chunk)."""
-        return [text_chunk(self.shape, text, self._logprobs(entries))
-                for text, entries in self._pieces(event)]
-
-    def add(self, event: Event) -> None:
-        """Take ``event`` into the whole body."""
-        for text, entries in self._pieces(event):
-            self._texts.append(text)
-            self._entries.extend(entries)
-
-    def body(self, final: FinalEvent) -> dict[str, Any]:
-        """The non-streaming response, once every event (``final`` the last) was added."""
-        return full_response(self.shape, "".join(self._texts), final,
-                             self._logprobs(self._entries))
-
-
-def finish_chunk(shape: ResponseShape, finish_reason: str) -> dict[str, Any]:
-    """The single chunk carrying the choice's ``finish_reason``."""
+def finish_chunk(shape: ResponseShape, reason: str, index: int = 0) -> dict[str, Any]:
+    """The single chunk carrying choice ``index``'s ``finish_reason``."""
     if shape.kind == "chat":
-        return _chunk(shape, {"index": 0, "delta": {}, "finish_reason": finish_reason,
+        return _chunk(shape, {"index": index, "delta": {}, "finish_reason": reason,
                               "logprobs": None})
-    return _chunk(shape, {"index": 0, "text": "", "finish_reason": finish_reason,
+    return _chunk(shape, {"index": index, "text": "", "finish_reason": reason,
                           "logprobs": None})
 
 
@@ -156,3 +124,185 @@ def usage_chunk(shape: ResponseShape, final: FinalEvent) -> dict[str, Any]:
 
 def model_object(name: str) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": 0, "owned_by": "llm-platform"}
+
+
+@dataclass(frozen=True)
+class Part:
+    """What one event adds to one choice: its ``text``, the ``logprobs`` of its tokens, and
+    whether it is the choice's end (``reason``: how it ended; None: more follows)."""
+
+    text: str
+    logprobs: Sequence[PositionLogprobs] | None = None
+    reason: FinishReason | None = None
+
+
+@dataclass
+class Answer:
+    """One choice's text (and tool calls) and log-probabilities, built from its parts as they
+    come: the chunks of a stream (:meth:`chunks`), or the whole body entry (:meth:`add`, then
+    :meth:`entry`).
+
+    An echoed prompt comes first, with the prompt's logprobs (the worker sends them on the
+    request's first event); then each token's text with its logprobs. A token's logprobs come
+    with its text (the worker holds both back while a stop string may be forming, and drops
+    those past one), so the entries' texts join to the answer's.
+    """
+
+    shape: ResponseShape
+    index: int = 0
+    _echo_pending: bool = field(init=False)
+    _texts: list[str] = field(init=False, default_factory=list)
+    _entries: list[PositionLogprobs] = field(init=False, default_factory=list)
+    _offsets: CompletionLogprobs = field(init=False, default_factory=CompletionLogprobs)
+    _calls: ToolCallParser | None = field(init=False, default=None)
+    _tool_calls: list[dict[str, Any]] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._echo_pending = self.shape.echo is not None
+        if self.shape.tools:
+            self._calls = ToolCallParser(calls_only=self.shape.calls_only)
+
+    @property
+    def called(self) -> bool:
+        """Whether the answer so far called a tool."""
+        return self._calls is not None and self._calls.calls > 0
+
+    def finish_reason(self, reason: FinishReason) -> str:
+        """The choice's ``finish_reason`` (:func:`finish_reason`)."""
+        return finish_reason(reason, self.called)
+
+    def _pieces(self, part: Part, prompt: Sequence[PositionLogprobs] | None,
+                ) -> list[tuple[str, list[PositionLogprobs]]]:
+        """The ``(text, logprob entries)`` pieces ``part`` adds to the answer, in order."""
+        pieces = []
+        if self._echo_pending:
+            self._echo_pending = False
+            pieces.append((self.shape.echo or "",
+                           list(prompt or ()) if self.shape.logprobs else []))
+        entries = list(part.logprobs or ()) if self.shape.logprobs else []
+        if part.text or entries:
+            pieces.append((part.text, entries))
+        return pieces
+
+    def _tool_pieces(self, part: Part) -> list[Piece]:
+        assert self._calls is not None
+        pieces = self._calls.feed(part.text)
+        return pieces + self._calls.finish() if part.reason is not None else pieces
+
+    def _logprobs(self, entries: list[PositionLogprobs]) -> dict[str, Any] | None:
+        if not self.shape.logprobs:
+            return None
+        return chat_logprobs(entries) if self.shape.kind == "chat" else self._offsets.render(
+            entries)
+
+    def chunks(self, part: Part,
+               prompt: Sequence[PositionLogprobs] | None = None) -> list[dict[str, Any]]:
+        """The stream chunks of ``part`` (an end's: before its finish chunk); ``prompt``: the
+        prompt's logprobs, for an echo."""
+        if self._calls is not None:
+            return [text_chunk(self.shape, p.text, index=self.index) if p.kind == "content"
+                    else tool_calls_chunk(self.shape, [_call_delta(p)], self.index)
+                    for p in self._tool_pieces(part)]
+        return [text_chunk(self.shape, text, self._logprobs(entries), self.index)
+                for text, entries in self._pieces(part, prompt)]
+
+    def add(self, part: Part, prompt: Sequence[PositionLogprobs] | None = None) -> None:
+        """Take ``part`` into the whole body."""
+        if self._calls is not None:
+            for piece in self._tool_pieces(part):
+                if piece.kind == "content":
+                    self._texts.append(piece.text)
+                elif piece.kind == "call":
+                    self._tool_calls.append({"id": piece.call_id, "type": "function",
+                                             "function": {"name": piece.name, "arguments": ""}})
+                else:
+                    self._tool_calls[piece.index]["function"]["arguments"] += piece.text
+            return
+        for text, entries in self._pieces(part, prompt):
+            self._texts.append(text)
+            self._entries.extend(entries)
+
+    def entry(self, reason: FinishReason) -> dict[str, Any]:
+        """The choice's entry of the non-streaming body, once all its parts were added."""
+        text, logprobs = "".join(self._texts), self._logprobs(self._entries)
+        done = self.finish_reason(reason)
+        if self.shape.kind != "chat":
+            return {"index": self.index, "text": text, "finish_reason": done,
+                    "logprobs": logprobs}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self._tool_calls:
+            message = {"role": "assistant", "content": text or None,
+                       "tool_calls": self._tool_calls}
+        return {"index": self.index, "message": message, "finish_reason": done,
+                "logprobs": logprobs}
+
+
+def _call_delta(piece: Piece) -> dict[str, Any]:
+    """A stream's ``tool_calls`` entry for ``piece`` (a call's start, or its arguments)."""
+    if piece.kind == "call":
+        return {"index": piece.index, "id": piece.call_id, "type": "function",
+                "function": {"name": piece.name, "arguments": ""}}
+    return {"index": piece.index, "function": {"arguments": piece.text}}
+
+
+def ends(final: FinalEvent, n: int) -> list[tuple[int, Part]]:
+    """How each of ``n`` choices ended, from the request's final event: its ``choices``, else
+    (one choice, or a request that ended as a whole before its choices ran) the final event's own
+    text and reason for choice 0 and its reason for the others."""
+    if final.choices:
+        return [(c.index, Part(c.text, c.logprobs, c.finish_reason)) for c in final.choices]
+    return [(0, Part(final.text, final.logprobs, final.finish_reason))] + [
+        (i, Part("", None, final.finish_reason)) for i in range(1, n)]
+
+
+def failed(final: FinalEvent) -> bool:
+    """Whether the request failed as a whole (every choice with an error), so that its client
+    gets the error instead of an answer."""
+    if final.error is None:
+        return False
+    return not final.choices or all(c.error is not None for c in final.choices)
+
+
+class Choices:
+    """The ``n`` choices of one response, from the worker's events (see the module docstring).
+
+    Feed each event to :meth:`chunks` (a stream) or :meth:`add` (a whole body); after the final
+    event, :meth:`finish_chunks` or :meth:`body`.
+    """
+
+    def __init__(self, shape: ResponseShape):
+        self.shape = shape
+        self.answers = [Answer(shape, i) for i in range(shape.n)]
+        self._prompt: Sequence[PositionLogprobs] | None = None
+
+    def _parts(self, event: Event) -> list[tuple[int, Part]]:
+        if event.prompt_logprobs and self._prompt is None:
+            self._prompt = event.prompt_logprobs
+        if isinstance(event, TokenEvent):
+            return [(event.index, Part(event.text, event.logprobs))]
+        return ends(event, self.shape.n)
+
+    def chunks(self, event: Event) -> list[dict[str, Any]]:
+        """The stream chunks of ``event`` (a final event's: before the finish chunks)."""
+        return [chunk for i, part in self._parts(event)
+                for chunk in self.answers[i].chunks(part, self._prompt)]
+
+    def add(self, event: Event) -> None:
+        """Take ``event`` into the whole body."""
+        for i, part in self._parts(event):
+            self.answers[i].add(part, self._prompt)
+
+    def finish_chunks(self, final: FinalEvent) -> list[dict[str, Any]]:
+        """One chunk per choice, in index order, with its ``finish_reason``."""
+        return [finish_chunk(self.shape, self.answers[i].finish_reason(part.reason or
+                                                                         final.finish_reason), i)
+                for i, part in ends(final, self.shape.n)]
+
+    def body(self, final: FinalEvent) -> dict[str, Any]:
+        """The non-streaming response, once every event (``final`` the last) was added."""
+        shape = self.shape
+        return {"id": shape.id, "object": shape.object, "created": shape.created,
+                "model": shape.model,
+                "choices": [self.answers[i].entry(part.reason or final.finish_reason)
+                            for i, part in ends(final, shape.n)],
+                "usage": usage_body(final.usage)}

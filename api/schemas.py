@@ -19,24 +19,23 @@ logprobs when ``logprobs`` is given).
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
     Field,
-    ValidationError,
     ValidationInfo,
     field_validator,
-    model_validator,
 )
 
-from api import field_errors, served_fields, structured_fields
-from api.fields import BodyObject, Text, unicode_text, wrong_type
+from api import served_fields, structured_fields, tool_fields
+from api.bodies import parse_model, too_deep
+from api.fields import BodyObject, Name, Text, unicode_text, wrong_type
+from api.messages import ChatMessage, check_tool_history
 from api.structured_fields import ResponseFormat, StructuredOutputs
 from gateway.conf import platform_settings
 from gateway.errors import APIError
-from inference.protocol.structured import StructuredOutput
+from inference.protocol.structured import ANY_OBJECT_SCHEMA, StructuredOutput
 
 MAX_STOP_SEQUENCES = 4
 # Upper bound of the token counts a request may name (an int32, as most servers take).
@@ -48,9 +47,6 @@ MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 # The OpenAI API's bounds of ``metadata``.
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
-
-Name = Annotated[str, Field(max_length=256), AfterValidator(unicode_text)]
-
 
 class StreamOptions(BodyObject):
     include_usage: bool = False
@@ -65,65 +61,6 @@ class PromptCacheOptions(BodyObject):
     ttl: Text | None = None
 
 
-class ChatMessage(BodyObject):
-    """One chat message, of any role's fields in OpenAI's message schema
-    (:data:`api.served_fields.MESSAGE_FIELDS` says which role has which).
-
-    Content is a string or a list of text parts (an assistant's: text and refusal parts); an
-    assistant's content may be null or left out (an empty turn). An assistant's ``refusal`` is
-    part of its turn: the turn's text is its content, then its refusal. ``audio``,
-    ``function_call`` and ``tool_calls`` are accepted empty only (``api.served_fields`` refuses
-    the rest); ``name`` and ``annotations`` are checked, not used (the chat template has no place
-    for them).
-    """
-
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text
-    name: Name | None = None
-    refusal: Text | None = None
-    annotations: list[Any] | None = None
-    audio: None = None
-    function_call: None = None
-    tool_calls: Annotated[list[Any], Field(max_length=0)] | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _assistant_content_optional(cls, data: Any) -> Any:
-        """An assistant message without content is an empty turn, as with null content."""
-        if isinstance(data, dict) and data.get("role") == "assistant" and "content" not in data:
-            return {**data, "content": None}
-        return data
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _text_parts_only(cls, value: Any, info: ValidationInfo) -> Any:
-        """A string, or the text of a list of ``{"type": "text", "text": ...}`` parts (and, in an
-        assistant's message, ``{"type": "refusal", "refusal": ...}`` parts)."""
-        assistant = info.data.get("role") == "assistant"
-        if isinstance(value, str):
-            return value
-        if value is None and assistant:
-            return ""
-        if not isinstance(value, list):
-            raise wrong_type("a string or an array of text content parts")
-        texts = []
-        for part in value:
-            kind = part.get("type") if isinstance(part, dict) else None
-            key = "text" if kind == "text" else "refusal" if kind == "refusal" and assistant \
-                else None
-            if key is None or not isinstance(part.get(key), str):
-                raise ValueError("only text content parts are supported" if not assistant else
-                                 "only text and refusal content parts are supported")
-            if not isinstance(part.get("prompt_cache_breakpoint"), dict | None):
-                raise ValueError("a content part's 'prompt_cache_breakpoint' must be an object")
-            texts.append(part[key])
-        return "".join(texts)
-
-    def as_dict(self) -> dict[str, str]:
-        role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.content + (self.refusal or "")}
-
-
 class GenerationRequest(BodyObject):
     """Fields shared by chat and text completions (extensions: top_k, min_tokens, ignore_eos).
 
@@ -136,7 +73,7 @@ class GenerationRequest(BodyObject):
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: list[Text] = []
-    n: int = Field(1, ge=1)  # served_fields refuses n > 1
+    n: int = Field(1, ge=1)  # at most MAX_N (validate)
     user: Name | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -244,16 +181,62 @@ class GenerationRequest(BodyObject):
             "logprobs": self.token_logprobs,
             "prompt_logprobs": self.prompt_logprobs,
             "structured": self.structured,
+            "n": self.n,
         }
 
 
 class ChatCompletionRequest(GenerationRequest):
+    """A chat completion; tool calling (``tools``, ``tool_choice``, ``parallel_tool_calls``) is
+    :mod:`api.tool_fields`'."""
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    # Accepted, not used: no tool is ever offered (served_fields refuses tools).
-    parallel_tool_calls: bool | None = None
+    tools: tool_fields.Tools | None = None
+    tool_choice: tool_fields.ToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _named_choice_shape(cls, value: Any) -> Any:
+        """An object is a named function, in OpenAI's chat shape (a message that says so)."""
+        if isinstance(value, dict) and (set(value) != {"type", "function"} or value["type"] !=
+                                        "function" or not isinstance(value["function"], dict)):
+            raise ValueError('expected "none", "auto", "required" or {"type": "function", '
+                             '"function": {"name": ...}}')
+        return value
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the answer may call tools (:func:`api.tool_fields.offered`)."""
+        return tool_fields.offered(self.tools, self.tool_choice)
+
+    @property
+    def calls_only(self) -> bool:
+        """Whether the grammar lets no text come before a call (``required``, a named function,
+        or ``auto`` with a JSON ``response_format``)."""
+        fmt = self.response_format
+        return self.calls_tools and (self.tool_choice not in (None, "auto") or (
+            fmt is not None and fmt.type != "text"))
+
+    @property
+    def prompt_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the prompt offers (None: none; ``tool_choice: none`` offers none)."""
+        return [t.for_prompt() for t in self.tools or ()] if self.calls_tools else None
+
+    @property
+    def structured(self) -> StructuredOutput | None:
+        """The tool-call grammar when tools are offered (a text answer's ``response_format``
+        schema inside it), else the request's structured output."""
+        out = super().structured
+        if not self.calls_tools:
+            return out
+        text_schema = None
+        if out is not None:
+            text_schema = out.spec if out.kind == "json_schema" else ANY_OBJECT_SCHEMA
+        return StructuredOutput(kind="grammar", param="tools", spec=tool_fields.tool_grammar(
+            self.tools or [], self.tool_choice, self.parallel_tool_calls, text_schema))
 
     @field_validator("top_logprobs")
     @classmethod
@@ -328,35 +311,6 @@ class CompletionRequest(GenerationRequest):
         return self.prompt if self.echo else None
 
 
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON value")
-
-
-def _too_deep() -> APIError:
-    return APIError(400, "The request body is nested too deeply to be a request.",
-                    code="invalid_json")
-
-
-def parse_json_body(raw: bytes) -> dict[str, Any]:
-    """The JSON object in a request body.
-
-    Raises:
-        APIError: 400 ``invalid_json`` for a body that is not a JSON object (not JSON, not
-            UTF-8, ``NaN`` or ``Infinity``, nested deeper than the parser goes, an integer of
-            more than 4300 digits).
-    """
-    try:
-        body = json.loads(raw or b"", parse_constant=_refuse_constant)
-    except RecursionError as exc:
-        raise _too_deep() from exc
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"The request body is not valid JSON: {exc}",
-                       code="invalid_json") from exc
-    if not isinstance(body, dict):
-        raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
-    return body
-
-
 def validate(model: type[GenerationRequest], body: dict[str, Any]) -> GenerationRequest:
     """Validate ``body`` against ``model``.
 
@@ -368,27 +322,29 @@ def validate(model: type[GenerationRequest], body: dict[str, Any]) -> Generation
             apply (:func:`api.structured_fields.check`), else ``invalid_value``.
     """
     body = served_fields.refuse_unserved(body, chat=model is ChatCompletionRequest)
-    try:
-        req = model.model_validate(body)
-    except RecursionError as exc:
-        raise _too_deep() from exc
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        if first["type"] == field_errors.UNKNOWN_FIELD:
-            raise served_fields.unknown(first["loc"]) from exc
-        if first["type"] == "string_unicode" and (
-                key := served_fields.key_not_unicode(body, first["loc"])):
-            raise served_fields.unknown(key) from exc  # no field's name is a lone surrogate
-        param = field_errors.param(first["loc"])
-        raise APIError(400, field_errors.message(model, first, param), param=param,
-                       code="invalid_value") from exc
+    req = parse_model(model, body)
+    both = (getattr(req, "max_completion_tokens", None), req.max_tokens)
+    if None not in both and both[0] != both[1]:
+        raise APIError(400, f"Invalid value for 'max_completion_tokens': 'max_tokens' "
+                            f"({both[1]}) says otherwise; give one of them.",
+                       param="max_completion_tokens", code="invalid_value")
     most = req.requested_max_tokens
     if most is not None and req.min_tokens > most:
         raise APIError(400, f"Invalid value for 'min_tokens': expected at most "
                             f"'{req.max_tokens_param}' ({most}), but got {req.min_tokens}.",
                        param="min_tokens", code="invalid_value")
+    conf = platform_settings()
+    if req.n > conf["MAX_N"]:
+        raise APIError(400, f"Invalid value for 'n': expected at most {conf['MAX_N']} choices "
+                            f"(MAX_N), but got {req.n}.", param="n", code="invalid_value")
+    if isinstance(req, ChatCompletionRequest):
+        check_tool_history(req.messages)
+        tool_fields.check_request(req, max_tools=conf["MAX_TOOLS"],
+                                  max_bytes=conf["MAX_TOOLS_BYTES"])
+        for spec in tool_fields.parameter_specs(req.tools or []):
+            structured_fields.check(spec, conf["STRUCTURED_MAX_SPEC_BYTES"])
     try:
-        structured_fields.check_request(req, platform_settings()["STRUCTURED_MAX_SPEC_BYTES"])
+        structured_fields.check_request(req, conf["STRUCTURED_MAX_SPEC_BYTES"])
     except RecursionError as exc:  # a schema as deep as the parser goes, written back as JSON
-        raise _too_deep() from exc
+        raise too_deep() from exc
     return req

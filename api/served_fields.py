@@ -5,13 +5,16 @@ fields, by what the server does with them"):
 
 (a) honoured: the fields of :class:`api.schemas.ChatCompletionRequest` and
     :class:`api.schemas.CompletionRequest` that shape the answer, structured outputs included
-    (OpenAI's ``response_format``, vLLM's ``structured_outputs``: :mod:`api.structured_fields`);
+    (OpenAI's ``response_format``, vLLM's ``structured_outputs``: :mod:`api.structured_fields`)
+    and tool calling (``tools``, ``tool_choice``, ``parallel_tool_calls``:
+    :mod:`api.tool_fields`);
 (b) accepted: OpenAI fields that do not change the answer (``store``, ``metadata``, ...), declared
     on the same classes: type-checked, not used;
-(c) not served: OpenAI fields that would change the answer (``tools``, ``logit_bias``, ...) and
+(c) not served: OpenAI fields that would change the answer (``logit_bias``, the deprecated
+    ``functions``, ...) and
     vLLM's old guided decoding (``guided_json``, ...: its message points to ``response_format``
     and ``structured_outputs``): refused here with a 400 ``unsupported_parameter`` naming the
-    field, unless ``null`` or at a value that asks for nothing (``tools: []``, ``n: 1``). So are
+    field, unless ``null`` or at a value that asks for nothing (``functions: []``). So are
     the keys of ``structured_outputs`` other than its four constraints (``whitespace_pattern``,
     ``json_object``, ...), named by their path (``structured_outputs.whitespace_pattern``);
 (d) unknown: any other field, refused by the body classes (:class:`api.fields.BodyObject`) with a
@@ -19,10 +22,11 @@ fields, by what the server does with them"):
     supplied: X").
 
 Messages follow the same rule, per role: every field of OpenAI's message schema for the role is
-accepted (``name``, an assistant's ``refusal``, ``annotations``, and ``audio``, ``function_call``
-and ``tool_calls`` when ``null``); a ``tool`` or ``function`` message, an assistant message that
-carries tool calls, an audio answer or a function call, and image, audio and file content parts
-are refused (``unsupported_parameter``, naming the field's path); any other field is unknown.
+accepted (``name``, an assistant's ``refusal``, ``annotations`` and ``tool_calls``, a ``tool``
+message's ``tool_call_id``, and ``audio`` and ``function_call`` when ``null``); a ``function``
+message, an assistant message that carries an audio answer or a function call, and image, audio
+and file content parts are refused (``unsupported_parameter``, naming the field's path); any
+other field is unknown.
 """
 
 from __future__ import annotations
@@ -34,8 +38,6 @@ from gateway.errors import APIError
 
 # (c), with the values (besides null) that ask for nothing.
 UNSERVED_CHAT_FIELDS: dict[str, tuple[Any, ...]] = {
-    "tools": ([],),
-    "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
     "logit_bias": ({},),
@@ -80,13 +82,12 @@ STRUCTURED_REASONS = {
 }
 # Why a field is not served, where there is more to say than that.
 REASONS = {
-    "tools": "it does not serve tool calling",
-    "tool_choice": "it does not serve tool calling",
-    "functions": "it does not serve function calling",
-    "function_call": "it does not serve function calling",
+    "functions": "the deprecated function calling is not served: offer 'tools' instead",
+    "function_call": "the deprecated function calling is not served: use 'tool_choice' with "
+                     "'tools' instead",
     "modalities": 'it answers in text only: ["text"]',
     "reasoning_effort": 'the served model does not reason: only "none" is served',
-    "best_of": "it gives one choice per request",
+    "best_of": "it does not rank samples: ask for 'n' choices and pick among them",
 }
 
 # The fields of a message of each role that this server knows (OpenAI's message schema; an
@@ -97,13 +98,13 @@ MESSAGE_FIELDS: dict[str, tuple[str, ...]] = {
     "user": ("role", "content", "name"),
     "assistant": ("role", "content", "name", "refusal", "annotations", "audio",
                   "function_call", "tool_calls"),
+    "tool": ("role", "content", "tool_call_id"),
 }
-UNSERVED_ROLES = ("tool", "function")
+UNSERVED_ROLES = ("function",)
 # Fields of an assistant message that would change the answer, with the values (besides null)
 # that ask for nothing.
-UNSERVED_ASSISTANT_FIELDS: dict[str, tuple[Any, ...]] = {
-    "tool_calls": ([],), "function_call": (), "audio": ()}
-ASSISTANT_REASONS = {"tool_calls": "tool calling", "function_call": "function calling",
+UNSERVED_ASSISTANT_FIELDS: dict[str, tuple[Any, ...]] = {"function_call": (), "audio": ()}
+ASSISTANT_REASONS = {"function_call": "the deprecated function calling (send 'tool_calls')",
                      "audio": "audio answers"}
 UNSERVED_PART_TYPES = ("image_url", "input_audio", "file")
 # The fields of each content part type served (a refusal part: an assistant's only).
@@ -173,10 +174,6 @@ def refuse_unserved(body: dict[str, Any], *, chat: bool) -> dict[str, Any]:
                 f"or 'structured_outputs' (vLLM's: json, regex, choice, grammar)."))
         if name in unserved and not asks_nothing(value, unserved[name]):
             raise _not_served(name)
-    n = body.get("n")
-    if type(n) is int and n > 1:
-        raise unsupported("n", "'n' greater than 1 is not supported by this server: it gives one "
-                               "choice per request; send n separate requests.")
     options = body.get("stream_options")
     if isinstance(options, dict) and options.get("include_obfuscation") is True:
         raise unsupported("stream_options.include_obfuscation", (
@@ -215,8 +212,8 @@ def _refuse_unserved_messages(messages: Any) -> None:
         where, role = f"messages[{i}]", message.get("role")
         if isinstance(role, str) and role in UNSERVED_ROLES:
             raise unsupported(f"{where}.role", (
-                f"'{where}' is a '{role}' message, which is not supported by this server: it "
-                f"does not serve tool calling."))
+                f"'{where}' is a '{role}' message, which is not supported by this server: the "
+                f"deprecated function calling is not served (send a 'tool' message)."))
         if not (isinstance(role, str) and role in MESSAGE_FIELDS):
             continue
         for name, value in message.items():

@@ -21,3 +21,9 @@ def sse_data(obj: Any) -> str:
     except UnicodeEncodeError:
         data = json.dumps(obj, separators=(",", ":"))
     return f"data: {data}\n\n"
+
+
+def sse_event(name: str, obj: Any) -> str:
+    """:func:`sse_data` under the event name ``name`` (an ``event:`` line first), as the
+    Responses API's typed events are sent."""
+    return f"event: {name}\n{sse_data(obj)}"

@@ -194,9 +194,10 @@ def check_request(req: Any, max_spec_bytes: int) -> None:
         return
     for name, why in CONFLICTS.items():
         if getattr(req, name, None):
-            raise APIError(400, (
-                f"'{name}' is not supported together with a structured output ('{out.param}'): "
-                f"{why}."), param=name, code="unsupported_parameter")
+            what = ("tools (their calls follow a grammar)" if out.param == "tools"
+                    else f"a structured output ('{out.param}')")
+            raise APIError(400, f"'{name}' is not supported together with {what}: {why}.",
+                           param=name, code="unsupported_parameter")
     check(out, max_spec_bytes)
 
 

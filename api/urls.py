@@ -1,10 +1,16 @@
 from django.urls import path, re_path
 
-from api import views
+from api import file_views, response_views, views
 
 urlpatterns = [
     path("v1/chat/completions", views.chat_completions),
     path("v1/completions", views.completions),
+    path("v1/responses", response_views.create_response),
+    path("v1/responses/<str:response_id>", response_views.response_detail),
+    path("v1/responses/<str:response_id>/input_items", response_views.response_input_items),
+    path("v1/files", file_views.files),
+    path("v1/files/<str:file_id>", file_views.file_detail),
+    path("v1/files/<str:file_id>/content", file_views.file_content),
     path("v1/models", views.list_models),
     path("v1/models/<path:model>", views.retrieve_model),
     path("scheduler/stats", views.scheduler_stats),

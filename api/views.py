@@ -22,13 +22,8 @@ from django.views import defaults
 from django.views.decorators.csrf import csrf_exempt
 
 from api import responses
-from api.schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    GenerationRequest,
-    parse_json_body,
-    validate,
-)
+from api.bodies import parse_json_body
+from api.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, validate
 from api.sse import DONE, KEEPALIVE, sse_data
 from gateway import lifecycle, monitor, ratelimits, workers
 from gateway.admission import Principal
@@ -112,7 +107,7 @@ async def authenticate(request: HttpRequest) -> ApiKey:
 MAX_ECHOED_NAME = 64
 
 
-def _check_model(name: str) -> str:
+def check_model(name: str) -> str:
     served = platform_settings()["SERVED_MODEL_NAME"]
     if name != served:
         shown = name if len(name) <= MAX_ECHOED_NAME else name[:MAX_ECHOED_NAME] + "..."
@@ -130,9 +125,9 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
     """
     key = await authenticate(request)
     req = validate(ChatCompletionRequest, parse_json_body(read_body(request)))
-    model = _check_model(req.model)
+    model = check_model(req.model)
     messages = [m.as_dict() for m in req.messages]
-    return await _generate(request, key, req, model, messages=messages)
+    return await _generate(request, key, req, model, messages=messages, tools=req.prompt_tools)
 
 
 @api_view("POST")
@@ -145,7 +140,7 @@ async def completions(request: HttpRequest) -> HttpResponse:
     """
     key = await authenticate(request)
     req = validate(CompletionRequest, parse_json_body(read_body(request)))
-    model = _check_model(req.model)
+    model = check_model(req.model)
     return await _generate(request, key, req, model, prompt=req.prompt)
 
 
@@ -155,28 +150,31 @@ async def _generate(
     req: GenerationRequest,
     model: str,
     *,
-    messages: list[dict[str, str]] | None = None,
+    messages: list[dict[str, Any]] | None = None,
     prompt: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> HttpResponse:
     request_id = uuid.uuid4().hex
     kind = "chat" if messages is not None else "text"
     shape = responses.ResponseShape(
         kind=kind, id=f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id}",
         model=model, created=int(time.time()), include_usage=req.include_usage,
-        logprobs=req.token_logprobs is not None, echo=req.echoed_prompt,
+        logprobs=req.token_logprobs is not None, echo=req.echoed_prompt, tools=tools is not None,
+        calls_only=getattr(req, "calls_only", False), n=req.n,
     )
     generation = await lifecycle.start(
         Principal.for_api_key(key), request_id=request_id, messages=messages, prompt=prompt,
+        tools=tools,
         sampling=Sampling(**req.sampling(req.requested_max_tokens)),
         default_max_tokens=platform_settings()["DEFAULT_MAX_TOKENS"], user=req.user,
         meta={"model": model, "public_id": shape.id, "stream": bool(req.stream)})
-    worker_error = functools.partial(_worker_error, req)
+    on_error = functools.partial(worker_error, req)
     limits = ratelimits.response_headers(generation.meta)
     try:
         if req.stream:
-            response = await _stream(generation, shape, worker_error)
+            response = await _stream(generation, shape, on_error)
         else:
-            response = await _complete(generation, shape, worker_error)
+            response = await _complete(generation, shape, on_error)
     except APIError as exc:  # admitted, so it counted against the limits too
         exc.extra_headers.update(limits)
         raise
@@ -185,7 +183,7 @@ async def _generate(
     return response
 
 
-def _worker_error(req: GenerationRequest, error: ErrorInfo) -> APIError:
+def worker_error(req: GenerationRequest, error: ErrorInfo) -> APIError:
     """The client-facing error for a worker's error, naming the field the client wrote.
 
     The worker does not know the API's field names: a context overflow names the prompt's field
@@ -208,7 +206,7 @@ WorkerError = Callable[[ErrorInfo], APIError]
 
 async def _complete(generation: Generation, shape: responses.ResponseShape,
                     worker_error: WorkerError) -> HttpResponse:
-    answer = responses.Answer(shape)
+    answer = responses.Choices(shape)
     try:
         async for event in generation.events():
             answer.add(event)
@@ -217,7 +215,8 @@ async def _complete(generation: Generation, shape: responses.ResponseShape,
         await generation.close()
     final = generation.final
     assert final is not None
-    if final.error is not None:
+    if responses.failed(final):
+        assert final.error is not None
         raise worker_error(final.error)
     return JsonResponse(answer.body(final))
 
@@ -235,7 +234,7 @@ async def _stream(generation: Generation, shape: responses.ResponseShape,
     except BaseException:
         await generation.close()
         raise
-    if isinstance(first, FinalEvent) and first.error is not None:
+    if isinstance(first, FinalEvent) and first.error is not None and responses.failed(first):
         await generation.close()
         raise worker_error(first.error)
     response = StreamingHttpResponse(
@@ -254,10 +253,9 @@ async def _sse_events(
     events: AsyncIterator[Event | Waiting],
     worker_error: WorkerError,
 ) -> AsyncIterator[str]:
-    answer = responses.Answer(shape)
+    answer = responses.Choices(shape)
     try:
-        opening = responses.opening_chunk(shape)
-        if opening is not None:
+        for opening in responses.opening_chunks(shape):
             yield sse_data(opening)
         event: Event | Waiting | None = first
         while event is not None:
@@ -268,12 +266,11 @@ async def _sse_events(
                     yield sse_data(chunk)
                 generation.sent(event.seq)  # resumed once its chunks were handed to the client
             else:
-                if event.error is not None:
+                if event.error is not None and responses.failed(event):
                     yield sse_data(worker_error(event.error).stream_body())
                     return
-                for chunk in answer.chunks(event):
+                for chunk in [*answer.chunks(event), *answer.finish_chunks(event)]:
                     yield sse_data(chunk)
-                yield sse_data(responses.finish_chunk(shape, event.finish_reason))
                 if shape.include_usage:
                     yield sse_data(responses.usage_chunk(shape, event))
                 yield DONE
@@ -321,7 +318,7 @@ async def list_models(request: HttpRequest) -> HttpResponse:
 async def retrieve_model(request: HttpRequest, model: str) -> HttpResponse:
     """``GET /v1/models/{model}``."""
     await authenticate(request)
-    return JsonResponse(responses.model_object(_check_model(model)))
+    return JsonResponse(responses.model_object(check_model(model)))
 
 
 async def _is_staff(request: HttpRequest) -> bool:

@@ -7,6 +7,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from chat.models import Conversation, Message
+from gateway.storable import storable_text
 from tenants.models import Tenant
 
 TITLE_CHARS = 60
@@ -27,6 +28,7 @@ def add_user_message(user: AbstractBaseUser, tenant: Tenant, conversation: Conve
         (the conversation, the stored message, whether the conversation is new).
     """
     created = conversation is None
+    content = storable_text(content)
     if conversation is None:
         conversation = Conversation.objects.create(user=user, tenant=tenant,
                                                    title=title_from(content))
@@ -45,7 +47,7 @@ def start_answer(conversation: Conversation, request_id: str) -> Message:
 def fail_answer(conversation: Conversation, error: str) -> Message:
     """An assistant message recording that no answer could be made (shown in its place)."""
     return Message.objects.create(conversation=conversation, role=Message.Role.ASSISTANT,
-                                  status=Message.Status.ERROR, error=error)
+                                  status=Message.Status.ERROR, error=storable_text(error))
 
 
 def finish_answer(message_id: int | None = None, *, request_id: str | None = None,
@@ -65,7 +67,8 @@ def finish_answer(message_id: int | None = None, *, request_id: str | None = Non
                else answers.filter(request_id=request_id or "-"))
     with transaction.atomic():
         stored = answers.filter(status=Message.Status.STREAMING).update(
-            content=content, status=status, finish_reason=finish_reason, error=error,
+            content=storable_text(content), status=status, finish_reason=finish_reason,
+            error=storable_text(error),
             completion_tokens=completion_tokens)
         if stored:
             Conversation.objects.filter(pk__in=answers.values("conversation_id")).update(
@@ -74,7 +77,7 @@ def finish_answer(message_id: int | None = None, *, request_id: str | None = Non
 
 
 def rename_conversation(conversation: Conversation, title: str) -> None:
-    conversation.title = title.strip()[:200]
+    conversation.title = storable_text(title.strip()[:200])
     conversation.save(update_fields=["title", "updated_at"])
 
 

@@ -28,6 +28,7 @@ STATUS_BY_CODE: dict[ErrorCode, int] = {
     ErrorCode.KV_BUDGET_EXCEEDED: 429,
     ErrorCode.KV_POOL_EXCEEDED: 429,
     ErrorCode.QUEUE_TIMEOUT: 503,
+    ErrorCode.BATCH_EXPIRED: 504,
     ErrorCode.CONTEXT_LENGTH_EXCEEDED: 400,
     ErrorCode.INVALID_REQUEST: 400,
     ErrorCode.ENGINE_ERROR: 500,

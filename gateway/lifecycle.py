@@ -43,25 +43,30 @@ from gateway.errors import APIError
 from gateway.events import Waiting, events
 from gateway.tokens import PromptCount, count_chat_tokens, count_text_tokens
 from inference.protocol.events import ErrorCode, ErrorInfo, Event, FinalEvent, FinishReason
-from inference.protocol.messages import ChatTurn, RequestMessage, Sampling
+from inference.protocol.messages import ChatTurn, RequestMessage, Sampling, batch_fairness_key
 from tenants.models import Tenant
 
 log = logging.getLogger(__name__)
 
 
-def fairness_key(tenant: Tenant, *, api_key_id: int | None = None, user: str | None = None) -> str:
+def fairness_key(tenant: Tenant, *, api_key_id: int | None = None, user: str | None = None,
+                 batch: bool = False) -> str:
     """The scheduler's fairness key of a request under ``FAIRNESS_KEY``.
 
     ``tenant`` (the default): the tenant; ``api_key``: each API key of the tenant (a chat user,
     who has none, shares the tenant's); ``user``: each end user named by the request (the REST
-    ``user`` field, the chat's signed-in user) within the tenant, else the tenant.
+    ``user`` field, the chat's signed-in user) within the tenant, else the tenant. ``batch``:
+    that key's batch key (``tenant-7:batch``, ``docs/design.md``, "The batch service class"),
+    so batch work never raises the interactive key's VTC counter.
     """
     mode = platform_settings()["FAIRNESS_KEY"]
     if mode == "api_key" and api_key_id is not None:
-        return f"{tenant.slug}/key-{api_key_id}"
-    if mode == "user" and user:
-        return f"{tenant.slug}/user-{user}"
-    return tenant.slug
+        key = f"{tenant.slug}/key-{api_key_id}"
+    elif mode == "user" and user:
+        key = f"{tenant.slug}/user-{user}"
+    else:
+        key = tenant.slug
+    return batch_fairness_key(key) if batch else key
 
 
 # The generations of this process not yet closed (a draining web process stops them at its end).
@@ -236,8 +241,9 @@ async def end_request(request_id: str, meta: dict[str, Any], *, finished: bool,
 
 
 async def start(principal: Principal, *, sampling: Sampling, default_max_tokens: int,
-                messages: Sequence[dict[str, str]] | None = None, prompt: str | None = None,
-                user: str | None = None, meta: dict[str, Any] | None = None,
+                messages: Sequence[dict[str, Any]] | None = None, prompt: str | None = None,
+                tools: Sequence[dict[str, Any]] | None = None, user: str | None = None,
+                meta: dict[str, Any] | None = None,
                 prompt_tokens: int | None = None, request_id: str | None = None,
                 detachable: bool = False) -> Generation:
     """Admit a request of ``principal`` and dispatch it to the workers.
@@ -245,10 +251,11 @@ async def start(principal: Principal, *, sampling: Sampling, default_max_tokens:
     Exactly one of ``messages`` (chat) and ``prompt`` (completion) is given. A ``sampling``
     without ``max_tokens`` lets the worker give what is left of the context, capped by
     ``default_max_tokens`` (lowered to the sender's token limits: :func:`answer_cap`); the
-    reservation counts that cap.
+    reservation counts that cap, once per choice (``sampling.n``) besides the prompt.
 
     Args:
         principal: the sender (an API key, or a chat user in a tenant).
+        tools: the function tools a chat offers (rendered into its prompt), or None.
         user: the end user the request names, for a per-user fairness key.
         meta: handed back with the usage (``tenant_id`` and ``api_key_id`` are added).
         prompt_tokens: the prompt's tokens if already counted (else counted here, in a counting
@@ -281,6 +288,7 @@ async def start(principal: Principal, *, sampling: Sampling, default_max_tokens:
         priority=tenant.tier.priority,
         fairness_weight=tenant.fairness_weight,
         messages=None if messages is None else tuple(ChatTurn(**m) for m in messages),
+        tools=tuple(tools) if tools else None,
         prompt=prompt,
         sampling=sampling,
         default_max_tokens=default_max_tokens,
@@ -292,7 +300,8 @@ async def start(principal: Principal, *, sampling: Sampling, default_max_tokens:
         context = await served_context()
         # A prompt over context - 1 tokens never fits: past that its bytes settle it.
         most = None if context is None else context - 1
-        count = await (count_chat_tokens(messages, most=most) if messages is not None
+        count = await (count_chat_tokens(messages, most=most, tools=tools)
+                       if messages is not None
                        else count_text_tokens(prompt or "", most=most))
         error = context_refusal(count, sampling.max_tokens, context,
                                 "messages" if messages is not None else "prompt")
@@ -302,26 +311,29 @@ async def start(principal: Principal, *, sampling: Sampling, default_max_tokens:
                                                   finish_reason=FinishReason.ERROR, error=error))
         prompt_tokens = count.tokens
     if sampling.max_tokens is None:
-        cap = answer_cap(principal, prompt_tokens, default_max_tokens)
+        cap = answer_cap(principal, prompt_tokens, default_max_tokens, sampling.n)
         if cap != default_max_tokens:
             message = message.model_copy(update={"default_max_tokens": cap})
-    token_cost = prompt_tokens + (sampling.max_tokens or message.default_max_tokens)
+    # Each of the n choices may take its whole max_tokens; the prompt is computed once.
+    token_cost = prompt_tokens + sampling.n * (sampling.max_tokens or message.default_max_tokens)
     return Generation(await admission.admit(principal, message, token_cost),
                       detachable=detachable)
 
 
-def answer_cap(principal: Principal, prompt_tokens: int, default_max_tokens: int) -> int:
-    """The answer's cap for a request that omits ``max_tokens``: ``default_max_tokens``, lowered
-    to what the tightest token limit of the sender lets one request reserve (its tokens per
-    minute, per key or per tenant, or its tenant's token budget), so that omitting
-    ``max_tokens`` is never refused for a default the client did not choose. A prompt that alone
-    uses that limit keeps a cap of 1 token (and is refused as too big for the limit)."""
+def answer_cap(principal: Principal, prompt_tokens: int, default_max_tokens: int,
+               n: int = 1) -> int:
+    """The answer's cap (per choice, of ``n``) for a request that omits ``max_tokens``:
+    ``default_max_tokens``, lowered to what the tightest token limit of the sender lets one
+    request reserve (its tokens per minute, per key or per tenant, or its tenant's token budget:
+    the prompt and ``n`` answers), so that omitting ``max_tokens`` is never refused for a
+    default the client did not choose. A prompt that alone uses that limit keeps a cap of 1
+    token (and is refused as too big for the limit)."""
     tenant = principal.tenant
     limits = [n for n in (principal.tokens_per_minute, tenant.tokens_per_minute,
                           tenant.token_budget) if n]
     if not limits:
         return default_max_tokens
-    return max(1, min(default_max_tokens, min(limits) - prompt_tokens))
+    return max(1, min(default_max_tokens, (min(limits) - prompt_tokens) // n))
 
 
 # How long the context length read from the workers' stats is reused (seconds).

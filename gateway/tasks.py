@@ -3,6 +3,9 @@ what no live process would (see :mod:`gateway.usage` and :mod:`gateway.housekeep
 
 from __future__ import annotations
 
+import logging
+
+import django.dispatch
 import redis.exceptions
 from celery import Task, shared_task
 from django.db import DatabaseError
@@ -12,6 +15,8 @@ from gateway.conf import platform_settings
 from gateway.errors import database_unavailable
 from inference.protocol.keys import USAGE_TASK_NAME
 from inference.protocol.liveness import RedisSight
+
+log = logging.getLogger(__name__)
 
 RECONCILE_TASK = "gateway.tasks.reconcile_usage"
 SWEEP_TASK = "gateway.tasks.sweep_queue"
@@ -44,6 +49,11 @@ def reconcile_usage() -> int:
     return usage.reconcile()
 
 
+# Sent after each round of the queue sweep, whose receivers end what they own that no live
+# process will (the Responses API's stored responses whose web process died); a receiver that
+# raises is logged and tried again at the next round.
+swept = django.dispatch.Signal()
+
 # This process's sight of Redis, kept across the sweep's runs (None until its first run). The
 # task does not run while its broker (Redis) is down, so an outage shows as a long gap between
 # two runs, and a sweep every few seconds keeps the sight continuous (a break: more than half the
@@ -75,4 +85,7 @@ def sweep_queue() -> int:
     # Generations whose grace period without a reader ran out (the chat's answers), also when
     # no web process lives to end them.
     grace.sweep()
+    for receiver, result in swept.send_robust(sender=SWEEP_TASK):
+        if isinstance(result, Exception):
+            log.warning("sweep receiver %s failed: %s", receiver, result)
     return len(ended)

@@ -120,9 +120,10 @@ def local_bounds() -> ByteBounds | None:
     return _local().bounds
 
 
-def prompt_text(messages: Sequence[dict[str, str]] | None, prompt: str | None) -> str | None:
-    """The text the worker tokenizes: the rendered chat, or the prompt; None without the model's
-    tokenizer (or, for a chat, its chat template).
+def prompt_text(messages: Sequence[dict[str, Any]] | None, prompt: str | None,
+                tools: Sequence[dict[str, Any]] | None = None) -> str | None:
+    """The text the worker tokenizes: the rendered chat (offering ``tools``), or the prompt;
+    None without the model's tokenizer (or, for a chat, its chat template).
 
     Raises:
         ValueError: the chat template refuses the messages.
@@ -130,7 +131,7 @@ def prompt_text(messages: Sequence[dict[str, str]] | None, prompt: str | None) -
     tok = tokenizer()
     if tok is None or (messages is not None and not tok.chat_template):
         return None
-    return tok.render_chat(messages) if messages is not None else prompt or ""
+    return tok.render_chat(messages, tools) if messages is not None else prompt or ""
 
 
 def _estimate(messages: Sequence[dict[str, str]] | None, prompt: str | None) -> int:
@@ -179,8 +180,9 @@ class PromptCount:
     estimated: bool = False
 
 
-def measure_here(messages: Sequence[dict[str, str]] | None, prompt: str | None,
-                 most: int | None = None) -> PromptCount:
+def measure_here(messages: Sequence[dict[str, Any]] | None, prompt: str | None,
+                 most: int | None = None,
+                 tools: Sequence[dict[str, Any]] | None = None) -> PromptCount:
     """The token count of a chat (``messages``) or completion (``prompt``), in this process.
 
     A chat is rendered with the model's chat template and its additions count too (a default
@@ -193,15 +195,19 @@ def measure_here(messages: Sequence[dict[str, str]] | None, prompt: str | None,
     Args:
         most: tokens the prompt may have at most (None: no limit). A prompt whose byte bound
             alone shows more is not tokenized: its count is that bound, not exact.
+        tools: the function tools a chat offers (rendered into its prompt), or None.
 
     Raises:
         ValueError: the chat template refuses the messages (or changes a content holding
             special-token text).
     """
-    text = prompt_text(messages, prompt)
+    text = prompt_text(messages, prompt, tools)
     if text is None:  # no tokenizer, or no template: an estimate
-        size = utf8_length(prompt or "") + sum(utf8_length(m["content"]) for m in messages or ())
-        return PromptCount(_estimate(messages, prompt), True, size, os.getpid(), estimated=True)
+        size = (utf8_length(prompt or "") + sum(utf8_length(m["content"]) for m in messages or ())
+                + (utf8_length(json.dumps(list(tools))) if tools else 0))
+        guess = _estimate(messages, prompt) + (math.ceil(
+            utf8_length(json.dumps(list(tools))) / ESTIMATE_BYTES_PER_TOKEN) if tools else 0)
+        return PromptCount(guess, True, size, os.getpid(), estimated=True)
     data = text.encode("utf-8", "surrogatepass")
     n_bytes = len(data)
     bounds = local_bounds()
@@ -209,7 +215,7 @@ def measure_here(messages: Sequence[dict[str, str]] | None, prompt: str | None,
             fewest := bounds.at_least(bounds.countable_bytes(data))) > most:
         return PromptCount(fewest, False, n_bytes, os.getpid())
     tok = tokenizer()
-    ids = tok.encode(text) if messages is None else tok.chat_ids(text, messages)
+    ids = tok.encode(text) if messages is None else tok.chat_ids(text, messages, tools)
     return PromptCount(len(ids), True, n_bytes, os.getpid())
 
 
@@ -322,19 +328,21 @@ async def warm_up() -> list[int]:
     return sorted(set(await asyncio.gather(*(run(_ready) for _ in range(pool_size)))))
 
 
-async def count_chat_tokens(messages: Sequence[dict[str, str]], *,
-                            most: int | None = None) -> PromptCount:
+async def count_chat_tokens(messages: Sequence[dict[str, Any]], *, most: int | None = None,
+                            tools: Sequence[dict[str, Any]] | None = None) -> PromptCount:
     """Tokens of a chat prompt as the worker counts it (template included), off the event loop.
 
     Args:
         most: tokens the prompt may have at most; a prompt whose bytes alone show more is not
             tokenized (see :func:`measure_here`).
+        tools: the function tools the chat offers, or None.
 
     Raises:
         ValueError: the chat template refuses the messages.
         APIError: 503 ``service_unavailable`` when the counting processes keep dying.
     """
-    return await run(measure_here, [dict(m) for m in messages], None, most)
+    return await run(measure_here, [dict(m) for m in messages], None, most,
+                     list(tools) if tools else None)
 
 
 async def count_text_tokens(text: str, *, most: int | None = None) -> PromptCount:

@@ -35,21 +35,23 @@ class Rule(Enum):
 
 FIELD_RULES: dict[str, Rule] = {
     **dict.fromkeys((
-        "num_pending", "num_prefilling", "num_active", "num_queued", "held_in_gate1",
+        "num_pending", "num_pending_batch", "num_prefilling", "num_active", "num_queued",
+        "held_in_gate1",
         "events_unsent",
         "active_kv_reserved", "active_kv_budget", "kv_admit_blocked", "tick_count",
         "tokens_generated", "prompt_tokens_computed", "kv_blocks_total", "kv_blocks_held",
         "kv_blocks_free", "kv_blocks_evictable", "kv_blocks_reserved", "prefix_hit_tokens",
         "prefix_queried_tokens", "kv_block_evictions", "admissions_soft_held",
         "admissions_hard_rejected", "requests_finished", "preemptions",
-        "preempted_tokens_recomputed",
+        "preempted_tokens_recomputed", "batch_preemptions", "batch_tokens_recomputed",
+        "batch_itl_held",
         # structured outputs: a dict of counts (constrained requests, compile-cache hits,
         # refusals by reason, masks, forced tokens), summed per entry
         "structured"), Rule.SUM),
     **dict.fromkeys(("published_at", "uptime_s", "last_tick_s"), Rule.MAX),
     "max_model_len": Rule.MIN,
     **dict.fromkeys(("policy", "prefill_mode", "kv_block_size", "max_batch_size", "max_pending",
-                     "dtype", "preemption"), Rule.SAME),
+                     "dtype", "preemption", "batch_itl_slack_ms"), Rule.SAME),
 }
 # Fields that only mean something for one worker (its own cost model and last pass, the rows it
 # may preempt): shown in each worker's snapshot, left out of the deployment's total.

@@ -17,7 +17,10 @@ that was read already; so the limit acts here, on the headers, in :class:`Platfo
   only once the request's API key, from its headers, was found valid
   (:func:`gateway.credentials.authenticate_headers`); until then the connection is not read. A
   missing or wrong key gets the API's 401, a database that cannot answer its 503, the body
-  unread.
+  unread. An upload (``/v1/files``) there also takes one of its tenant's upload leases first
+  (``FILES_MAX_CONCURRENT_UPLOADS``, :func:`api.file_views.take_upload_lease`: 429 when none
+  is free, the body unread), held while the body arrives and the view stores it, ended with
+  the request.
 - **Request targets.** An absolute-form target (``GET http://host/v1/models``, RFC 9112 3.2.2) is
   served as its path, with its host in place of the ``Host`` header; a target that is neither a
   path nor such a URL (``*``, ``host:443``, ``v1/models``), or holds bytes that are not ASCII,
@@ -36,6 +39,7 @@ answer instead of a reset connection.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 from collections.abc import Mapping
@@ -49,10 +53,16 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import close_old_connections
 from twisted.web import http
 
+from api import file_views
 from gateway.conf import platform_settings
 from gateway.credentials import authenticate_headers
 from gateway.errors import APIError, request_too_large, unexpected_error
 
+# Uploads (the Files API): a large body there is read only once it holds one of its tenant's
+# upload leases, which it keeps until its request ends; the view learns of it from this header
+# (one a client sent is dropped).
+UPLOAD_PATH = "/v1/files"
+UPLOAD_LEASE_HEADER = file_views.UPLOAD_LEASE_HEADER.encode()
 # After a refusal, how long what the client still sends is read and dropped before the
 # connection is closed (seconds).
 LINGER_S = 5.0
@@ -170,21 +180,39 @@ def raw_response(error: APIError, *, head: bool = False) -> bytes:
     return b"HTTP/1.1 %d %s\r\n%s\r\n%s" % (error.status, reason, lines, b"" if head else body)
 
 
-async def key_refusal(headers: Mapping[str, str]) -> APIError | None:
-    """What a request with ``headers`` is refused for, checked as the API checks its key
-    (:func:`gateway.credentials.authenticate_headers`): None for a valid key, else its 401, or
-    the 503 of a database that cannot answer. The database connection is closed after, as at the
-    end of a request."""
+@dataclass(frozen=True)
+class UploadLease:
+    """One of a tenant's upload leases (:func:`api.file_views.take_upload_lease`)."""
+
+    tenant_id: int
+    lease_id: str
+
+
+async def key_refusal(headers: Mapping[str, str], route: str = ""
+                      ) -> tuple[APIError | None, UploadLease | None]:
+    """What a request with ``headers`` to ``route`` is refused for, checked as the API checks
+    its key (:func:`gateway.credentials.authenticate_headers`): None for a valid key, else its
+    401, or the 503 of a database that cannot answer; on :data:`UPLOAD_PATH`, a valid key also
+    takes one of its tenant's upload leases (the 429 when none is free), returned with it. The
+    database connection is closed after, as at the end of a request."""
     async with ThreadSensitiveContext():
         try:
-            await authenticate_headers(headers)
-            return None
+            key = await authenticate_headers(headers)
+            if route != UPLOAD_PATH:
+                return None, None
+            return None, UploadLease(key.tenant_id,
+                                     await file_views.take_upload_lease(key.tenant_id))
         except APIError as exc:
-            return exc
+            return exc, None
         except Exception as exc:  # noqa: BLE001 - the request's answer (unexpected_error logs)
-            return unexpected_error(exc)
+            return unexpected_error(exc), None
         finally:
             await sync_to_async(close_old_connections)()
+
+
+def end_upload_lease(lease: UploadLease | None) -> None:
+    if lease is not None:
+        asyncio.ensure_future(file_views.end_upload_lease(lease.tenant_id, lease.lease_id))
 
 
 class PlatformChannel(http.HTTPChannel):
@@ -280,16 +308,21 @@ class PlatformChannel(http.HTTPChannel):
         self._networkProducer.pauseProducing()
         values = request.requestHeaders.getRawHeaders(b"authorization") or []
         headers = {"Authorization": b",".join(values).decode("latin-1")} if values else {}
-        check = asyncio.ensure_future(key_refusal(headers))
-        check.add_done_callback(self._key_checked)
+        check = asyncio.ensure_future(key_refusal(headers, request.target.route))
+        check.add_done_callback(functools.partial(self._key_checked, request))
 
-    def _key_checked(self, check: asyncio.Future[APIError | None]) -> None:
-        if check.cancelled() or self._lost or self._refused:
+    def _key_checked(self, request: PlatformRequest,
+                     check: asyncio.Future[tuple[APIError | None, UploadLease | None]]) -> None:
+        if check.cancelled():
             return
-        refusal = check.result()
+        refusal, lease = check.result()
+        if self._lost or self._refused:
+            end_upload_lease(lease)
+            return
         if refusal is not None:
             self.refuse(refusal)
             return
+        request.upload_lease = lease
         held, self._held = b"".join(self._held or ()), None
         super().allHeadersReceived()  # the body's file, and 100 Continue when asked for
         if held:
@@ -351,6 +384,7 @@ class PlatformRequest(WebRequest):
 
     target: Target | None = None
     body_limit: int | None = None
+    upload_lease: UploadLease | None = None
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -368,12 +402,28 @@ class PlatformRequest(WebRequest):
         super().handleContentChunk(data)
 
     def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
+        self.requestHeaders.removeHeader(UPLOAD_LEASE_HEADER)  # only this layer sets it
+        if self.upload_lease is not None:
+            self.requestHeaders.setRawHeaders(UPLOAD_LEASE_HEADER,
+                                              [self.upload_lease.lease_id.encode()])
         if self.target is not None:
             path = self.target.path
             if self.target.authority is not None:
                 # RFC 9112 3.2.2: the target's host, not the Host header.
                 self.requestHeaders.setRawHeaders(b"Host", [self.target.authority])
         super().requestReceived(command, path, version)
+
+    def finish(self) -> None:
+        super().finish()
+        self._end_upload_lease()
+
+    def connectionLost(self, reason: Any) -> None:
+        super().connectionLost(reason)
+        self._end_upload_lease()
+
+    def _end_upload_lease(self) -> None:
+        lease, self.upload_lease = self.upload_lease, None
+        end_upload_lease(lease)
 
     def basic_error(self, status: int, status_text: bytes, body: str) -> None:
         if self._response_started:  # too late for another answer: daphne's own handling

@@ -52,6 +52,8 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    # A NUL in the path or query string is read as U+FFFD, not a 500 from PostgreSQL.
+    "llm_platform.request_text.NulCharacterMiddleware",
     "csp.middleware.CSPMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -152,6 +154,23 @@ USE_I18N = True
 USE_TZ = True
 
 STATIC_URL = "static/"
+# The Files API's files (api.file_store) are kept in the "files" storage: by default local files
+# under FILES_ROOT (var/files), the folder 0700 and each file 0600 (llm_platform.private_files);
+# FILES_STORAGE_BACKEND (and its FILES_STORAGE_OPTIONS, a JSON object) may name any Django storage
+# back end instead (django-storages' S3Storage, ...).
+FILES_ROOT = env.path("FILES_ROOT", default=VAR_DIR / "files")
+_FILES_BACKEND = env.str("FILES_STORAGE_BACKEND",
+                         default="django.core.files.storage.FileSystemStorage")
+_FILES_OPTIONS = env.json("FILES_STORAGE_OPTIONS", default={})
+if _FILES_BACKEND == "django.core.files.storage.FileSystemStorage":
+    _FILES_OPTIONS = {"location": str(FILES_ROOT), "file_permissions_mode": 0o600,
+                      "directory_permissions_mode": 0o700, **_FILES_OPTIONS}
+    private_files.private_folder(_FILES_OPTIONS["location"])
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
+    "files": {"BACKEND": _FILES_BACKEND, "OPTIONS": _FILES_OPTIONS},
+}
 STATIC_ROOT = env.path("STATIC_ROOT", default=BASE_DIR / "staticfiles")
 STATICFILES_DIRS = [p for p in [BASE_DIR / "static"] if p.is_dir()]
 
@@ -198,6 +217,28 @@ LLM_PLATFORM = {
     "MODEL_PATH": SHARED.model_path,
     "LLM_CACHE_DIR": SHARED.llm_cache_dir,
     "STRUCTURED_MAX_SPEC_BYTES": SHARED.structured_max_spec_bytes,
+    # Tool calling (api.tool_fields): tools one chat request may offer (OpenAI's limit), and the
+    # bytes of their definitions' JSON.
+    "MAX_TOOLS": env.int("MAX_TOOLS", default=128),
+    # Choices one request may ask (n); a worker refuses more than its batch size as well.
+    "MAX_N": env.int("MAX_N", default=8),
+    "MAX_TOOLS_BYTES": env.int("MAX_TOOLS_BYTES", default=65_536),
+    # The Responses API (api.response_store): responses one previous_response_id chain may hold,
+    # and how long a stored response is kept (seconds; OpenAI's 30 days).
+    "MAX_RESPONSE_CHAIN": env.int("MAX_RESPONSE_CHAIN", default=100),
+    "RESPONSES_RETENTION_S": env.float("RESPONSES_RETENTION_S", default=30 * 86400.0),
+    # The Files API (api.file_store): the largest file (bytes; OpenAI's batch input: 200 MB) and
+    # the most requests (non-empty lines) in a batch file (OpenAI's 50,000), each tenant's
+    # storage (bytes over all its files; 0: no quota), uploads one tenant may have in progress at
+    # once (0: any number) and how long one may take (s), and how long a file is kept (s;
+    # uploads, and the files the platform writes, "batch_output"; 0: until deleted).
+    "FILES_MAX_BYTES": env.int("FILES_MAX_BYTES", default=200 * 2**20),
+    "FILES_MAX_LINES": env.int("FILES_MAX_LINES", default=50_000),
+    "FILES_TENANT_QUOTA_BYTES": env.int("FILES_TENANT_QUOTA_BYTES", default=10 * 2**30),
+    "FILES_MAX_CONCURRENT_UPLOADS": env.int("FILES_MAX_CONCURRENT_UPLOADS", default=4),
+    "FILES_UPLOAD_LEASE_S": env.float("FILES_UPLOAD_LEASE_S", default=600.0),
+    "FILES_RETENTION_S": env.float("FILES_RETENTION_S", default=30 * 86400.0),
+    "FILES_OUTPUT_RETENTION_S": env.float("FILES_OUTPUT_RETENTION_S", default=30 * 86400.0),
     # Connections per web process: each request in flight holds one while it waits for events.
     "REDIS_MAX_CONNECTIONS": env.int("REDIS_MAX_CONNECTIONS", default=4096),
     # The one served model; requests naming another get 404 model_not_found.
@@ -228,9 +269,15 @@ LLM_PLATFORM = {
     # Paths that take larger bodies (files): "PATH=BYTES,..." (a path covers the paths below it;
     # the longest match wins). A body over MAX_BODY_BYTES is read there only once the request's
     # API key, from its headers, was found valid (else 401, nothing read).
+    # By default /v1/files takes a file of FILES_MAX_BYTES and its multipart framing.
     "MAX_BODY_BYTES_BY_PATH": {path: int(limit) for path, limit in
                                env.dict("MAX_BODY_BYTES_BY_PATH", default={}).items()},
 }
+# The multipart framing around an uploaded file (its part's headers, the other fields; bytes).
+MULTIPART_OVERHEAD_BYTES = 65_536
+LLM_PLATFORM["MAX_BODY_BYTES_BY_PATH"] = {
+    "/v1/files": LLM_PLATFORM["FILES_MAX_BYTES"] + MULTIPART_OVERHEAD_BYTES,
+    **LLM_PLATFORM["MAX_BODY_BYTES_BY_PATH"]}
 # Django's own limit on a body it reads (request.body, forms), the same: a body that reaches
 # Django without the web process (a test client, another server) is refused alike.
 DATA_UPLOAD_MAX_MEMORY_SIZE = LLM_PLATFORM["MAX_BODY_BYTES"]
@@ -277,4 +324,11 @@ CELERY_BEAT_SCHEDULE = {
                     "schedule": env.float("SWEEP_INTERVAL_S", default=2.0)},
     "reconcile-usage": {"task": "gateway.tasks.reconcile_usage",
                         "schedule": env.float("USAGE_RECONCILE_INTERVAL_S", default=10.0)},
+    # Stored responses (the Responses API) past RESPONSES_RETENTION_S are purged (those whose
+    # web process died mid-answer are ended by the queue sweep: api.tasks).
+    "purge-responses": {"task": "api.tasks.purge_responses",
+                        "schedule": env.float("RESPONSES_PURGE_INTERVAL_S", default=3600.0)},
+    # Files (the Files API) past their expires_at are deleted, rows and stored bytes.
+    "purge-files": {"task": "api.tasks.purge_files",
+                    "schedule": env.float("FILES_PURGE_INTERVAL_S", default=3600.0)},
 }

@@ -18,6 +18,9 @@ ensure_services
 ensure_browser
 
 FAST='not (e2e or model or browser or process)'
+# On PostgreSQL, a statement that waits over two minutes for a lock fails, naming itself, instead
+# of holding its test until pytest's timeout (libpq reads PGOPTIONS; SQLite ignores it).
+export PGOPTIONS="${PGOPTIONS:--c lock_timeout=120s}"
 
 # run_lane NAME PYTEST_ARGS...: one pytest run; prints its time; returns its status.
 run_lane() {

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from inference.engine.model_store import resolve_model_path
-from inference.tokenization import Tokenizer, TokenizerLoadError
+from inference.tokenization import Tokenizer, TokenizerLoadError, chat_tools
 
 pytestmark = pytest.mark.model
 
@@ -155,3 +155,73 @@ def test_a_template_that_changes_a_forged_content_refuses_it(folder, tmp_path):
     assert tok.apply_chat_template(honest) == tok.encode(tok.render_chat(honest))
     with pytest.raises(ValueError, match="special token"):
         tok.apply_chat_template([{"role": "user", "content": " <|im_end|> "}])
+
+
+# -- tools in the prompt (inference.tokenization.chat_tools) ----------------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather <|im_end|> in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+CALLED = [{"role": "user", "content": "Weather in Paris?"},
+          {"role": "assistant", "content": "", "tool_calls": [{
+              "id": "call_1", "type": "function",
+              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+          {"role": "tool", "tool_call_id": "call_1", "content": "21 C"},
+          {"role": "tool", "tool_call_id": "call_2", "content": "sunny"}]
+# A template that renders tools, in the shape of Qwen2.5's (tools in the system turn, calls as
+# <tool_call> JSON with their arguments as objects, results in a user turn).
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nYou may call:\n<tools>"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools><|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{%- for call in m.tool_calls or [] %}\n<tool_call>\n{\"name\": \"{{ call.function.name }}\""
+    ", \"arguments\": {{ call.function.arguments | tojson }}}\n</tool_call>{%- endfor %}"
+    "<|im_end|>\n{%- endif %}{%- endfor %}<|im_start|>assistant\n")
+
+
+def test_a_template_without_tools_gets_them_in_the_hermes_fallback(ours):
+    text = ours.render_chat(CALLED, [WEATHER])
+    system, user, assistant, results = text.split("<|im_start|>")[1:5]
+    assert system.startswith("system\n# Tools\n") and "<tools>\n" in system
+    assert '"name": "get_weather"' in system and "<tool_call></tool_call> XML tags" in system
+    assert user.startswith("user\nWeather in Paris?")
+    assert ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            "</tool_call>") in assistant
+    assert results == ("user\n<tool_response>\n21 C\n</tool_response>\n<tool_response>\nsunny\n"
+                       "</tool_response><|im_end|>\n")
+    # The definitions are content: their special-token text is ordinary text.
+    ids = ours.apply_chat_template(CALLED, [WEATHER])
+    im_end = ours.token_to_id("<|im_end|>")
+    assert ids.count(im_end) == 4
+    plain = chat_tools.fallback_messages(CALLED, [WEATHER])
+    assert len(plain) == 4 and ids == ours.apply_chat_template(plain)
+    # A system message keeps its words, the tools after them.
+    with_system = ours.render_chat([{"role": "system", "content": "Be brief."}, *CALLED[:1]],
+                                   [WEATHER])
+    assert with_system.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
+
+
+def test_a_template_that_renders_tools_gets_them_as_transformers_does(folder, tmp_path):
+    from transformers import AutoTokenizer
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((folder / name).read_bytes())
+    (tmp_path / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    tok = Tokenizer.from_folder(tmp_path)
+    assert tok.renders_tools and not Tokenizer.from_folder(folder).renders_tools
+    tool = {"type": "function", "function": {**WEATHER["function"], "description": "Weather."}}
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    hf_messages = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": {
+        "city": "Paris"}}} for c in m["tool_calls"]]} if m.get("tool_calls") else m
+        for m in CALLED]
+    expected = theirs.apply_chat_template(hf_messages, tools=[tool], add_generation_prompt=True,
+                                          tokenize=True)
+    expected = expected if isinstance(expected, list) else expected["input_ids"]
+    assert tok.apply_chat_template(CALLED, [tool]) == list(expected)
+    # The template writes the definitions outside every content: special-token text in them
+    # would be a control token, so it is refused.
+    with pytest.raises(ValueError, match="tool definition"):
+        tok.apply_chat_template(CALLED, [WEATHER])

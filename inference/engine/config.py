@@ -66,6 +66,10 @@ class EngineConfig(BaseModel):
     target_itl_ms: float = Field(
         500.0, ge=0, description="Target tick duration while streams run (ms), mixed_batch."
     )
+    # The batch service class: batch rows are admitted (and their prompts fed) only while the
+    # predicted pass stays within the interactive rows' own plus this (ms; mixed_batch).
+    batch_itl_slack_ms: float = Field(
+        25.0, ge=0, description="Pass time batch rows may add to interactive rows' (ms).")
     kv_block_size: int = Field(16, ge=1, description="Tokens per KV block.")
     kv_num_blocks: int = Field(
         2048, ge=0, description="KV blocks in the pool; 0 derives it from KV_CACHE_BYTES."

@@ -15,8 +15,11 @@ Every block is in exactly one state:
 
 Admission reserves the blocks a row can grow into (``ceil((prompt_len + max_tokens) / block_size)``
 minus its prefix hits), so decode never runs out of blocks and no workload can deadlock
-(``docs/design.md``, backpressure: gate 3). The design follows vLLM's block manager (Kwon et
-al., SOSP 2023) and nano-vllm's hashed prefix blocks.
+(``docs/design.md``, backpressure: gate 3). A request of ``n`` choices reserves that for choice 0
+and, for each other choice, its own growth past the prompt's full blocks, which it shares (a
+reference on each) from its fork on (:meth:`KVCacheManager.fork`): the last, partial prompt
+block copied (copy-on-write at the fork) and every block it decodes into. The design follows
+vLLM's block manager (Kwon et al., SOSP 2023) and nano-vllm's hashed prefix blocks.
 """
 
 from __future__ import annotations
@@ -144,19 +147,30 @@ class KVCacheManager:
             hits.append(block_id)
         return PrefixMatch(tuple(hits), len(hits) * self.block_size)
 
+    def blocks_demand(self, request: Request) -> int:
+        """Blocks a request holds at most over its life, prefix hits included.
+
+        ``ceil((prompt_len + max_tokens) / block_size)`` for one choice; a request of ``n``
+        choices adds, per choice after the first, that minus the prompt's full blocks (shared
+        by every choice): its copy of the partial prompt block and its own decode blocks.
+        """
+        per_row = self.blocks_for_tokens(request.prompt_len + request.max_tokens)
+        shared = request.prompt_len // self.block_size
+        return per_row + (request.sampling.n - 1) * (per_row - shared)
+
     def blocks_needed(self, request: Request, match: PrefixMatch) -> int:
         """Blocks admission takes out of :meth:`available_blocks` (gate 3).
 
-        The row's whole growth (``prompt_len + max_tokens`` tokens) minus the hit blocks, plus the
-        hit blocks that are now evictable (taking a reference moves them out of that count).
+        The row's whole growth (:meth:`blocks_demand`) minus the hit blocks, plus the hit blocks
+        that are now evictable (taking a reference moves them out of that count).
         """
-        total = self.blocks_for_tokens(request.kv_demand)
+        total = self.blocks_demand(request)
         revived = sum(1 for b in match.block_ids if self.blocks[b].ref_count == 0)
         return total - len(match.block_ids) + revived
 
     def can_ever_fit(self, request: Request) -> bool:
-        """Whether the row's ``prompt_len + max_tokens`` fits in the whole pool."""
-        return self.blocks_for_tokens(request.kv_demand) <= self.num_blocks
+        """Whether the row's whole growth (:meth:`blocks_demand`) fits in the whole pool."""
+        return self.blocks_demand(request) <= self.num_blocks
 
     # -- row lifecycle -----------------------------------------------------------------------
 
@@ -171,7 +185,7 @@ class KVCacheManager:
                 request.tenant, request.prompt_token_ids, len(match.block_ids))
         request.num_cached_tokens = match.num_tokens
         request.num_computed_tokens = match.num_tokens
-        request.reserved_blocks = self.blocks_for_tokens(request.kv_demand) - len(match.block_ids)
+        request.reserved_blocks = self.blocks_demand(request) - len(match.block_ids)
         self.outstanding_reserved += request.reserved_blocks
         self.prefix_queried_tokens += request.prompt_len
         self.prefix_hit_tokens += match.num_tokens
@@ -189,6 +203,39 @@ class KVCacheManager:
             request.reserved_blocks -= 1
             self.outstanding_reserved -= 1
             request.block_table.append(self._allocate())
+
+    def fork(self, parent: Request, child: Request) -> tuple[int, int] | None:
+        """Give ``child`` (a new choice of ``parent``, whose prompt is all computed) the
+        parent's prompt KV: a reference on each full prompt block, and a block of its own for
+        the last, partial one, taken from the reservation the parent moves to it (its whole
+        growth: ``blocks_for_tokens(prompt_len + max_tokens)`` minus the shared full blocks).
+
+        Returns:
+            ``(source, copy)`` block ids whose KV the backend must copy (copy-on-write of the
+            partial prompt block), or None when the prompt ends on a block boundary.
+
+        Raises:
+            RuntimeError: the parent's reservation does not cover the child (a scheduler bug).
+        """
+        shared = parent.prompt_len // self.block_size
+        growth = self.blocks_for_tokens(child.prompt_len + child.max_tokens) - shared
+        if parent.reserved_blocks < growth:
+            raise RuntimeError(f"request {parent.request_id} reserved too few KV blocks to fork")
+        parent.reserved_blocks -= growth
+        child.reserved_blocks = growth
+        child.block_table = list(parent.block_table[:shared])
+        for block_id in child.block_table:
+            self._take_ref(block_id)
+        child.block_hashes = list(parent.block_hashes[:shared])
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.num_computed_tokens = parent.num_computed_tokens
+        if len(parent.block_table) == shared:
+            return None
+        child.reserved_blocks -= 1
+        self.outstanding_reserved -= 1
+        copy = self._allocate()
+        child.block_table.append(copy)
+        return parent.block_table[shared], copy
 
     def commit_full_blocks(self, request: Request) -> None:
         """Register the row's newly completed full blocks in the prefix cache.

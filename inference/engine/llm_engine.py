@@ -55,8 +55,7 @@ __all__ = ["EngineRefusal", "EngineStoppedError", "EventSink", "GrammarBusyError
 log = logging.getLogger(__name__)
 
 EventSink = Callable[[list[Event]], None]  # see LLMEngine
-# Called on the worker thread with the requests preempted in a tick, each as the state another
-# engine needs to continue it (the Redis bridge puts them back in the shared queue).
+# Called on the worker thread with a tick's preempted requests, each as another engine needs it.
 PreemptSink = Callable[[list[ResumeState]], None]
 # Seconds shutdown waits more for a tick that outlasted its timeout (then leaves its requests).
 TICK_END_WAIT_S = 120.0
@@ -123,24 +122,27 @@ class LLMEngine:
                sampling: SamplingParams | None = None, tenant: str = "default",
                fairness_key: str = "", priority: int = 0, fairness_weight: float = 1.0,
                request_id: str | None = None, queue_wait_s: float | None = None,
-               resume: ResumeState | None = None) -> RequestHandle:
+               resume: ResumeState | None = None, batch: bool = False,
+               deadline_s: float | None = None) -> RequestHandle:
         """Queue a request; never waits for a tick.
 
         Exactly one of ``prompt_token_ids``, ``prompt`` (text) or ``messages`` (chat, rendered
         with the model's chat template) is given. ``priority`` is the tier (higher first);
         ``fairness_key`` defaults to the tenant; ``fairness_weight`` scales its VTC share.
         ``queue_wait_s``: seconds from now within which it must be admitted, else it ends with
-        a ``queue_timeout`` error (None: no deadline; 0 or less: already past it).
+        ``queue_timeout`` (None: no deadline; 0 or less: already past it).
         ``resume``: the state of a request preempted on this engine or another (handed to the
-        :attr:`preempt_sink`): it continues from there, with its original prompt given here
-        and ``resume.sampling`` (``sampling`` is ignored).
+        :attr:`preempt_sink`): it continues from there, with its original prompt given here and
+        ``resume.sampling`` (``sampling`` ignored). ``batch``: the batch service class
+        (``queue_wait_s`` ignored; past ``deadline_s``, seconds from now, it ends with
+        ``batch_expired`` in any phase; ``docs/design.md``, "The batch service class").
 
         Returns:
             A handle whose :meth:`RequestHandle.events` yields the request's events.
 
         Raises:
             InvalidRequestError: empty prompt, ``prompt_len + max_tokens`` beyond the context,
-                or a ``resume`` that does not match the prompt.
+                a ``resume`` that does not match the prompt, or ``n`` beyond max_batch_size.
             QueueFullError: ``max_pending`` requests wait (gate 1 of an engine on its own).
             EngineStoppedError: the engine is shutting down.
             GrammarBusyError: its tenant has ``STRUCTURED_COMPILES_PER_TENANT`` grammars
@@ -152,7 +154,8 @@ class LLMEngine:
             prompt_token_ids=prompt_token_ids, prompt=prompt, messages=messages,
             sampling=sampling, tenant=tenant, fairness_key=fairness_key, priority=priority,
             fairness_weight=fairness_weight, request_id=request_id, queue_wait_s=queue_wait_s,
-            resume=resume, clock=self.scheduler.clock)
+            resume=resume, clock=self.scheduler.clock, max_n=self.config.max_batch_size,
+            batch=batch, deadline_s=deadline_s)
         handle = RequestHandle(request.request_id,
                                resume.prompt_len if resume is not None else request.prompt_len)
         with self._lock:
@@ -186,13 +189,9 @@ class LLMEngine:
         self._inbox_add("abort", request_id)
 
     def withdraw_pending(self, timeout: float = 5.0) -> list[Request]:
-        """Take out the requests not yet admitted (no event emitted for them), between ticks.
-
-        A draining worker hands them to another worker while its running requests finish.
-
-        Returns:
-            The withdrawn requests (none if no tick began within ``timeout`` seconds).
-        """
+        """Take out and return the requests not yet admitted (no event emitted for them),
+        between ticks; none if no tick began within ``timeout`` seconds. A draining worker hands
+        them to another worker while its running requests finish."""
         box, done = item = ([], threading.Event())
         self._inbox_add("withdraw", item)
         if self._loop_done is None:
@@ -235,8 +234,7 @@ class LLMEngine:
         started = time.perf_counter()
         early: list[Event] = []
 
-        def emit_early(events: list[Event]) -> None:
-            # First tokens go out before the tick's decode step, not after it.
+        def emit_early(events: list[Event]) -> None:  # first tokens: before the decode step
             early.extend(events)
             self._emit(events)
 

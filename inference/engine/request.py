@@ -18,6 +18,7 @@ from typing import Any
 
 from inference.protocol.events import (
     MAX_LOGPROBS,
+    ChoiceEnd,
     ErrorCode,
     ErrorInfo,
     Event,
@@ -28,9 +29,9 @@ from inference.protocol.events import (
 )
 from inference.protocol.structured import StructuredOutput
 
-__all__ = ["SAMPLING_EPS", "SEED_RANGE", "ErrorCode", "ErrorInfo", "Event", "FinalEvent",
-           "FinishReason", "Request", "RequestPhase", "ResumeState", "SamplingParams",
-           "TokenEvent", "Usage"]
+__all__ = ["BATCH_TIER", "SAMPLING_EPS", "SEED_RANGE", "ChoiceState", "ErrorCode", "ErrorInfo",
+           "Event", "FinalEvent", "FinishReason", "Request", "RequestPhase", "ResumeState",
+           "SamplingParams", "TokenEvent", "Usage"]
 
 # A temperature below this is greedy decoding: vLLM's rule (``_SAMPLING_EPS = 1e-5`` in
 # ``vllm/sampling_params.py``, where ``temperature < _SAMPLING_EPS`` selects greedy sampling).
@@ -70,6 +71,8 @@ class SamplingParams:
         structured: the grammar every answer must match (None: unconstrained): a JSON schema,
             any JSON object, a regex, a choice of strings or a Lark/GBNF grammar
             (:mod:`inference.engine.structured`).
+        n: independent choices sharing the prompt (>= 1): the prompt is prefilled once, then
+            forked into ``n`` decode rows (:mod:`inference.engine.sched.choices`).
 
     Raises:
         ValueError: for a value out of range, naming the field.
@@ -86,8 +89,11 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured: StructuredOutput | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -114,6 +120,35 @@ class SamplingParams:
 
 
 _arrival_counter = itertools.count()
+# Where a tier is asked of a batch row (a worker's preemptible rows): below every priority tier,
+# so a request of any tier may take its row (docs/design.md, "The batch service class").
+BATCH_TIER = -(2**31)
+
+
+@dataclass
+class ChoiceState:
+    """Where one choice of a preempted request of ``n`` > 1 choices stopped.
+
+    Attributes:
+        index: the choice (0 to n - 1).
+        generated: the tokens it generated so far (streamed already; empty once it ended).
+        end: how it ended, if it had (its entry of the final event, kept as it was).
+        sampler_state: its random generator's state (``torch.Generator.get_state``), if any.
+        generator, detokenizer, grammar: its live objects, handed on only within one engine.
+    """
+
+    index: int
+    generated: tuple[int, ...] = ()
+    end: ChoiceEnd | None = None
+    sampler_state: bytes | None = None
+    generator: Any = None
+    detokenizer: Any = None
+    grammar: Any = None
+
+    @property
+    def completion_tokens(self) -> int:
+        """The tokens this choice was billed for so far."""
+        return self.end.completion_tokens if self.end is not None else len(self.generated)
 
 
 @dataclass
@@ -138,6 +173,9 @@ class ResumeState:
         sampler_state: its random generator's state (``torch.Generator.get_state``), if any.
         generator, detokenizer, grammar: the live objects, handed on only within one engine
             (another engine replays ``generated`` into new ones).
+        choices: for a request of ``n`` > 1 choices (``sampling.n``), one :class:`ChoiceState`
+            per choice in index order (``generated`` is then empty and ``sampler_state`` and
+            the live objects are the choices' own); empty for one choice.
     """
 
     request_id: str
@@ -155,6 +193,12 @@ class ResumeState:
     generator: Any = None
     detokenizer: Any = None
     grammar: Any = None
+    choices: tuple[ChoiceState, ...] = ()
+
+    @property
+    def completion_tokens(self) -> int:
+        """The tokens the request was billed for so far (every choice's)."""
+        return len(self.generated) + sum(c.completion_tokens for c in self.choices)
 
 
 @dataclass(eq=False)
@@ -211,6 +255,20 @@ class Request:
     # Set when the request continues after a preemption: ``prompt_token_ids`` is then the
     # original prompt followed by ``resume.generated``, and ``sampling`` counts what is left.
     resume: ResumeState | None = None
+    # A request with ``sampling.n`` > 1 once forked into its choices: every row of it (choice
+    # 0 is the request itself) holds the same ``inference.engine.sched.choices.ChoiceGroup``,
+    # and ``choice_index`` is the row's choice.
+    group: Any = None
+    choice_index: int = 0
+    # The batch service class (docs/design.md, "The batch service class"): it sorts after every
+    # interactive request, may be preempted in any phase, and ``expires_at`` (monotonic; None:
+    # never) ends it with ``batch_expired`` in any phase. ``recomputed_prefix``: prompt tokens
+    # computed (and charged) before a preemption while it prefilled: charged to nobody again;
+    # ``first_cached_tokens``: then the prefix hits of its first admission (its usage's).
+    batch: bool = False
+    expires_at: float | None = None
+    recomputed_prefix: int = 0
+    first_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.fairness_key:
@@ -221,13 +279,35 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
+    def queue_wait_s(self) -> float | None:
+        """Its admission allowance (seconds; None: no deadline), as it counts again from a
+        return to a queue after a preemption."""
+        if self.resume is not None:
+            return self.resume.queue_wait_s
+        if self.queue_deadline is not None:
+            return self.queue_deadline - self.arrival_time
+        return None
+
+    @property
     def max_tokens(self) -> int:
         return self.sampling.max_tokens
 
     @property
     def kv_demand(self) -> int:
-        """Tokens this row reserves against the active-KV budget: ``prompt_len + max_tokens``."""
-        return self.prompt_len + self.sampling.max_tokens
+        """Tokens this row reserves against the active-KV budget: ``prompt_len + max_tokens``,
+        and ``prompt_len + n * max_tokens`` for a request of ``n`` choices (the prompt once,
+        each choice's whole growth)."""
+        return self.prompt_len + self.sampling.n * self.sampling.max_tokens
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the batch this request takes once decoding: ``sampling.n``."""
+        return self.sampling.n
+
+    @property
+    def event_id(self) -> str:
+        """The request id its events carry: the forked request's own for each of its rows."""
+        return self.group.request_id if self.group is not None else self.request_id
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -248,6 +328,10 @@ class Request:
         return self.logprobs is not None and self.logprobs.prompt_pending
 
     def next_event_seq(self) -> int:
+        """The ``seq`` of this request's next event; the choices of a forked request count on
+        one counter (their group's)."""
+        if self.group is not None:
+            return self.group.next_seq()
         seq = self.event_seq
         self.event_seq += 1
         return seq
@@ -259,7 +343,9 @@ class Request:
                 "blocks": list(self.block_table), "reserved_blocks": self.reserved_blocks,
                 "num_computed_tokens": self.num_computed_tokens,
                 "output_tokens": len(self.output_token_ids), "preemptions": self.preemptions,
-                "priority": self.priority, "stopped": self.finish_reason is not None}
+                "priority": self.priority, "stopped": self.finish_reason is not None,
+                "n": self.sampling.n, "event_id": self.event_id, "batch": self.batch,
+                "choice_index": self.choice_index}
 
     def usage(self) -> Usage:
         """Token counts as the client is billed: each token once, however often the request
@@ -275,4 +361,4 @@ class Request:
                          completion_tokens=len(self.output_token_ids))
         return Usage(prompt_tokens=resume.prompt_len,
                      cached_prompt_tokens=resume.cached_prompt_tokens,
-                     completion_tokens=len(resume.generated) + len(self.output_token_ids))
+                     completion_tokens=resume.completion_tokens + len(self.output_token_ids))

@@ -22,6 +22,7 @@ temperature, top-k, top-p, the ``min_tokens`` EOS mask and the grammar's mask (v
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 from collections.abc import Sequence
@@ -38,11 +39,26 @@ log = logging.getLogger(__name__)
 MAX_TEMPERATURE = float(torch.finfo(torch.float32).max)
 
 
+# torch's CPU generator (MT19937) keeps only the low 32 bits of a seed: 5 and 2**32 + 5 would
+# draw alike. A seed in [0, 2**32) is used as is; any other is hashed to 32 bits, so that seeds
+# spread over the whole range a request may give (SEED_RANGE) do not repeat one another's draws.
+GENERATOR_SEEDS = 2**32
+
+
+def generator_seed(seed: int) -> int:
+    """The seed given to ``torch.Generator.manual_seed`` for a request's ``seed`` (see
+    :data:`GENERATOR_SEEDS`)."""
+    if 0 <= seed < GENERATOR_SEEDS:
+        return seed
+    digest = hashlib.sha256(f"seed:{seed}".encode()).digest()
+    return int.from_bytes(digest[:4], "big")
+
+
 def _generator_for(request: Request) -> torch.Generator:
     if request.sampler_state is None:
         gen = torch.Generator(device="cpu")
         if request.sampling.seed is not None:
-            gen.manual_seed(request.sampling.seed)
+            gen.manual_seed(generator_seed(request.sampling.seed))
         else:
             gen.seed()
         request.sampler_state = gen

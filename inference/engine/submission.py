@@ -20,6 +20,7 @@ from inference.engine.request import (
     SamplingParams,
     TokenEvent,
 )
+from inference.engine.sched.choice_resume import resumed_group_request
 from inference.engine.sched.preemption import resumed_request
 
 
@@ -75,7 +76,12 @@ class RequestHandle:
                 return
 
     def result(self, timeout: float | None = None) -> tuple[str, list[int], FinalEvent]:
-        """Wait for the end; return (text, generated token ids, final event)."""
+        """Wait for the end; return (text, generated token ids, final event).
+
+        For a request of ``n`` > 1 choices the text and tokens are every choice's, in event
+        order (each event's ``index`` names its choice; ``final.choices`` holds each choice's
+        end): read :meth:`events` to tell them apart.
+        """
         text, tokens = [], []
         final: FinalEvent | None = None
         for event in self.events(timeout):
@@ -119,7 +125,9 @@ def build_request(tokenizer: Tokenizer, eos_token_ids: Collection[int], max_mode
                   tenant: str, fairness_key: str, priority: int, fairness_weight: float,
                   request_id: str | None, queue_wait_s: float | None,
                   resume: ResumeState | None = None,
-                  clock: Callable[[], float] = time.monotonic) -> Request:
+                  clock: Callable[[], float] = time.monotonic,
+                  max_n: int | None = None, batch: bool = False,
+                  deadline_s: float | None = None) -> Request:
     """The request of one ``LLMEngine.submit`` (its arguments are documented there).
 
     With ``resume`` (a request preempted on this engine or another), the prompt is the original
@@ -130,9 +138,14 @@ def build_request(tokenizer: Tokenizer, eos_token_ids: Collection[int], max_mode
         InvalidRequestError: not exactly one prompt form, an empty prompt, a non-positive
             ``fairness_weight``, ``prompt_len + max_tokens`` beyond ``max_model_len``
             (``context_length_exceeded``, with both numbers), or a ``resume`` that does not
-            match the prompt.
+            match the prompt, or ``sampling.n`` choices beyond ``max_n`` (the engine's
+            ``max_batch_size``: every choice is a row of the batch; ``param`` ``n``).
     """
     sampling = resume.sampling if resume is not None else sampling or SamplingParams()
+    if max_n is not None and sampling.n > max_n:
+        raise _invalid(f"n = {sampling.n} choices exceeds this engine's {max_n} rows "
+                       "(max_batch_size): each choice decodes in a row of its own",
+                       param="n", n=sampling.n, max_n=max_n)
     if sum(x is not None for x in (prompt_token_ids, prompt, messages)) != 1:
         raise _invalid("give exactly one of prompt_token_ids, prompt, messages")
     if prompt_token_ids is not None:
@@ -156,19 +169,38 @@ def build_request(tokenizer: Tokenizer, eos_token_ids: Collection[int], max_mode
     fairness_key = fairness_key or tenant
     if resume is not None:
         try:
-            request = resumed_request(
-                resume, ids, tenant=tenant, fairness_key=fairness_key, priority=priority,
-                fairness_weight=fairness_weight, tokenizer=tokenizer,
-                eos_token_ids=eos_token_ids, clock=clock)
+            if resume.choices:  # a request of n > 1 choices, preempted as a whole
+                request = resumed_group_request(
+                    resume, ids, tenant=tenant, fairness_key=fairness_key, priority=priority,
+                    fairness_weight=fairness_weight, clock=clock)
+            else:
+                request = resumed_request(
+                    resume, ids, tenant=tenant, fairness_key=fairness_key, priority=priority,
+                    fairness_weight=fairness_weight, tokenizer=tokenizer,
+                    eos_token_ids=eos_token_ids, clock=clock)
         except ValueError as exc:
             raise _invalid(f"cannot resume the request: {exc}") from exc
         if queue_wait_s is not None:
             request.queue_deadline = clock() + queue_wait_s
-        return request
+        return _service_class(request, batch, deadline_s, clock)
     request = Request(
         request_id=request_id or f"req-{uuid.uuid4().hex}", prompt_token_ids=ids,
         sampling=sampling, tenant=tenant, fairness_key=fairness_key, priority=priority,
         fairness_weight=fairness_weight)
     if queue_wait_s is not None:
         request.queue_deadline = request.arrival_time + queue_wait_s
+    return _service_class(request, batch, deadline_s, clock)
+
+
+def _service_class(request: Request, batch: bool, deadline_s: float | None,
+                   clock: Callable[[], float]) -> Request:
+    """``request`` made a batch one (``docs/design.md``, "The batch service class"): no
+    admission deadline, its own ``deadline_s`` (seconds from now, any phase) instead."""
+    if batch:
+        request.batch = True
+        request.queue_deadline = None
+        if request.resume is not None:
+            request.resume.queue_wait_s = None
+        if deadline_s is not None:
+            request.expires_at = clock() + deadline_s
     return request

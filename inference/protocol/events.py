@@ -9,7 +9,16 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializationInfo,
+    SerializerFunctionWrapHandler,
+    TypeAdapter,
+    model_serializer,
+    model_validator,
+)
 
 
 class Message(BaseModel):
@@ -46,6 +55,7 @@ class ErrorCode(StrEnum):
     KV_BUDGET_EXCEEDED = "kv_budget_exceeded"  # gate 2, hard-reject
     KV_POOL_EXCEEDED = "kv_pool_exceeded"  # gate 3, hard-reject
     QUEUE_TIMEOUT = "queue_timeout"  # not admitted within MAX_QUEUE_WAIT_S
+    BATCH_EXPIRED = "batch_expired"  # a batch request not done by its own deadline
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     INVALID_REQUEST = "invalid_request"
     ENGINE_ERROR = "engine_error"
@@ -147,6 +157,40 @@ class TokenEvent(Message):
     text: str
     logprobs: tuple[PositionLogprobs, ...] | None = None
     prompt_logprobs: tuple[PositionLogprobs, ...] | None = None
+    index: int = Field(0, ge=0)
+
+    @model_serializer(mode="wrap")
+    def _without_default_index(self, handler: SerializerFunctionWrapHandler,
+                               info: SerializationInfo) -> dict[str, Any]:
+        # A request of one choice (index 0) serializes exactly as before ``n`` existed.
+        data = handler(self)
+        if self.index == 0:
+            data.pop("index", None)
+        return data
+
+
+class ChoiceEnd(Message):
+    """How one choice of a request with ``n`` > 1 ended (an entry of ``FinalEvent.choices``).
+
+    ``index``: the choice (0 to n - 1, as :attr:`TokenEvent.index`). ``text`` and ``logprobs``:
+    what this choice held back and released at its end (as ``FinalEvent.text`` and
+    ``FinalEvent.logprobs`` for one choice). ``completion_tokens``: the tokens this choice
+    generated. ``error`` is set exactly when ``finish_reason`` is ``error`` (this choice alone
+    failed, or the whole request did).
+    """
+
+    index: int = Field(ge=0)
+    finish_reason: FinishReason
+    text: str = ""
+    logprobs: tuple[PositionLogprobs, ...] | None = None
+    completion_tokens: int = Field(0, ge=0)
+    error: ErrorInfo | None = None
+
+    @model_validator(mode="after")
+    def _error_iff_failed(self) -> ChoiceEnd:
+        if (self.error is not None) != (self.finish_reason is FinishReason.ERROR):
+            raise ValueError("error is set exactly when finish_reason is 'error'")
+        return self
 
 
 class FinalEvent(Message):
@@ -157,6 +201,13 @@ class FinalEvent(Message):
     ``timings`` (seconds) may hold ``queue_s``, ``ttft_s`` and ``e2e_s``. ``prompt_logprobs``:
     as :class:`TokenEvent`'s, here when the request streamed no token (its first was EOS).
     ``logprobs``: the entries still held back with ``text`` (as :class:`TokenEvent`'s).
+
+    A request with ``n`` > 1 choices has one final event too, after every choice ended:
+    ``choices`` holds one :class:`ChoiceEnd` per choice, in index order (each with its own held
+    text and logprobs; ``text`` and ``logprobs`` here are then empty); ``finish_reason`` is
+    ``abort`` or ``error`` when the request as a whole was aborted or failed, else choice 0's;
+    ``usage`` counts the prompt once and the completion tokens of every choice. For ``n`` = 1
+    ``choices`` is empty (and left out of the JSON).
     """
 
     type: Literal["final"] = "final"
@@ -169,12 +220,35 @@ class FinalEvent(Message):
     timings: dict[str, float] = Field(default_factory=dict)
     prompt_logprobs: tuple[PositionLogprobs, ...] | None = None
     logprobs: tuple[PositionLogprobs, ...] | None = None
+    choices: tuple[ChoiceEnd, ...] = ()
 
     @model_validator(mode="after")
     def _error_iff_failed(self) -> FinalEvent:
         if (self.error is not None) != (self.finish_reason is FinishReason.ERROR):
             raise ValueError("error is set exactly when finish_reason is 'error'")
+        if [c.index for c in self.choices] != list(range(len(self.choices))):
+            raise ValueError("choices holds one entry per choice, in index order")
         return self
+
+    @model_serializer(mode="wrap")
+    def _without_empty_choices(self, handler: SerializerFunctionWrapHandler,
+                               info: SerializationInfo) -> dict[str, Any]:
+        # A request of one choice serializes exactly as before ``n`` existed.
+        data = handler(self)
+        if not self.choices:
+            data.pop("choices", None)
+        return data
+
+
+def whole_request_choices(n: int, reason: FinishReason,
+                          error: ErrorInfo | None = None) -> tuple[ChoiceEnd, ...]:
+    """``FinalEvent.choices`` of a request of ``n`` choices that ended as a whole (refused,
+    timed out, aborted or failed before its choices ran, or lost): every choice ends as the
+    request, with no text; ``()`` for ``n`` = 1."""
+    if n <= 1:
+        return ()
+    error = error if reason is FinishReason.ERROR else None
+    return tuple(ChoiceEnd(index=i, finish_reason=reason, error=error) for i in range(n))
 
 
 Event = TokenEvent | FinalEvent

@@ -57,7 +57,8 @@ class QueuedRequest:
     message and take token.
 
     ``message`` is None when the stored message does not validate (it is then dropped).
-    ``take``: the token of this take (a new one for every take of the request).
+    ``take``: the token of this take (a new one for every take of the request). ``batch``:
+    a batch request, which never counts in gate 1 (its worker's held count neither).
     """
 
     request_id: str
@@ -66,6 +67,7 @@ class QueuedRequest:
     arrival: int
     message: RequestMessage | None
     take: str = ""
+    batch: bool = False
 
     @classmethod
     def from_record(cls, raw: bytes | str, take: bytes | str = "") -> QueuedRequest:
@@ -76,7 +78,7 @@ class QueuedRequest:
             log.exception("dropping malformed request message %s", record.get("id"))
             message = None
         return cls(record["id"], record["key"], int(record["prio"]), int(record["seq"]),
-                   message, _text(take))
+                   message, _text(take), record.get("batch") is True)
 
 
 class FairQueue:
@@ -108,8 +110,9 @@ class FairQueue:
         """Take up to ``n`` requests in the fair order; they are this worker's until handed back.
 
         With ``above``, only requests of a higher tier than it are taken (the fair order's
-        head first, so none when the head's tier is not higher). Each counts as held (gate 1)
-        until :meth:`release_held` says its engine admitted it, and carries its take token.
+        head first, so none when the head's tier is not higher). Each interactive one counts as
+        held (gate 1) until :meth:`release_held` says its engine admitted it; each carries its
+        take token.
 
         Raises:
             Reclaimed: this worker was reclaimed while silent; nothing was taken.

@@ -41,10 +41,17 @@ from inference.engine.llm_engine import (
     LLMEngine,
     QueueFullError,
 )
-from inference.engine.request import ResumeState, SamplingParams
-from inference.protocol.events import ErrorCode, ErrorInfo, FinalEvent, FinishReason
+from inference.engine.request import BATCH_TIER, ChoiceState, ResumeState, SamplingParams
+from inference.protocol.events import (
+    ErrorCode,
+    ErrorInfo,
+    FinalEvent,
+    FinishReason,
+    Usage,
+    whole_request_choices,
+)
 from inference.protocol.keys import EVENTS_TTL_S, Keys
-from inference.protocol.messages import RequestMessage, Resume
+from inference.protocol.messages import RequestMessage, Resume, ResumeChoice
 from inference.worker.fair_queue import FairQueue, QueuedRequest
 from inference.worker.live import LiveRequest, WorkerState
 from inference.worker.origins import WebOrigins
@@ -54,16 +61,26 @@ from inference.worker.publisher import EventPublisher
 log = logging.getLogger(__name__)
 
 
+def _b64(state: bytes | None) -> str | None:
+    return None if state is None else base64.b64encode(state).decode()
+
+
+def _bytes(state: str | None) -> bytes | None:
+    return None if state is None else base64.b64decode(state)
+
+
 def to_wire(state: ResumeState) -> Resume:
-    """The resume state a preempted request's message carries to the next worker."""
+    """The resume state a preempted request's message carries to the next worker (each
+    choice's of a request of ``n`` > 1 choices)."""
     return Resume(
         prompt_tokens=state.prompt_len, max_tokens=state.sampling.max_tokens,
         generated=state.generated, next_seq=state.next_seq, preemptions=state.preemptions,
         cached_prompt_tokens=state.cached_prompt_tokens, arrived_at=state.arrived_at,
         admitted_at=state.admitted_at, first_token_at=state.first_token_at,
-        requeued_at=time.time(),
-        sampler_state=(None if state.sampler_state is None
-                       else base64.b64encode(state.sampler_state).decode()))
+        requeued_at=time.time(), sampler_state=_b64(state.sampler_state),
+        choices=tuple(ResumeChoice(index=c.index, generated=c.generated, end=c.end,
+                                   sampler_state=_b64(c.sampler_state))
+                      for c in state.choices))
 
 
 def from_wire(message: RequestMessage, sampling: SamplingParams) -> ResumeState:
@@ -78,9 +95,10 @@ def from_wire(message: RequestMessage, sampling: SamplingParams) -> ResumeState:
         generated=tuple(resume.generated), next_seq=resume.next_seq,
         preemptions=resume.preemptions, cached_prompt_tokens=resume.cached_prompt_tokens,
         arrived_at=resume.arrived_at, admitted_at=resume.admitted_at,
-        first_token_at=resume.first_token_at,
-        sampler_state=(None if resume.sampler_state is None
-                       else base64.b64decode(resume.sampler_state)))
+        first_token_at=resume.first_token_at, sampler_state=_bytes(resume.sampler_state),
+        choices=tuple(ChoiceState(c.index, generated=tuple(c.generated), end=c.end,
+                                  sampler_state=_bytes(c.sampler_state))
+                      for c in resume.choices))
 
 
 class Intake:
@@ -179,18 +197,30 @@ class Intake:
             self._take(request)
         return len(taken)
 
+    def interactive_room(self) -> int:
+        """Interactive requests this worker may take beside the batch ones waiting in its engine
+        (held back by the ITL rule, ``docs/design.md``, "The batch service class"): :meth:`room`
+        without them, as any interactive request sorts before them."""
+        stats = self.engine.stats()
+        return self.room() + stats.get("num_pending_batch", 0)
+
     def _room_now(self) -> tuple[int, int | None] | None:
-        """``(n, None)``: take up to ``n`` (:meth:`room`); ``(n, tier)``: rows full, take up to
-        ``n`` of a higher tier than ``tier`` (:meth:`preempt_room`); None: take nothing."""
+        """``(n, None)``: take up to ``n`` (:meth:`room`); ``(n, tier)``: up to ``n`` of a higher
+        tier than ``tier`` (:meth:`interactive_room`, :meth:`preempt_room`); None: nothing."""
         if not self.state.accepting:
             return None
         room = self.room()
         if room > 0:
             return room, None
-        return self.preempt_room()
+        beside_batch = self.interactive_room()
+        preempt = self.preempt_room()
+        if beside_batch > 0:  # batch rows to preempt as well: the larger room of the two
+            batch_rows = preempt[0] if preempt is not None and preempt[1] == BATCH_TIER else 0
+            return max(beside_batch, batch_rows), BATCH_TIER
+        return preempt
 
     def _take(self, queued: QueuedRequest) -> None:
-        self.state.held += 1  # counted in gate 1 until its engine admits it
+        self.state.held += int(not queued.batch)  # in gate 1 until its engine admits it
         self._start(queued)
 
     def _start(self, queued: QueuedRequest) -> None:
@@ -198,7 +228,8 @@ class Intake:
         message, take = queued.message, queued.take
         if message is None:
             self._end_unadmitted(queued.request_id, take, FinishReason.ERROR, ErrorInfo(
-                code=ErrorCode.INVALID_REQUEST, message="the request message was malformed"))
+                code=ErrorCode.INVALID_REQUEST, message="the request message was malformed"),
+                batch=queued.batch)
             return
         rid = message.request_id
         if self.client.exists(self.keys.aborted(rid)) or not self.origins.alive(message.origin):
@@ -228,7 +259,7 @@ class Intake:
             # This worker cannot take it now: back to its place for any worker (still counted).
             self.state.left_engine(rid)
             self.state.forget(rid, take)
-            self.state.held -= 1
+            self.state.held -= int(not queued.batch)
             self.queue.requeue({rid: take})
             return
         except EngineRefusal as exc:
@@ -249,39 +280,46 @@ class Intake:
                 self.state.forget(rid, queued.take)
                 self._start(queued)
 
-    def withdraw_waiting(self) -> dict[str, str]:
-        """Forget the requests taken again that wait beside the engine; return their take
-        tokens by id (for a hand-back to the queue)."""
+    def withdraw_waiting(self) -> dict[str, QueuedRequest]:
+        """Forget the requests taken again that wait beside the engine; return them by id (for
+        a hand-back to the queue)."""
         waiting, self._waiting = self._waiting, {}
-        return {rid: q.take for rid, q in waiting.items()
+        return {rid: q for rid, q in waiting.items()
                 if self.state.forget(rid, q.take) is not None}
 
     def reconcile_queue(self) -> None:
         """Release from gate 1 the requests that left this engine's pending queue (main thread).
 
-        Those taken again that wait beside the engine are still held.
+        Those taken again that wait beside the engine are still held; batch requests never are
+        (the engine's count read first: a tick ending between the reads releases less).
 
         Raises:
             redis.RedisError: Redis is unreachable (they are released at the next call).
         """
-        left = self.state.held - self.engine.num_queued() - len(self._waiting)
+        queued = self.engine.num_queued() - self.engine.stats().get("num_pending_batch", 0)
+        waiting = sum(1 for q in self._waiting.values() if not q.batch)
+        left = self.state.held - queued - waiting
         if left > 0:
             self.queue.release_held(left)
             self.state.held -= left
 
     def _end_unadmitted(self, request_id: str, take: str, reason: FinishReason,
                         error: ErrorInfo | None = None,
-                        message: RequestMessage | None = None) -> None:
+                        message: RequestMessage | None = None, batch: bool = False) -> None:
         """Finish a request this worker took that never entered its engine (a preempted one:
         after the events it streamed, billed for them)."""
         resume = message.resume if message is not None else None
-        event = FinalEvent(request_id=request_id, finish_reason=reason, error=error)
+        n = message.sampling.n if message is not None else 1
+        event = FinalEvent(request_id=request_id, finish_reason=reason, error=error,
+                           choices=whole_request_choices(n, reason, error))
         if resume is not None:
-            event = event.model_copy(update={"seq": resume.next_seq, "usage": resume.usage()})
+            event = event.model_copy(update={"seq": resume.next_seq, "usage": resume.usage(),
+                                             "choices": resume.ended_choices(reason, error)})
         lost = self.queue.write_events([(event, take)], EVENTS_TTL_S)
         self.state.count_outside(reason)
-        self.state.held -= 1
-        self.queue.release_held(1)
+        if not (message.batch if message is not None else batch):  # a batch one: never held
+            self.state.held -= 1
+            self.queue.release_held(1)
         if not lost:
             self.state.record_ended(request_id)
 
@@ -323,8 +361,11 @@ class Intake:
     def _hand_back(self, preempted: ResumeState, take: str) -> int:
         rid = preempted.request_id
         live = self.state.get(rid)
-        resume = to_wire(preempted)
-        usage = resume.usage()
+        started = bool(preempted.generated or preempted.choices)
+        resume = to_wire(preempted) if started else None
+        usage = resume.usage() if resume is not None else Usage()
+        ended = (resume.ended_choices(FinishReason.ABORT) if resume is not None
+                 else whole_request_choices(preempted.sampling.n, FinishReason.ABORT))
         if live is None or live.take != take:
             # Ended meanwhile (reclaimed, or lost with Redis's data), or a stale take of a
             # request taken again: nothing goes back.
@@ -333,19 +374,23 @@ class Intake:
                 del self.state.wiped[rid]
                 self.publisher.write_unowned_final(FinalEvent(
                     request_id=rid, seq=preempted.next_seq, finish_reason=FinishReason.ABORT,
-                    usage=usage), wiped)
+                    usage=usage, choices=ended), wiped)
             return 0
         if self.client.exists(self.keys.aborted(rid)) or not self.origins.alive(
                 live.message.origin):
             lost = self.queue.write_events([(FinalEvent(
                 request_id=rid, seq=preempted.next_seq, finish_reason=FinishReason.ABORT,
-                usage=usage), take)], EVENTS_TTL_S)
+                usage=usage, choices=ended), take)],
+                EVENTS_TTL_S)
             self.state.forget(rid, take)
             self.state.count_outside(FinishReason.ABORT)
             if not lost:
                 self.state.record_ended(rid)
             return 0
-        message = live.message.model_copy(update={"resume": resume})
+        # A batch row preempted while it prefilled streamed nothing: its message goes back as
+        # it came, to start again (docs/design.md, "The batch service class").
+        message = (live.message if resume is None
+                   else live.message.model_copy(update={"resume": resume}))
         back = self.queue.preempt(message, usage, take)
         self.state.forget(rid, take)
         if not back:

@@ -14,11 +14,13 @@ from typing import Any
 from inference.engine.backends.base import Tokenizer
 from inference.engine.llm_engine import InvalidRequestError
 from inference.engine.request import ErrorCode, ErrorInfo, SamplingParams
+from inference.engine.sched.outputs import batch_expired
 from inference.protocol.messages import RequestMessage
 
 
 def queue_timeout(message: RequestMessage, now: float | None = None) -> ErrorInfo | None:
-    """The ``queue_timeout`` error of a request whose admission deadline has passed, else None.
+    """The ``queue_timeout`` error of a request whose admission deadline has passed (a batch
+    request's ``batch_expired``, past its own deadline), else None.
 
     The deadline counts from the web tier's acceptance (``enqueued_at``, unix seconds).
     """
@@ -26,6 +28,8 @@ def queue_timeout(message: RequestMessage, now: float | None = None) -> ErrorInf
     now = time.time() if now is None else now
     if deadline is None or now <= deadline:
         return None
+    if message.batch:
+        return batch_expired()
     waited = now - message.enqueued_at
     return ErrorInfo(
         code=ErrorCode.QUEUE_TIMEOUT,
@@ -38,7 +42,8 @@ def submit_args(message: RequestMessage, tokenizer: Tokenizer,
                 max_model_len: int) -> dict[str, Any]:
     """Keyword arguments of :meth:`inference.engine.llm_engine.LLMEngine.submit` for ``message``.
 
-    The admission deadline becomes the engine's ``queue_wait_s`` (what is left of it now).
+    The admission deadline becomes the engine's ``queue_wait_s`` (what is left of it now); a
+    batch request's own deadline its ``deadline_s`` instead (``batch``).
 
     Raises:
         InvalidRequestError: the prompt leaves no room in the context (``context_length_exceeded``,
@@ -47,8 +52,8 @@ def submit_args(message: RequestMessage, tokenizer: Tokenizer,
     """
     chat = message.chat()
     try:
-        ids = tokenizer.apply_chat_template(chat) if chat is not None else tokenizer.encode(
-            message.prompt or "")
+        ids = (tokenizer.apply_chat_template(chat, message.tools) if chat is not None
+               else tokenizer.encode(message.prompt or ""))
     except ValueError as exc:
         raise InvalidRequestError(ErrorInfo(
             code=ErrorCode.INVALID_REQUEST, message=str(exc),
@@ -71,7 +76,10 @@ def submit_args(message: RequestMessage, tokenizer: Tokenizer,
         raise InvalidRequestError(ErrorInfo(
             code=ErrorCode.INVALID_REQUEST, message=str(exc))) from exc
     deadline = message.deadline()
+    left = None if deadline is None else deadline - time.time()
+    # A batch request's deadline is its own (it ends it in any phase), not an admission one.
     return {"prompt_token_ids": ids, "sampling": params, "tenant": message.tenant,
             "fairness_key": message.fairness_key, "priority": message.priority,
             "fairness_weight": message.fairness_weight, "request_id": message.request_id,
-            "queue_wait_s": None if deadline is None else deadline - time.time()}
+            "queue_wait_s": None if message.batch else left, "batch": message.batch,
+            "deadline_s": left if message.batch else None}

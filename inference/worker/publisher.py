@@ -36,6 +36,7 @@ from inference.protocol.events import (
     FinishReason,
     TokenEvent,
     encode_event,
+    whole_request_choices,
 )
 from inference.protocol.keys import EVENTS_TTL_S, Keys
 from inference.worker.fair_queue import FairQueue, Owned
@@ -206,14 +207,15 @@ class EventPublisher:
             redis.RedisError: Redis is unreachable.
         """
         streamed = min(event.usage.completion_tokens, live.streamed)
+        error = ErrorInfo(code=ErrorCode.STATE_LOST, retryable=True,
+                          message="the server's request store restarted and lost this "
+                                  "request; retry it",
+                          details={"completion_tokens": streamed})
         lost = FinalEvent(
             request_id=event.request_id, seq=event.seq, finish_reason=FinishReason.ERROR,
             usage=event.usage.model_copy(update={"completion_tokens": streamed}),
-            text=event.text, timings=event.timings,
-            error=ErrorInfo(code=ErrorCode.STATE_LOST, retryable=True,
-                            message="the server's request store restarted and lost this "
-                                    "request; retry it",
-                            details={"completion_tokens": streamed}))
+            text=event.text, timings=event.timings, error=error,
+            choices=whole_request_choices(len(event.choices), FinishReason.ERROR, error))
         stream = self.keys.events(event.request_id)
         entry = {"final": lost.model_dump_json(), "body": live.message.to_json(),
                  "first_at": None, "finished_at": time.time()}

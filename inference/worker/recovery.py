@@ -239,22 +239,26 @@ class Recovery:
         """
         self.state.accepting = False
         withdrawn = self.engine.withdraw_pending()
-        back = self._withdrawn(withdrawn)
+        back, held = self._withdrawn(withdrawn)
         self.queue.requeue(back)
-        self.state.held -= len(back)
+        self.state.held -= held
         self.intake.reconcile_queue()
         return len(back)
 
-    def _withdrawn(self, withdrawn: list[Request]) -> dict[str, str]:
+    def _withdrawn(self, withdrawn: list[Request]) -> tuple[dict[str, str], int]:
         """The requests the engine gave back (never admitted) and those taken again that wait
         beside it, as ``{request id: take token}`` of the takes this worker still holds (a stale
-        take leaves the engine with nothing to hand back)."""
-        back = self.intake.withdraw_waiting()
+        take leaves the engine with nothing to hand back), and how many of them this worker
+        holds in gate 1 (the interactive ones)."""
+        waiting = self.intake.withdraw_waiting()
+        back = {rid: q.take for rid, q in waiting.items()}
+        held = sum(1 for q in waiting.values() if not q.batch)
         for request in withdrawn:
             take = self.state.left_engine(request.request_id)
             if take is not None and self.state.forget(request.request_id, take) is not None:
                 back[request.request_id] = take
-        return back
+                held += int(not request.batch)
+        return back, held
 
     def busy(self) -> bool:
         """Whether this worker still runs requests or has events to write."""
@@ -274,10 +278,10 @@ class Recovery:
         self.state.accepting = False
         withdrawn = self.engine.shutdown(timeout_s)
         self.publisher.stop_publisher()  # the engine's last events: written below, on this thread
-        back = self._withdrawn(withdrawn)
+        back, held = self._withdrawn(withdrawn)
         # Still counted in gate 1: back to their places in the queue, for another worker.
         self.queue.requeue(back)
-        self.state.held -= len(back)
+        self.state.held -= held
         self.intake.reconcile_queue()
         self.publisher.flush_events()
         preempted = self.intake.hand_back_preempted()  # preempted in its last ticks: any worker's

@@ -48,7 +48,8 @@ class WorkerSettings(PlatformSettings, EngineConfig):
 
     def engine_config(self) -> EngineConfig:
         """The engine's configuration: its fields as read here; its pending queue holds at most
-        a batch and the prefetch (the worker's own bound, beside the global gate 1)."""
+        a batch and the prefetch of each service class (the worker's own bound, beside the
+        global gate 1): interactive requests are taken beside batch ones that wait."""
         fields = {name: getattr(self, name) for name in EngineConfig.model_fields}
-        fields["max_pending"] = self.max_batch_size + self.worker_prefetch
+        fields["max_pending"] = 2 * (self.max_batch_size + self.worker_prefetch)
         return EngineConfig(**fields)

@@ -53,11 +53,13 @@ def test_missing_wrong_or_revoked_key_gets_401(client, tenant_key, auth):
     (chat(max_tokens=0), "max_tokens"),
     ({**chat(), "messages": []}, "messages"),
     ({"model": MODEL}, "messages"),
-    (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    (chat(tools=[{"type": "function", "function": {"name": "not a name"}}]),
+     "tools[0].function.name"),
     (chat(response_format={"type": "xml"}), "response_format.type"),
     (chat(structured_outputs={"regex": "[a-z"}), "structured_outputs.regex"),
     (chat(logit_bias={"1": 2}), "logit_bias"),
-    (chat(n=2), "n"),
+    (chat(n=99), "n"),
+    (chat(max_completion_tokens=9), "max_completion_tokens"),  # chat() gives max_tokens 4
     (chat(temperature=-1), "temperature"),
 ])
 def test_bad_input_gets_400_naming_the_field(client, tenant_key, body, param):

@@ -121,7 +121,7 @@ def test_error_param_is_the_field_as_written(client, tenant_key, path, body, par
     (CHAT, {**chat(), "messages": [{"role": "user", "content": "hi", "name": 5}]},
      "messages[0].name", ("a string",)),
     (CHAT, chat(min_tokens=10), "min_tokens", ("at most 'max_tokens' (4)", "got 10")),
-    (CHAT, {**chat(min_tokens=10), "max_completion_tokens": 6}, "min_tokens",
+    (CHAT, {**chat(min_tokens=10), "max_tokens": None, "max_completion_tokens": 6}, "min_tokens",
      ("at most 'max_completion_tokens' (6)",)),
     (TEXT, text("Once", min_tokens=5), "min_tokens", ("at most 'max_tokens' (4)",)),
 ])
@@ -181,7 +181,7 @@ def test_body_over_the_upload_limit_gets_413_naming_the_limit(client, tenant_key
 
 @pytest.mark.parametrize(("method", "path"), [
     ("post", "/v1/embeddings"),
-    ("get", "/v1/files"),
+    ("get", "/v1/vector_stores"),
     ("post", "/v1/chat/completions/extra"),
     ("get", "/v1"),
     ("delete", "/v1/"),

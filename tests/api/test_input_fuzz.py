@@ -42,7 +42,7 @@ from tests.support.platform import InProcessWorker
 
 pytestmark = pytest.mark.django_db
 
-CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
+CHAT, TEXT, RESP = "/v1/chat/completions", "/v1/completions", "/v1/responses"
 FUZZ = hypothesis_settings(max_examples=100, deadline=None,
                            suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                   HealthCheck.too_slow,
@@ -112,6 +112,14 @@ TEXT_FIELDS = [
     "suffix", "best_of", "logit_bias", "presence_penalty", "frequency_penalty",
     "response_format", "store", "guided_regex", "structured_outputs", "an_unknown_field",
 ]
+RESP_FIELDS = [
+    "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "metadata",
+    "stream", "store", "previous_response_id", "text", "tools", "tool_choice",
+    "parallel_tool_calls", "user", "truncation", "include", "reasoning", "background",
+    "top_logprobs", "stream_options", "service_tier", "prompt_cache_key", "safety_identifier",
+    "max_tool_calls", "conversation", "prompt", "an_unknown_field",
+]
+FIELDS = {CHAT: CHAT_FIELDS, TEXT: TEXT_FIELDS, RESP: RESP_FIELDS}
 UNKNOWN = "an_unknown_field"
 # Nested places: (top-level field, the path below it).
 CHAT_NESTED = [("messages", (0,)), ("messages", (0, "role")), ("messages", (0, "content")),
@@ -121,9 +129,18 @@ CHAT_NESTED = [("messages", (0,)), ("messages", (0, "role")), ("messages", (0, "
                ("response_format", ("type",))]
 TEXT_NESTED = [("prompt", (0,)), ("stream_options", ("include_usage",)), ("stop", (1,)),
                ("response_format", ("type",))]
+RESP_NESTED = [("input", (0,)), ("input", (0, "role")), ("input", (0, "content")),
+               ("input", (0, "type")), ("input", (0, "content", 0)),
+               ("input", (0, "content", 0, "type")), ("input", (0, "content", 0, "text")),
+               ("text", ("format",)), ("text", ("format", "type")), ("tools", (0,)),
+               ("tools", (0, "name")), ("tools", (0, "parameters"))]
+NESTED = {CHAT: CHAT_NESTED, TEXT: TEXT_NESTED, RESP: RESP_NESTED}
 
 
 def base(path: str) -> dict:
+    if path == RESP:
+        return {"model": MODEL, "max_output_tokens": 2, "store": False, "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "Hello"}]}]}
     if path == CHAT:
         return {"model": MODEL, "max_tokens": 2, "stop": ["a", "b"],
                 "stream_options": {"include_usage": True},
@@ -163,7 +180,7 @@ def put(body: dict, top: str, below: tuple, value, remove: bool) -> None:
             node = node[key]
 
 
-REQUIRED = {"model", "messages", "prompt"}
+REQUIRED = {"model", "messages", "prompt", "input"}
 
 
 @st.composite
@@ -172,8 +189,7 @@ def mutated(draw, path: str) -> tuple[str, str, bool]:
     whether the change is an optional top-level field sent as null, which means its default)."""
     body = base(path)
     body["stream"] = draw(st.booleans())
-    places = ([(f, ()) for f in (CHAT_FIELDS if path == CHAT else TEXT_FIELDS)]
-              + (CHAT_NESTED if path == CHAT else TEXT_NESTED))
+    places = [(f, ()) for f in FIELDS[path]] + NESTED[path]
     top, below = draw(st.sampled_from(places))
     remove = draw(st.integers(0, 5)) == 0
     value = draw(st.one_of(JSON_VALUES, NEAR_VALID)) if not remove else None
@@ -186,7 +202,7 @@ def mutated(draw, path: str) -> tuple[str, str, bool]:
 def raw_in_a_field(draw, path: str) -> tuple[str, str]:
     """A valid request of ``path`` with raw JSON text in one field: (the field, the body)."""
     body = base(path)
-    top = draw(st.sampled_from(CHAT_FIELDS if path == CHAT else TEXT_FIELDS))
+    top = draw(st.sampled_from(FIELDS[path]))
     body.pop(top, None)
     text = json.dumps(body)
     return top, text[:-1] + f', "{top}": {draw(RAW_LITERALS)}' + "}"
@@ -230,8 +246,10 @@ def check(response, content: bytes, field: str | None = None) -> None:
     if status < 400:
         if response.streaming:
             for frame in content.decode().split("\n\n"):
-                if frame.startswith("data: {"):
-                    error = json.loads(frame.removeprefix("data: ")).get("error")
+                data = frame.rpartition("data: ")[2] if "data: {" in frame else ""
+                if data:  # a chat chunk's error, or a failed response's
+                    event = json.loads(data)
+                    error = event.get("error") or (event.get("response") or {}).get("error")
                     assert error is None or error["type"] != "server_error", frame
         return
     assert response["Content-Type"] == "application/json", content[:300]
@@ -260,7 +278,7 @@ def bearer(raw_key: str) -> dict[str, str]:
 # -- the REST endpoints -------------------------------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", [CHAT, TEXT])
+@pytest.mark.parametrize("path", [CHAT, TEXT, RESP])
 def test_one_field_changed(tenant_key, worker, path):
     @FUZZ
     @given(case=mutated(path))
@@ -278,7 +296,7 @@ def test_one_field_changed(tenant_key, worker, path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", [CHAT, TEXT])
+@pytest.mark.parametrize("path", [CHAT, TEXT, RESP])
 def test_raw_json_text_in_a_field(tenant_key, worker, path):
     @FUZZ
     @given(case=raw_in_a_field(path))
@@ -290,7 +308,7 @@ def test_raw_json_text_in_a_field(tenant_key, worker, path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", [CHAT, TEXT])
+@pytest.mark.parametrize("path", [CHAT, TEXT, RESP])
 def test_whole_bodies_of_any_shape(tenant_key, worker, path):
     @FUZZ
     @given(body=WHOLE_BODIES)
@@ -300,7 +318,7 @@ def test_whole_bodies_of_any_shape(tenant_key, worker, path):
     run()
 
 
-@pytest.mark.parametrize("path", [CHAT, TEXT])
+@pytest.mark.parametrize("path", [CHAT, TEXT, RESP])
 @pytest.mark.parametrize("wrap", ["body", "field"])
 def test_nesting_100000_levels_deep(tenant_key, path, wrap):
     deep = "[" * 100_000 + "]" * 100_000
@@ -491,8 +509,11 @@ def check_raw(web, method: bytes, target: bytes, raw: bytes, upgrade: bool) -> N
 
     answer = exchange(web.port, raw, timeout_s=10)
     assert answer.status != 0, raw[:200]
-    # /readyz answers 503 while no worker is alive (none is, here): its answer, not an error.
-    ready = answer.status == 503 and b'"status": "unavailable"' in answer.body
+    # /readyz answers 503 while no worker is alive (none is, here): its answer, not an error (a
+    # HEAD's has no body: its Retry-After says it).
+    ready = answer.status == 503 and (b'"status": "unavailable"' in answer.body or (
+        method == b"HEAD" and target.split(b"?")[0].endswith(b"/readyz")
+        and answer.headers.get("retry-after") == "1"))
     assert answer.status < 500 or ready, (raw[:200], answer.raw[:300])
     if upgrade or answer.status < 400:
         return

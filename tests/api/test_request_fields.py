@@ -37,22 +37,25 @@ USER = {"role": "user", "content": "Hello"}
 BASE = {CHAT: {"model": MODEL, "messages": [USER]}, TEXT: {"model": MODEL, "prompt": "Once upon"}}
 SCHEMA = {CHAT: ChatCompletionRequest, TEXT: CompletionRequest}
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 # (a) honoured: a value that is not the default, with the fields it needs beside it.
 HONOURED = {
-    CHAT: {"max_tokens": (3, {}), "max_completion_tokens": (3, {}), "temperature": (0.5, {}),
+    CHAT: {"max_tokens": (3, {}), "max_completion_tokens": (3, {"max_tokens": None}),
+           "temperature": (0.5, {}),
            "top_p": (0.5, {}), "seed": (7, {}), "stop": (["x"], {}), "stream": (True, {}),
            "stream_options": ({"include_usage": True}, {}), "logprobs": (True, {}),
            "top_logprobs": (2, {"logprobs": True}), "user": ("u1", {}), "top_k": (5, {}),
-           "min_tokens": (1, {}), "ignore_eos": (True, {})},
+           "min_tokens": (1, {}), "ignore_eos": (True, {}), "n": (2, {}), "tools": ([TOOL], {}),
+           "tool_choice": ("required", {"tools": [TOOL]}),
+           "parallel_tool_calls": (False, {"tools": [TOOL]})},
     TEXT: {"max_tokens": (3, {}), "temperature": (0.5, {}), "top_p": (0.5, {}), "seed": (7, {}),
            "stop": (["x"], {}), "stream": (True, {}),
            "stream_options": ({"include_usage": True}, {}), "logprobs": (2, {}),
            "echo": (True, {}), "user": ("u1", {}), "top_k": (5, {}), "min_tokens": (1, {}),
-           "ignore_eos": (True, {})},
+           "ignore_eos": (True, {}), "n": (2, {})},
 }
-# Honoured too, but with no value that differs from leaving them out: the request's own, and n
-# (1 only; more is class c).
-HONOURED_AS_IS = {CHAT: ["model", "messages", "n"], TEXT: ["model", "prompt", "n"]}
+# Honoured too, but with no value that differs from leaving them out: the request's own.
+HONOURED_AS_IS = {CHAT: ["model", "messages"], TEXT: ["model", "prompt"]}
 # Honoured: structured outputs, on both endpoints (tests/api/test_structured_fields.py has their
 # shapes; here, only that each changes what the worker is asked).
 STRUCTURED = {"response_format": {"type": "json_object"},
@@ -63,20 +66,18 @@ COMMON_ACCEPTED = {
     "prompt_cache_key": "conversation-1", "prompt_cache_retention": "24h",
     "prompt_cache_options": {"mode": "implicit", "ttl": "30m"}, "safety_identifier": "user-hash",
 }
-ACCEPTED = {CHAT: {**COMMON_ACCEPTED, "parallel_tool_calls": False}, TEXT: COMMON_ACCEPTED}
+ACCEPTED = {CHAT: COMMON_ACCEPTED, TEXT: COMMON_ACCEPTED}
 # (c) not served: a value that asks for something, and the values that ask for nothing.
 GUIDED = {"guided_json": {"type": "object"}, "guided_regex": "[a-z]+",
           "guided_choice": ["yes", "no"], "guided_grammar": "root ::= 'a'",
           "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " "}
-TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 COMMON_UNSERVED = {
     "logit_bias": ({"42": 5}, [{}]), "presence_penalty": (0.5, [0, 0.0]),
     "frequency_penalty": (-0.5, [0, 0.0]),
-    "n": (2, [1]),
 }
 UNSERVED = {
-    CHAT: {**COMMON_UNSERVED, "tools": ([TOOL], [[]]), "tool_choice": ("auto", ["none"]),
-           "functions": ([TOOL["function"]], [[]]), "function_call": ("auto", ["none"]),
+    CHAT: {**COMMON_UNSERVED, "functions": ([TOOL["function"]], [[]]),
+           "function_call": ("auto", ["none"]),
            "audio": ({"voice": "alloy", "format": "wav"}, []),
            "modalities": (["text", "audio"], [["text"]]),
            "prediction": ({"type": "content", "content": "Hello"}, []),
@@ -112,7 +113,8 @@ def asked(path: str, body: dict) -> dict:
     return {"sampling": req.sampling(req.requested_max_tokens), "model": req.model,
             "input": [m.as_dict() for m in req.messages] if path == CHAT else req.prompt,
             "stream": req.stream, "include_usage": req.include_usage,
-            "logprobs": req.token_logprobs, "echo": req.echoed_prompt, "user": req.user}
+            "logprobs": req.token_logprobs, "echo": req.echoed_prompt, "user": req.user,
+            "tools": req.prompt_tools if path == CHAT else None}
 
 
 def answer(raw_key: str, path: str, body: dict):
@@ -179,14 +181,16 @@ def test_the_documented_classes_are_the_served_ones(path, column):
 # -- (a) honoured -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("path", "name"), case(CHAT, HONOURED[CHAT]) + case(TEXT, HONOURED[TEXT]))
-def test_an_honoured_field_changes_what_the_worker_is_asked(client, tenant_key, inproc_worker,
-                                                            path, name):
+def test_an_honoured_field_changes_what_the_worker_is_asked(client, tenant_key, request, path,
+                                                            name):
+    # A prompt offering tools is longer than the small context of the plain fixture.
+    request.getfixturevalue("inproc_worker_long" if "tool" in name else "inproc_worker")
     value, companions = HONOURED[path][name]
     without = {**BASE[path], **companions}
     assert asked(path, {**without, name: value}) != asked(path, without)
     body = {**sent(path, **companions), name: value}
-    status, _ = answer(tenant_key[2], path, body)
-    assert status == 200
+    status, content = answer(tenant_key[2], path, body)
+    assert status == 200, content
 
 
 @pytest.mark.parametrize(("path", "name"), case(CHAT, STRUCTURED) + case(TEXT, STRUCTURED))
@@ -359,14 +363,10 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments
 
 
 @pytest.mark.parametrize(("message", "param", "words"), [
-    ({"role": "assistant", "content": None, "tool_calls": [CALL]}, "messages[1].tool_calls",
-     "tool calling"),
     ({"role": "assistant", "content": None, "function_call": CALL["function"]},
      "messages[1].function_call", "function calling"),
     ({"role": "assistant", "content": None, "audio": {"id": "audio_1"}}, "messages[1].audio",
      "audio"),
-    ({"role": "tool", "content": "42", "tool_call_id": "call_1"}, "messages[1].role",
-     "'tool' message"),
     ({"role": "function", "content": "42", "name": "f"}, "messages[1].role",
      "'function' message"),
     ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]},
@@ -450,15 +450,16 @@ def test_the_openai_client_default_calls_and_its_replies_sent_back(tenant_key, i
      "guided_choice"),
     ("chat", {"extra_body": {"repetition_penalty": 1.2}}, "unknown_parameter",
      "repetition_penalty"),
-    ("chat", {"tools": [TOOL]}, "unsupported_parameter", "tools"),
+    ("chat", {"functions": [TOOL["function"]]}, "unsupported_parameter", "functions"),
+    ("chat", {"tool_choice": "required"}, "invalid_value", "tool_choice"),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "if": {}, "then": {}}}}},
      "invalid_json_schema", "response_format.json_schema.schema"),
     ("text", {"extra_body": {"structured_outputs": {"regex": "[a-z"}}},
      "invalid_structured_output", "structured_outputs.regex"),
     ("chat", {"messages": [USER, {"role": "assistant", "tool_calls": [CALL]},
-                           {"role": "tool", "content": "{}", "tool_call_id": "call_1"}]},
-     "unsupported_parameter", "messages[1].tool_calls"),
+                           {"role": "tool", "content": "{}", "tool_call_id": "call_2"}]},
+     "invalid_value", "messages[2].tool_call_id"),
 ])
 def test_the_openai_client_gets_a_400_naming_the_field(tenant_key, endpoint, fields, code, param):
     async def call(client: openai.AsyncOpenAI):

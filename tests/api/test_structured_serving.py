@@ -33,7 +33,7 @@ def json_schema_format(schema: dict) -> dict:
 
 def test_each_kind_is_answered_within_its_grammar(client, tenant_key, inproc_worker):
     raw = tenant_key[2]
-    answer = post(client, raw, body(response_format=json_schema_format(SCHEMA))).json()
+    answer = post(client, raw, body(response_format=json_schema_format(SCHEMA), seed=2)).json()
     choice = answer["choices"][0]
     assert choice["finish_reason"] == "stop", answer
     jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
@@ -51,9 +51,11 @@ def test_each_kind_is_answered_within_its_grammar(client, tenant_key, inproc_wor
         "grammar": 'start: "n=" /[0-9]{2}/'})).json()
     assert re.fullmatch("n=[0-9]{2}", lark["choices"][0]["message"]["content"])
 
-    completion = post(client, raw, {"model": MODEL, "prompt": "x", "max_tokens": 60,
+    # Room for the longest answer the schema allows but for its integer, which the seed keeps short.
+    completion = post(client, raw, {"model": MODEL, "prompt": "x", "max_tokens": 200, "seed": 1,
                                     "response_format": json_schema_format(SCHEMA)},
                       path="/v1/completions").json()
+    assert completion["choices"][0]["finish_reason"] == "stop", completion
     jsonschema.validate(json.loads(completion["choices"][0]["text"]), SCHEMA)
 
 
@@ -137,3 +139,14 @@ def test_schemas_the_server_cannot_write_or_would_apply_in_part_get_400(client, 
     assert refused.status_code == 400, refused.content
     error = error_of(refused)
     assert error["param"] == param and error["code"] == "invalid_json_schema"
+
+
+def test_an_answer_that_completes_its_grammar_on_its_last_token_stops(client, tenant_key,
+                                                                      inproc_worker):
+    """A choice whose last allowed token completes it ends ``stop``, not ``length``."""
+    for word in ("yes", "maybe"):
+        answer = post(client, tenant_key[2], body(max_tokens=len(word),
+                                                  structured_outputs={"choice": [word]})).json()
+        choice = answer["choices"][0]
+        assert (choice["message"]["content"], choice["finish_reason"]) == (word, "stop")
+        assert answer["usage"]["completion_tokens"] == len(word)  # bytes: the backend's tokens

@@ -101,3 +101,100 @@ def test_structured_outputs_through_the_unmodified_openai_client(stack, make_ten
     error = refused.value.body
     assert error["param"] == "response_format.json_schema.schema"
     assert "'if'" in error["message"] and "'then'" in error["message"]
+
+
+def test_tool_calling_through_the_unmodified_openai_client(stack, make_tenant, transactional_db):
+    """A named and a required tool choice on the real model give calls whose arguments validate
+    (``chat.completions.parse`` reads them into the pydantic model), streamed exactly as not
+    streamed; the tool's result then gets a text answer."""
+    import json
+
+    import jsonschema
+    import openai
+    from pydantic import BaseModel, Field
+
+    class GetWeather(BaseModel):
+        city: str = Field(max_length=30)
+        unit: str = Field(pattern="^(celsius|fahrenheit)$")
+
+    c = client(stack, make_tenant()[2])
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    tool = openai.pydantic_function_tool(GetWeather)
+    parsed = c.chat.completions.parse(
+        model=MODEL, messages=messages, tools=[tool], max_tokens=120, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "GetWeather"}})
+    choice = parsed.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    [call] = choice.message.tool_calls
+    assert isinstance(call.function.parsed_arguments, GetWeather)
+
+    now = {"type": "function", "function": {"name": "current_time",
+                                            "description": "The current time."}}
+    asked = {"model": MODEL, "messages": messages, "tools": [tool, now],
+             "tool_choice": "required", "max_tokens": 120, "temperature": 0}
+    whole = c.chat.completions.create(**asked)
+    calls = whole.choices[0].message.tool_calls
+    assert whole.choices[0].finish_reason == "tool_calls" and calls
+    schemas = {"GetWeather": tool["function"]["parameters"],
+               "current_time": {"type": "object", "properties": {},
+                                "additionalProperties": False}}
+    for made in calls:
+        jsonschema.validate(json.loads(made.function.arguments), schemas[made.function.name])
+    streamed: dict[int, list[str]] = {}
+    for chunk in c.chat.completions.create(**asked, stream=True):
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            entry = streamed.setdefault(delta.index, ["", ""])
+            entry[0] += delta.function.name or ""
+            entry[1] += delta.function.arguments or ""
+    assert [tuple(streamed[i]) for i in sorted(streamed)] == [
+        (m.function.name, m.function.arguments) for m in calls]
+
+    history = [*messages, choice.message.model_dump(exclude_none=True, exclude={"parsed"}),
+               {"role": "tool", "tool_call_id": call.id, "content": "21 degrees, sunny"}]
+    for turn in history:
+        for made in turn.get("tool_calls", []):
+            made.get("function", {}).pop("parsed_arguments", None)
+    answer = c.chat.completions.create(model=MODEL, messages=history, tools=[tool],
+                                       max_tokens=30, temperature=0)
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert answer.usage.prompt_tokens > parsed.usage.prompt_tokens
+
+
+def test_the_responses_api_on_the_real_model(stack, make_tenant, transactional_db):
+    """``responses.parse`` into a pydantic model, a streamed answer whose deltas are the stored
+    text, and a chain through a function call and its output, on the real model."""
+    import json
+
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=30)
+
+    c = client(stack, make_tenant()[2])
+    parsed = c.responses.parse(model=MODEL, input="Name a city in France.", text_format=City,
+                               max_output_tokens=60, temperature=0)
+    assert parsed.status == "completed" and isinstance(parsed.output_parsed, City)
+
+    text, final = "", None
+    with c.responses.stream(model=MODEL, input="Say hello.", max_output_tokens=30,
+                            temperature=0) as stream:
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                text += event.delta
+        final = stream.get_final_response()
+    assert text and final.output_text == text == c.responses.retrieve(final.id).output_text
+
+    weather = {"type": "function", "name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+        "required": ["city"], "additionalProperties": False}}
+    asked = c.responses.create(model=MODEL, input="What is the weather in Paris?",
+                               tools=[weather], tool_choice="required", max_output_tokens=80,
+                               temperature=0, parallel_tool_calls=False)
+    [call] = [item for item in asked.output if item.type == "function_call"]
+    assert json.loads(call.arguments)["city"]
+    answered = c.responses.create(
+        model=MODEL, previous_response_id=asked.id, tools=[weather], max_output_tokens=40,
+        temperature=0, input=[{"type": "function_call_output", "call_id": call.call_id,
+                               "output": json.dumps({"celsius": 21})}])
+    assert answered.status in ("completed", "incomplete") and answered.output_text
+    assert answered.usage.input_tokens > asked.usage.input_tokens

@@ -218,3 +218,18 @@ def test_hostile_grammars_are_refused_or_bounded_while_another_tenant_streams(ba
             assert final.finish_reason in ("stop", "length"), name
     stats = engine.stats()["structured"]
     assert stats["constrained_requests"] == len(hostile)
+
+
+def test_special_token_text_a_grammar_forces_is_written_as_text(backend):
+    """A ``const`` of a special token's text is written as those characters (several tokens),
+    never as the control token, which would end the answer."""
+    engine, _ = make_engine(backend)
+    schema = {"type": "object", "properties": {"end": {"const": "<|im_end|>"},
+                                               "n": {"enum": ["<|endoftext|>"]}},
+              "required": ["end", "n"], "additionalProperties": False}
+    [(text, tokens, final)] = run(engine, {"s": (chat(backend, "JSON please."), constrained(
+        "json_schema", canonical_json(schema)))}).values()
+    assert final.finish_reason.value == "stop", final
+    assert json.loads(text) == {"end": "<|im_end|>", "n": "<|endoftext|>"}
+    special = set(backend.tokenizer.special_token_ids().values())
+    assert not special & set(tokens[:-1])

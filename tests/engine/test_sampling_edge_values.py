@@ -125,3 +125,18 @@ def test_a_seed_the_generator_cannot_take_is_refused_up_front(seed):
         SamplingParams(seed=seed)
     SamplingParams(seed=2**64 - 1)
     SamplingParams(seed=-(2**63))
+
+
+def test_seeds_past_32_bits_draw_apart():
+    """torch's generator keeps 32 bits of a seed: seeds that share them still draw apart."""
+    import torch
+
+    from inference.engine.sampling import generator_seed
+
+    def draw(seed: int) -> float:
+        gen = torch.Generator()
+        gen.manual_seed(generator_seed(seed))
+        return torch.rand(1, generator=gen).item()
+
+    assert generator_seed(5) == 5 and draw(5) == draw(5)
+    assert len({draw(s) for s in (5, 2**32 + 5, 2**63 + 5, -(2**63) + 5, -1, 2**64 - 1)}) == 6

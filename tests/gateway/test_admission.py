@@ -152,3 +152,39 @@ def test_no_live_worker_answers_503_at_once(tenant_key):
     _, key, _ = tenant_key
     [refused] = admit_many(key, 1)
     assert refused.status == 503 and refused.code == "no_worker_available"
+
+
+def test_batch_lines_are_neither_counted_nor_refused_by_gate1(settings, tenant_key, live_worker,
+                                                              rclient, keys):
+    settings.LLM_PLATFORM = {**settings.LLM_PLATFORM, "MAX_QUEUE_SIZE": 2}
+    _, key, _ = tenant_key
+    principal = Principal.for_api_key(key)
+    slug = key.tenant.slug
+
+    async def admit(batch: bool) -> APIError | None:
+        line = message(slug).model_copy(update={"batch": True}) if batch else message(slug)
+        line = RequestMessage.model_validate(line.model_dump())  # its key: the batch one
+        try:
+            await admission.admit(principal, line, 10)
+        except APIError as exc:
+            return exc
+        return None
+
+    assert [asyncio.run(admit(True)) for _ in range(5)] == [None] * 5
+    assert gate1(rclient, keys) == 0
+    assert [asyncio.run(admit(False)) for _ in range(2)] == [None, None]
+    refused = asyncio.run(admit(False))
+    assert refused is not None and refused.code == "queue_full"
+    waiting = [json.loads(r) for r in rclient.hvals(keys.fq("wait"))]
+    assert sorted(r["key"] for r in waiting) == [slug] * 2 + [f"{slug}:batch"] * 5
+
+
+def test_batch_work_has_a_fairness_key_of_its_own(settings, tenant_key):
+    from gateway.lifecycle import fairness_key
+
+    tenant, key, _ = tenant_key
+    assert fairness_key(tenant, batch=True) == f"{tenant.slug}:batch"
+    assert fairness_key(tenant) == tenant.slug
+    settings.LLM_PLATFORM = {**settings.LLM_PLATFORM, "FAIRNESS_KEY": "api_key"}
+    assert fairness_key(tenant, api_key_id=key.id, batch=True) == (
+        f"{tenant.slug}/key-{key.id}:batch")

@@ -59,9 +59,9 @@ def web_and_worker_counts(principal: Principal, body: dict, tokenizer: Tokenizer
     async_to_sync(lifecycle.start)(
         principal, sampling=Sampling(**req.sampling(req.requested_max_tokens)),
         default_max_tokens=512, messages=[m.as_dict() for m in req.messages] if chat else None,
-        prompt=None if chat else req.prompt)
+        prompt=None if chat else req.prompt, tools=req.prompt_tools if chat else None)
     (message, token_cost), = captured
-    web = token_cost - MAX_TOKENS
+    web = token_cost - req.n * MAX_TOKENS
     on_redis = RequestMessage.from_json(message.to_json())
     worker = len(submit_args(on_redis, tokenizer, max_model_len=10**9)["prompt_token_ids"])
     return web, worker
@@ -81,13 +81,29 @@ message = st.fixed_dictionaries({
 
 
 chat = st.fixed_dictionaries({"messages": st.lists(message, min_size=1, max_size=6)})
+# Tools offered, and a history of calls and results (their texts as random as the contents).
+tool = st.builds(lambda name, about: {"type": "function", "function": {
+    "name": name, "description": about.replace("<|", "<"),
+    "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}},
+    st.from_regex(r"[a-z_]{1,10}", fullmatch=True), text)
+called = st.builds(lambda ask, args, result: [
+    {"role": "user", "content": ask},
+    {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "call_1", "type": "function",
+        "function": {"name": "f", "arguments": json.dumps({"q": args})}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": result}], text, text, text)
+tool_chat = st.fixed_dictionaries({
+    "messages": st.one_of(st.lists(message, min_size=1, max_size=3), called),
+    "tools": st.lists(tool, min_size=1, max_size=3, unique_by=lambda t: t["function"]["name"]),
+    "tool_choice": st.sampled_from(["auto", "none", "required"]),
+    "n": st.integers(1, 3)})
 completion = st.fixed_dictionaries({"prompt": st.lists(text, min_size=1, max_size=4).map(
     "".join).filter(bool)})
 
 
 @settings(max_examples=300, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(fields=st.one_of(chat, chat, completion))
+@given(fields=st.one_of(chat, chat, completion, tool_chat))
 def test_the_web_count_of_a_request_is_the_workers(fields, tenant_key, real_tokenizer,
                                                    captured):
     principal = Principal.for_api_key(tenant_key[1])

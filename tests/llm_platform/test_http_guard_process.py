@@ -148,8 +148,9 @@ def test_with_a_valid_key_the_large_body_is_read(web):
         exchange(web.port, request("POST", "/v1/files/abc", auth, "Transfer-Encoding: chunked",
                                    body=chunked(b"x" * size))),
     ]
-    for answer in answers:  # read whole, then answered by the API: no such endpoint (yet)
-        assert answer.status == 404 and answer.json_error()["code"] == "not_found"
+    # Read whole, then answered by the API: not a form with a file; a file takes no POST.
+    assert answers[0].status == 400 and answers[0].json_error()["param"] == "file"
+    assert answers[1].status == 405 and answers[1].json_error()["code"] == "method_not_allowed"
     over = exchange(web.port, request("POST", "/v1/files", auth,
                                       f"Content-Length: {FILES_LIMIT + 1}"))
     assert over.status == 413 and f"{FILES_LIMIT} bytes" in over.json_error()["message"]
@@ -165,7 +166,7 @@ def test_expect_100_continue_is_answered_only_once_the_key_is_valid(web):
         out = b""
         while part := conn.recv(65536):
             out += part
-    assert parse_response(out).status == 404
+    assert parse_response(out).status == 400  # read, then refused: not a form with a file
     refused = exchange(web.port, request("POST", "/v1/files", f"Content-Length: {size}",
                                          "Expect: 100-continue"))
     assert refused.status == 401 and b"100 Continue" not in refused.raw

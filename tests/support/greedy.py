@@ -50,6 +50,9 @@ class RecordingBackend(ModelBackend):
     def allocate_kv_pool(self, num_blocks: int, block_size: int) -> None:
         self.inner.allocate_kv_pool(num_blocks, block_size)
 
+    def copy_block(self, source: int, target: int) -> None:
+        self.inner.copy_block(source, target)
+
     def add_row(self, row_id: str) -> None:
         self.inner.add_row(row_id)
 
@@ -64,12 +67,17 @@ class RecordingBackend(ModelBackend):
             self._last_prefill_gap[chunk.row_id] = gap
         return logits
 
+    def _first_gap(self, row_id: str) -> float:
+        """The gap of the final prefill chunk of ``row_id``: for a choice ``<id>#<i>`` forked
+        from request ``<id>``, that request's (every choice's first token comes from it)."""
+        return self._last_prefill_gap[row_id.partition("#")[0]]
+
     def decode(self, rows: Sequence[DecodeRow]) -> torch.Tensor:
         logits = self.inner.decode(rows)
         self.decode_calls.append([(r.position, len(r.block_table)) for r in rows])
         for row, gap in zip(rows, _gaps(logits), strict=True):
             if not self.gaps[row.row_id]:
-                self.gaps[row.row_id].append(self._last_prefill_gap.pop(row.row_id))
+                self.gaps[row.row_id].append(self._first_gap(row.row_id))
             self.gaps[row.row_id].append(gap)
         return logits
 
@@ -86,7 +94,7 @@ class RecordingBackend(ModelBackend):
             self._last_prefill_gap[chunk.row_id] = gap
         for row, gap in zip(rows, gaps[len(chunks):], strict=True):
             if not self.gaps[row.row_id]:
-                self.gaps[row.row_id].append(self._last_prefill_gap.pop(row.row_id))
+                self.gaps[row.row_id].append(self._first_gap(row.row_id))
             self.gaps[row.row_id].append(gap)
         if rows:
             self.decode_calls.append([(r.position, len(r.block_table)) for r in rows])

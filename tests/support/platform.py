@@ -15,8 +15,8 @@ from inference.protocol.keys import Keys, redis_retry_options
 from inference.protocol.messages import UsageReport
 
 # The fixtures a folder's conftest.py takes with ``from tests.support.platform import *``.
-__all__ = ["inproc_worker", "keys", "live_worker", "make_tenant", "rclient", "real_tokenizer",
-           "redis_prefix", "stack_idle_before_flush", "tenant_key"]
+__all__ = ["inproc_worker", "inproc_worker_long", "keys", "live_worker", "make_tenant", "rclient",
+           "real_tokenizer", "redis_prefix", "stack_idle_before_flush", "tenant_key"]
 
 
 @pytest.fixture(autouse=True)
@@ -143,6 +143,16 @@ class InProcessWorker:
 def inproc_worker(redis_prefix: str, settings) -> Iterator[InProcessWorker]:
     """A running in-process worker (reference backend, context of 256 tokens)."""
     worker = InProcessWorker(redis_prefix, settings.REDIS_URL, max_model_len=256,
+                             max_batch_size=4).start()
+    yield worker
+    worker.stop()
+
+
+@pytest.fixture
+def inproc_worker_long(redis_prefix: str, settings) -> Iterator[InProcessWorker]:
+    """A running in-process worker with a context of 4096 tokens (the reference backend's
+    tokens are bytes: a prompt offering tools takes about 500)."""
+    worker = InProcessWorker(redis_prefix, settings.REDIS_URL, max_model_len=4096,
                              max_batch_size=4).start()
     yield worker
     worker.stop()

@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -28,8 +28,11 @@ class Tokenizer(Protocol):
         """Text of ``token_ids``, special tokens skipped; a partial character shows as U+FFFD."""
         ...
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """Prompt ids for chat ``messages`` (``role``/``content``), generation prompt added."""
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]],
+                            tools: Sequence[Any] | None = None) -> list[int]:
+        """Prompt ids for chat ``messages`` (``role``/``content``, and a tool call's or a tool
+        result's fields) offering ``tools`` (OpenAI's function tools, or None), generation prompt
+        added (:mod:`inference.tokenization.chat_tools`)."""
         ...
 
 
@@ -86,6 +89,17 @@ class ModelBackend(ABC):
 
     def remove_row(self, row_id: str) -> None:  # noqa: B027 - optional hook
         """A row leaves the batch; its blocks may be reused by other rows afterwards."""
+
+    def copy_block(self, source: int, target: int) -> None:
+        """Copy the KV of every token slot of block ``source`` into block ``target``
+        (copy-on-write of a prompt's last, partial block when a request forks into ``n``
+        choices; the slots ``target`` then takes are overwritten by its own row).
+
+        Raises:
+            NotImplementedError: a backend that cannot copy blocks serves no ``n`` > 1 request
+                whose prompt ends inside a block.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot copy a KV block")
 
     @abstractmethod
     def prefill(self, chunks: Sequence[PrefillChunk]) -> torch.Tensor:

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from inference.engine.backends.base import DecodeRow, ModelBackend, PrefillChunk
+from inference.tokenization import chat_tools
 
 # Letters and a few punctuation marks: what the backend "writes".
 _ALPHABET = [ord(c) for c in "abcdefghijklmnopqrstuvwxyz ,.!?"]
@@ -46,7 +48,11 @@ class ByteTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]],
+                            tools: Sequence[Any] | None = None) -> list[int]:
+        """A plain template with no tool support: tools get the Hermes fallback."""
+        if chat_tools.uses_tools(messages, tools):
+            messages = chat_tools.fallback_messages(messages, tools)
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
         return [self.bos_token_id, *self.encode(text)]
 
@@ -94,6 +100,7 @@ class ReferenceBackend(ModelBackend):
         self._vocab_ids = torch.arange(self.vocab_size, dtype=torch.int64)
         self.rows: set[str] = set()
         self.forward_calls = 0
+        self.block_copies = 0
 
     def kv_bytes_per_token(self) -> int:
         return 8
@@ -107,6 +114,12 @@ class ReferenceBackend(ModelBackend):
 
     def remove_row(self, row_id: str) -> None:
         self.rows.discard(row_id)
+
+    def copy_block(self, source: int, target: int) -> None:
+        """Copy block ``source``'s token slots into block ``target`` (copy-on-write at a fork)."""
+        assert self._pool is not None, "allocate_kv_pool first"
+        self._pool[target] = self._pool[source]
+        self.block_copies += 1
 
     def _forward(self) -> None:
         self.forward_calls += 1

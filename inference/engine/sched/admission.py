@@ -9,9 +9,18 @@ decode rows of a lower priority tier (``docs/design.md``, "Preemption across pri
 within it the most recently admitted first, only rows preempted fewer than ``MAX_PREEMPTIONS``
 times, and only as many as let the head in (a free row, gate 2 and gate 3 all checked on their
 release before any is preempted; if no choice lets it in, none is, and the head waits as before).
-Within one tier nothing is preempted: a request that fits waits for room. Preemption is for priority
+A request of ``n`` > 1 choices is preempted as a whole, every live choice's row at once
+(:mod:`inference.engine.sched.choice_resume`). Within one tier nothing is preempted: a request that
+fits waits for room. Preemption is for priority
 only: it is never a way out of a full pool, since admission reserves every block a row can grow
 into and decode never runs out of blocks.
+
+Batch rows (``docs/design.md``, "The batch service class") are the exception: an interactive
+head that finds no free row or fails gate 2 or gate 3 preempts batch rows first, in any phase
+(prefilling or decode), whatever the tiers and without the ``MAX_PREEMPTIONS`` bound; a batch
+head preempts nothing. A batch head is admitted only while the predicted pass of every row
+stays within what the interactive rows alone take plus ``BATCH_ITL_SLACK_MS``
+(:func:`inference.engine.sched.tick_budget.batch_row_fits`).
 
 :class:`Admission` is the scheduler's phase-1 collaborator: it reads and changes the
 :class:`~inference.engine.sched.state.SchedulerState` it is given and ends or prefills rows through
@@ -27,10 +36,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from inference.engine.config import PrefillMode
-from inference.engine.request import Request, RequestPhase
+from inference.engine.request import BATCH_TIER, Request, RequestPhase
+from inference.engine.sched.choice_resume import preempted_group_state, resumed_group_request
 from inference.engine.sched.lifecycle import RowLifecycle
-from inference.engine.sched.preemption import preempted_state, resumed_request
+from inference.engine.sched.preemption import preempted_state, restarted, resumed_request
 from inference.engine.sched.state import SchedulerState
+from inference.engine.sched.tick_budget import PassCostModel, PassShape, batch_row_fits
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +65,10 @@ class Admission:
         self.max_preemptions = state.config.max_preemptions
         self.preemption_enabled = state.config.preemption and self.max_preemptions > 0
         self.hand_out_preempted = False
+        # The mixed pass's cost model (the scheduler sets it; None: batch rows are admitted
+        # whenever a row is free) and the slack batch rows may add to a pass (seconds).
+        self.cost_model: PassCostModel | None = None
+        self.batch_slack_s = state.config.batch_itl_slack_ms / 1000.0
 
     # -- admission and the gates -------------------------------------------------------------
 
@@ -64,7 +79,10 @@ class Admission:
         while state.pending:
             request = state.policy.peek_next()
             assert request is not None
-            if state.rows_held() >= state.max_batch_size:
+            if request.batch and not self._batch_fits(request):
+                state.batch_itl_held += 1  # every request behind it is batch too
+                return
+            if state.rows_held() + request.num_rows > state.max_batch_size:
                 if self._preempt_for(request):
                     continue
                 return
@@ -78,6 +96,8 @@ class Admission:
             # Gate 3, soft: wait until blocks free up (no evict-to-admit thrash).
             match = state.kv.find_cached_prefix(request)
             if state.kv.blocks_needed(request, match) > state.kv.available_blocks():
+                if self._preempt_for(request, batch_only=True):
+                    continue
                 self._soft_hold(3)
                 return
             picked = state.policy.pick_next()
@@ -85,6 +105,8 @@ class Admission:
             del state.pending[request.request_id]
             state.left_pending += 1
             state.kv.admit(request, match)
+            if request.recomputed_prefix:  # started again: its usage keeps its first hits
+                request.num_cached_tokens = request.first_cached_tokens
             request.reserved_kv_tokens = demand
             state.active_kv_reserved += demand
             state.admissions += 1
@@ -97,36 +119,81 @@ class Admission:
             if state.prefill_mode is PrefillMode.MONOLITHIC:
                 self.rows.run_prefill([request], whole_prompt=True)
 
+    def _batch_fits(self, head: Request) -> bool:
+        """Whether a batch ``head`` keeps the predicted pass within the interactive rows' own
+        plus the slack (every admitted row counted as the decode row it becomes)."""
+        if self.cost_model is None:
+            return True
+        shapes = {True: [0, 0], False: [0, 0]}
+        for row in (*self.state.prefilling, *self.state.active):
+            shapes[row.batch][0] += row.num_rows
+            shapes[row.batch][1] += row.num_rows * row.num_tokens
+        return batch_row_fits(PassShape(*shapes[False]), PassShape(*shapes[True]),
+                              head.num_rows, head.num_rows * head.num_tokens, self.cost_model,
+                              self.batch_slack_s)
+
     def _soft_hold(self, gate: int) -> None:
         self.state.soft_held[gate] += 1
         self.state.kv_admit_blocked += 1
 
     # -- preemption ----------------------------------------------------------------------------
 
-    def _victims(self, head: Request) -> list[Request]:
-        """The decode rows that may be preempted for ``head``, in the order they would be:
-        lower tier than ``head`` (lowest first), most recently admitted first, still live,
-        preempted fewer than ``max_preemptions`` times."""
-        if not self.preemption_enabled:
-            return []
-        rows = [r for r in self.state.active if r.priority < head.priority
-                and r.finish_reason is None and r.preemptions < self.max_preemptions]
-        rows.sort(key=lambda r: (r.priority, -r.admit_seq))
-        return rows
+    def _preemptible(self, batch_only: bool = False) -> list[list[Request]]:
+        """What may be preempted, each entry a request: a decode row, or every live row of a
+        forked request of ``n`` > 1 choices (preempted together, only while each is a decode
+        row that has not stopped); still live, preempted fewer than ``max_preemptions``
+        times, with preemption on. A batch row whatever its preemptions or the setting, and
+        prefilling too (except one resumed with its choices, and each choice of such a request
+        while it replays its tokens); only those with ``batch_only``."""
+        units: list[list[Request]] = []
+        groups: set[int] = set()
+        for row in (*self.state.prefilling, *self.state.active):
+            if not row.batch and (batch_only or not self.preemption_enabled
+                                  or row.phase is RequestPhase.PREFILLING
+                                  or row.preemptions >= self.max_preemptions):
+                continue
+            if row.phase is RequestPhase.PREFILLING:
+                # A choice replaying its tokens after its request resumed is one row of a
+                # group: never preempted alone (nor its request, until each choice decodes).
+                if row.group is None and (row.resume is None or not row.resume.choices):
+                    units.append([row])
+                continue
+            if row.group is None:
+                if row.finish_reason is None:
+                    units.append([row])
+                continue
+            if id(row.group) in groups:
+                continue
+            groups.add(id(row.group))
+            rows = row.group.live_rows()
+            if all(r.phase is RequestPhase.ACTIVE and r.finish_reason is None for r in rows):
+                units.append(rows)
+        return units
 
-    def _preempt_for(self, head: Request) -> bool:
-        """Preempt the fewest rows of :meth:`_victims` whose release lets ``head`` in now;
+    def _victims(self, head: Request, batch_only: bool = False) -> list[list[Request]]:
+        """The requests that may be preempted for an interactive ``head``
+        (:meth:`_preemptible`), in the order they would be: batch rows first, then lower tier
+        than ``head`` (lowest first), most recently admitted first; none for a batch head."""
+        if head.batch:
+            return []
+        units = [u for u in self._preemptible(batch_only)
+                 if u[0].batch or u[0].priority < head.priority]
+        units.sort(key=lambda u: (not u[0].batch, u[0].priority, -u[0].admit_seq))
+        return units
+
+    def _preempt_for(self, head: Request, batch_only: bool = False) -> bool:
+        """Preempt the fewest requests of :meth:`_victims` whose release lets ``head`` in now;
         return whether any was preempted (none is when no choice lets it in)."""
-        victims = self._victims(head)
+        victims = self._victims(head, batch_only)
         if not victims:
             return False
         match = self.state.kv.find_cached_prefix(head)
         for n in range(1, len(victims) + 1):
-            if self._fits_without(head, match, victims[:n]):
-                for row in victims[:n]:
-                    log.info("preempting %s (tier %d) for %s (tier %d)", row.request_id,
-                             row.priority, head.request_id, head.priority)
-                    self._preempt(row)
+            if self._fits_without(head, match, [r for unit in victims[:n] for r in unit]):
+                for unit in victims[:n]:
+                    log.info("preempting %s (tier %d) for %s (tier %d)", unit[0].event_id,
+                             unit[0].priority, head.request_id, head.priority)
+                    self._preempt(unit)
                 return True
         return False
 
@@ -134,7 +201,8 @@ class Admission:
         """Whether ``head`` (its prefix hit ``match``) passes a free row, gate 2 and gate 3
         once ``rows`` have released their rows, reservations, blocks and promised blocks."""
         state = self.state
-        if state.rows_held() - len(rows) >= state.max_batch_size:
+        freed = sum(r.num_rows if r.phase is RequestPhase.PREFILLING else 1 for r in rows)
+        if state.rows_held() - freed + head.num_rows > state.max_batch_size:
             return False
         reserved = state.active_kv_reserved - sum(r.reserved_kv_tokens for r in rows)
         if reserved + head.kv_demand > state.active_kv_budget:
@@ -145,30 +213,53 @@ class Admission:
         released = sum(1 for b, n in refs.items() if blocks[b].ref_count == n)
         available = kv.available_blocks() + released + sum(r.reserved_blocks for r in rows)
         revived = sum(1 for b in match.block_ids if blocks[b].ref_count == refs.get(b, 0))
-        needed = kv.blocks_for_tokens(head.kv_demand) - len(match.block_ids) + revived
+        needed = kv.blocks_demand(head) - len(match.block_ids) + revived
         return needed <= available
 
-    def _preempt(self, request: Request) -> None:
-        """Take a decode row out of the batch by recompute (module docstring)."""
+    def _preempt(self, rows: list[Request]) -> None:
+        """Take a request out of the batch by recompute (module docstring): its decode row,
+        or every live row of a forked request together
+        (:mod:`inference.engine.sched.choice_resume`)."""
         state = self.state
-        resume = preempted_state(request, state.clock)
-        state.active.remove(request)
-        state.kv.free(request)  # full blocks stay cached (evictable), the rest is free
-        state.active_kv_reserved -= request.reserved_kv_tokens
-        request.reserved_kv_tokens = 0
-        state.backend.remove_row(request.request_id)
-        request.phase = RequestPhase.FINISHED
+        request = rows[0]
+        group = request.group
+        if group is None:
+            resume = preempted_state(request, state.clock)
+        else:
+            resume = preempted_group_state(group, state.clock)
+            del state.groups[group.request_id]
+        restart = not resume.generated and not resume.choices  # prefilling, nothing streamed
+        fresh = restarted(request) if restart and not self.hand_out_preempted else None
+        for row in rows:
+            (state.prefilling if row.phase is RequestPhase.PREFILLING else state.active).remove(
+                row)
+            state.kv.free(row)  # full blocks stay cached (evictable), the rest is free
+            state.active_kv_reserved -= row.reserved_kv_tokens
+            row.reserved_kv_tokens = 0
+            state.backend.remove_row(row.request_id)
+            row.phase = RequestPhase.FINISHED
         state.preemptions += 1
+        state.batch_preemptions += int(request.batch)
         if self.hand_out_preempted:
             state.policy.on_request_finished(request)
             state.preempted_out.append(resume)
             return
-        resumed = resumed_request(
-            resume, request.prompt_token_ids[:resume.prompt_len], tenant=request.tenant,
-            fairness_key=request.fairness_key, priority=request.priority,
-            fairness_weight=request.fairness_weight, tokenizer=state.tokenizer,
-            eos_token_ids=state.eos_token_ids, clock=state.clock,
-            arrival_seq=request.arrival_seq)
+        prompt = request.prompt_token_ids[:resume.prompt_len]
+        if fresh is not None:
+            resumed = fresh
+        elif group is not None:
+            resumed = resumed_group_request(
+                resume, prompt, tenant=request.tenant, fairness_key=request.fairness_key,
+                priority=request.priority, fairness_weight=request.fairness_weight,
+                clock=state.clock, arrival_seq=request.arrival_seq)
+        else:
+            resumed = resumed_request(
+                resume, prompt, tenant=request.tenant,
+                fairness_key=request.fairness_key, priority=request.priority,
+                fairness_weight=request.fairness_weight, tokenizer=state.tokenizer,
+                eos_token_ids=state.eos_token_ids, clock=state.clock,
+                arrival_seq=request.arrival_seq)
+        resumed.batch, resumed.expires_at = request.batch, request.expires_at
         # Arrived before the old row leaves, so its key never looks idle (no VTC lift).
         self.rows.enqueue(resumed)
         state.policy.on_request_finished(request)
@@ -184,19 +275,26 @@ class Admission:
             "preemptions": self.state.preemptions,
             "preempted_tokens_recomputed": self.state.preempted_tokens_recomputed,
             "preemptible_rows": self.preemptible_rows(),
+            "batch_preemptions": self.state.batch_preemptions,
+            "batch_tokens_recomputed": self.state.batch_tokens_recomputed,
+            "batch_itl_held": self.state.batch_itl_held,
+            "batch_itl_slack_ms": self.state.config.batch_itl_slack_ms,
         }
 
     def preemptible_rows(self) -> dict[str, int] | None:
         """What a worker whose rows are full may take to preempt for: the lowest tier of the
         decode rows that may be preempted (``tier``), how many of them are in it (``rows``),
         and how many pending requests already sort above it (``pending_above``); None when no
-        row may be preempted."""
-        if not self.preemption_enabled:
-            return None
-        rows = [r for r in self.state.active
-                if r.finish_reason is None and r.preemptions < self.max_preemptions]
+        row may be preempted. Batch rows, which any interactive request may preempt, count as
+        the tier :data:`~inference.engine.request.BATCH_TIER`, below every other."""
+        rows = [r for unit in self._preemptible() for r in unit]
         if not rows:
             return None
+        batch = [r for r in rows if r.batch]
+        if batch:
+            return {"tier": BATCH_TIER, "rows": sum(r.num_rows for r in batch),
+                    "pending_above": sum(1 for r in self.state.pending.values()
+                                         if not r.batch)}
         lowest = min(r.priority for r in rows)
         return {"tier": lowest, "rows": sum(1 for r in rows if r.priority == lowest),
                 "pending_above": sum(1 for r in self.state.pending.values()

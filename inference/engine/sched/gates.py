@@ -34,11 +34,15 @@ def never_fits(request: Request, kv: KVCacheManager,
     demand = request.kv_demand
     numbers = {"prompt_len": request.prompt_len, "max_tokens": request.max_tokens,
                "kv_demand": demand}
+    if request.sampling.n > 1:
+        numbers["n"] = request.sampling.n
     if not kv.can_ever_fit(request):
-        blocks = kv.blocks_for_tokens(demand)
+        blocks = kv.blocks_demand(request)
+        what = "prompt_len + max_tokens" if request.sampling.n == 1 else (
+            f"prompt_len + {request.sampling.n} * max_tokens")
         return 3, ErrorInfo(
             code=ErrorCode.KV_POOL_EXCEEDED,
-            message=(f"prompt_len + max_tokens = {demand} tokens needs {blocks} KV blocks "
+            message=(f"{what} = {demand} tokens needs {blocks} KV blocks "
                      f"of {kv.block_size} tokens; the pool has {kv.num_blocks}; "
                      "it can never be served"),
             gate=3, retryable=False,
@@ -46,9 +50,16 @@ def never_fits(request: Request, kv: KVCacheManager,
     if demand > active_kv_budget:
         return 2, ErrorInfo(
             code=ErrorCode.KV_BUDGET_EXCEEDED,
-            message=(f"prompt_len + max_tokens = {request.prompt_len} + {request.max_tokens}"
-                     f" = {demand} tokens exceeds the active-KV budget of "
+            message=(f"{_terms(request)} = {demand} tokens exceeds the active-KV budget of "
                      f"{active_kv_budget} tokens; it can never be served"),
             gate=2, retryable=False,
             details={**numbers, "active_kv_budget": active_kv_budget})
     return None
+
+
+def _terms(request: Request) -> str:
+    """The sum a request's KV demand is: ``prompt_len + max_tokens`` in numbers (``n`` times
+    ``max_tokens`` for a request of ``n`` choices)."""
+    n = request.sampling.n
+    times = f"{n} * " if n > 1 else ""
+    return f"prompt_len + {times}max_tokens = {request.prompt_len} + {times}{request.max_tokens}"

@@ -30,6 +30,8 @@ from inference.engine.detokenizer import IncrementalDetokenizer
 from inference.engine.logprobs import keep_prompt_logprobs, new_logprob_state
 from inference.engine.request import ErrorInfo, FinishReason, Request, RequestPhase
 from inference.engine.sampling import sample
+from inference.engine.sched.choice_resume import fork_resumed
+from inference.engine.sched.choices import fork, unforked_choices
 from inference.engine.sched.gates import never_fits
 from inference.engine.sched.outputs import RowFault, append_token, final_event, pass_failed
 from inference.engine.sched.state import SchedulerState
@@ -117,7 +119,13 @@ class RowLifecycle:
             charged = computed
             if request.resume is not None:
                 state.preempted_tokens_recomputed += computed
+                state.batch_tokens_recomputed += computed if request.batch else 0
                 charged = 0
+            elif request.recomputed_prefix > chunk.start_pos:  # a batch row started again
+                again = min(computed, request.recomputed_prefix - chunk.start_pos)
+                state.preempted_tokens_recomputed += again
+                state.batch_tokens_recomputed += again
+                charged = computed - again
             state.policy.on_tokens_processed(request, charged, int(request.prefill_done))
             if request.prefill_done:
                 self._promote_to_decode(request, logits[i:i + 1])
@@ -131,9 +139,38 @@ class RowLifecycle:
         """
         state = self.state
         state.prefilling.remove(request)
+        if request.resume is not None and request.resume.choices:
+            self._resume_choices(request)
+            return
         request.phase = RequestPhase.ACTIVE
         state.active.append(request)
-        self.append_token(request, sample(logits, [request], state.eos_token_ids)[0])
+        if request.sampling.n == 1:
+            self.append_token(request, sample(logits, [request], state.eos_token_ids)[0])
+            return
+        # n choices: one row each, every first token drawn from these same logits
+        # (inference.engine.sched.choices); VTC charges each choice's first token.
+        rows, failed = fork(state, request)
+        for row, error in failed:
+            self.finish(row, FinishReason.ERROR, error)
+        rows = [r for r in rows if r.phase is RequestPhase.ACTIVE]
+        tokens = sample(logits.repeat(len(rows), 1), rows, state.eos_token_ids)
+        for row, token in zip(rows, tokens, strict=True):
+            if row is not request:
+                state.policy.on_tokens_processed(row, 0, 1)
+            self.append_token(row, token)
+
+    def _resume_choices(self, request: Request) -> None:
+        """A preempted request of ``n`` choices whose prompt is computed again: each unfinished
+        choice gets its row back, to recompute its own tokens as a prefill
+        (:func:`~inference.engine.sched.choice_resume.fork_resumed`); the prompt's logits are
+        not used (each choice samples after its own tokens)."""
+        rows, failed = fork_resumed(self.state, request)
+        for row, error in failed:
+            self.finish(row, FinishReason.ERROR, error)
+        if self.state.prefill_mode is PrefillMode.MONOLITHIC:
+            live = [r for r in rows if r.phase is RequestPhase.PREFILLING]
+            if live:
+                self.run_prefill(live, whole_prompt=True)
 
     # -- decode --------------------------------------------------------------------------------
 
@@ -200,20 +237,25 @@ class RowLifecycle:
         A constrained row then takes the tokens its grammar forces (jump-forward,
         :meth:`jumps_forward`): each is appended, streamed and billed as a generated token,
         without a sampling step; the next pass computes them with the sampled one. A row whose
-        grammar then allows nothing but its end stops (``stop``) without sampling an EOS.
+        grammar then allows nothing but its end stops (``stop``) without sampling an EOS, also
+        when that token was the last ``max_tokens`` allowed.
         """
         if not self._record(request, token):
             return
         grammar = request.grammar
-        if grammar is None or request.finish_reason is not None:
+        ended = (None, FinishReason.LENGTH)  # a last token that completes the grammar: stop
+        if grammar is None or request.finish_reason not in ended:
             return
-        if self.jumps_forward(request):
+        if request.finish_reason is None and self.jumps_forward(request):
             for forced in grammar.forced_tokens(
                     request.max_tokens - len(request.output_token_ids)):
                 grammar.stats.forced += 1
-                if not self._record(request, forced) or request.finish_reason is not None:
+                if not self._record(request, forced):
                     return
-        if grammar.complete() and not request.sampling.ignore_eos:
+                if request.finish_reason is not None:
+                    break
+        if (grammar.complete() and not request.sampling.ignore_eos
+                and request.finish_reason in ended):
             # Nothing may follow but its end: the answer stops here, without a step for EOS.
             request.finish_reason = FinishReason.STOP
 
@@ -270,14 +312,38 @@ class RowLifecycle:
             else:
                 state.active.remove(request)
             state.kv.free(request)
+            if request.group is not None:
+                request.group.hand_on_prompt_share(request)
             state.active_kv_reserved -= request.reserved_kv_tokens
             request.reserved_kv_tokens = 0
             state.backend.remove_row(request.request_id)
-            state.policy.on_request_finished(request)
+            if request.group is None:
+                state.policy.on_request_finished(request)
         request.phase = RequestPhase.FINISHED
-        # Never raises; it may turn a normal end into an error (held text it could not release).
-        event = final_event(request, reason, error, state.clock())
-        request.finish_reason = event.finish_reason
-        request.error = event.error
-        state.finished[event.finish_reason.value] += 1
-        state.emit(event)
+        group = request.group
+        if group is not None:  # one choice of a forked request: its final event at the last
+            final = group.end(request, reason, error, state.clock())
+            if final is None:
+                return
+            del state.groups[group.request_id]
+            state.policy.on_request_finished(request)
+        else:
+            # Never raises; it may turn a normal end into an error (held text it could not
+            # release).
+            final = unforked_choices(request, final_event(request, reason, error, state.clock()))
+            request.finish_reason = final.finish_reason
+            request.error = final.error
+        state.finished[final.finish_reason.value] += 1
+        state.emit(final)
+
+    def finish_request(self, request_id: str, reason: FinishReason,
+                       error: ErrorInfo | None = None) -> bool:
+        """End the live request ``request_id`` as a whole: every live choice of a forked one;
+        False if it is not live."""
+        group = self.state.groups.get(request_id)
+        rows = group.live_rows() if group is not None else [self.state.find(request_id)]
+        if rows[0] is None:
+            return False
+        for row in rows:
+            self.finish(row, reason, error)
+        return True

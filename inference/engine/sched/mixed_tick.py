@@ -26,6 +26,7 @@ from typing import Any
 from inference.engine.backends.base import ModelBackend, PrefillChunk
 from inference.engine.config import PrefillMode
 from inference.engine.logprobs import keep_prompt_logprobs
+from inference.engine.request import Request
 from inference.engine.sched.lifecycle import RowLifecycle
 from inference.engine.sched.state import SchedulerState
 from inference.engine.sched.tick_budget import (
@@ -33,6 +34,7 @@ from inference.engine.sched.tick_budget import (
     PassShape,
     calibrate,
     chunk_attention,
+    plan_batch_prefill,
     plan_prefill,
 )
 
@@ -75,6 +77,11 @@ def pass_cost_model(backend: ModelBackend, num_blocks: int,
     return cached[block_size]
 
 
+def _spans(rows: list[Request]) -> list[tuple[int, int]]:
+    """``(next prompt position, prompt tokens left)`` of each prefilling row."""
+    return [(r.num_computed_tokens, r.prompt_len - r.num_computed_tokens) for r in rows]
+
+
 class MixedPass:
     """The mixed-batch phase of the scheduler's tick (module docstring).
 
@@ -105,12 +112,15 @@ class MixedPass:
         # all in this pass, as a prompt-like chunk of its own; the others feed one token.
         forced_rows = [r for r in state.active if r.num_tokens - r.num_computed_tokens > 1]
         decode_rows = [r for r in state.active if r.num_tokens - r.num_computed_tokens <= 1]
-        prefilling = list(state.prefilling)
         decode_shape = PassShape(len(decode_rows) + len(forced_rows),
                                  sum(r.num_tokens for r in state.active), 0, 0)
-        take = plan_prefill(
-            [(r.num_computed_tokens, r.prompt_len - r.num_computed_tokens) for r in prefilling],
-            decode_shape, self.cost_model, self.target_itl_s, state.chunk_size)
+        prefilling = [r for r in state.prefilling if not r.batch]
+        take = plan_prefill(_spans(prefilling), decode_shape, self.cost_model,
+                            self.target_itl_s, state.chunk_size)
+        batch = [r for r in state.prefilling if r.batch]
+        if batch:
+            take += self._batch_take(batch, prefilling, take, decode_shape)
+            prefilling += batch
         prefill_rows, chunks = [], []
         for request, n in zip(prefilling, take, strict=True):
             if n == 0:
@@ -151,6 +161,25 @@ class MixedPass:
         n_prefill = len(prefill_rows)
         rows.apply_prefill(prefill_rows, chunks[:n_prefill], logits[:n_prefill])
         rows.apply_decode(forced_rows + decode_rows, logits[n_prefill:])
+
+    def _batch_take(self, batch: list[Request], prefilling: list[Request], take: list[int],
+                    decode: PassShape) -> list[int]:
+        """Prompt tokens of the batch prefilling rows (``docs/design.md``, "The batch service
+        class"): as any row's when no interactive row is in the pass (or no cost model);
+        else the most that keep the predicted pass within the interactive rows' own
+        (their decode rows, ``prefilling`` with ``take``) plus ``BATCH_ITL_SLACK_MS``."""
+        state, model = self.state, self.cost_model
+        interactive = [r for r in state.active if not r.batch]
+        if model is None or not (interactive or prefilling):
+            return plan_prefill(_spans(batch), decode, model, self.target_itl_s,
+                                state.chunk_size)
+        attention = sum(chunk_attention(r.num_computed_tokens, n)
+                        for r, n in zip(prefilling, take, strict=True) if n)
+        alone = PassShape(len(interactive), sum(r.num_tokens for r in interactive), sum(take),
+                          attention)
+        base = PassShape(decode.decode_rows, decode.decode_context, sum(take), attention)
+        ceiling = model.predict(alone) + state.config.batch_itl_slack_ms / 1000.0
+        return plan_batch_prefill(_spans(batch), base, model, ceiling, state.chunk_size)
 
     def tick_budget_stats(self) -> dict[str, Any]:
         """The mixed-batch tick's target, cost model and last pass, for stats."""

@@ -59,6 +59,13 @@ def queue_timeout(waited_s: float) -> ErrorInfo:
         retryable=True, details={"waited_s": round(waited_s, 3)})
 
 
+def batch_expired() -> ErrorInfo:
+    """The error of a batch request not done by its own deadline (its completion window),
+    in any phase; a retry cannot help (the window has passed)."""
+    return ErrorInfo(code=ErrorCode.BATCH_EXPIRED,
+                     message="the batch request did not finish before its deadline")
+
+
 def _text_failed(request: Request, stage: str, token: int | None) -> ErrorInfo:
     log.exception("request %s: turning generated tokens into text failed (%s)",
                   request.request_id, stage)
@@ -111,9 +118,9 @@ def append_token(request: Request, token: int, eos_token_ids: Set[int]) -> Token
             raise RowFault(_text_failed(request, "detokenize", token)) from exc
     if logprobs is not None:
         detokenizer.hold(logprobs, start)
-    event = TokenEvent(request_id=request.request_id, seq=request.next_event_seq(),
+    event = TokenEvent(request_id=request.event_id, seq=request.next_event_seq(),
                        token_id=token, text=text, logprobs=released_logprobs(request),
-                       prompt_logprobs=take_prompt(request))
+                       prompt_logprobs=take_prompt(request), index=request.choice_index)
     if request.detokenizer.stopped:
         request.finish_reason = FinishReason.STOP
     elif n_out >= params.max_tokens:
@@ -132,6 +139,25 @@ def final_event(request: Request, reason: FinishReason, error: ErrorInfo | None,
     ``engine_error`` instead (its tail could not be delivered), and an aborted one stays aborted
     without it. The caller reads the reason and error from the event.
     """
+    held_text, logprobs, reason, error = released_end(request, reason, error)
+    timings = {"queue_s": (request.admitted_time or now) - request.arrival_time,
+               "e2e_s": now - request.arrival_time}
+    if request.first_token_time is not None:
+        timings["ttft_s"] = request.first_token_time - request.arrival_time
+    return FinalEvent(request_id=request.request_id, seq=request.next_event_seq(),
+                      finish_reason=reason, usage=request.usage(), text=held_text, error=error,
+                      timings=timings, prompt_logprobs=take_prompt(request), logprobs=logprobs)
+
+
+def released_end(request: Request, reason: FinishReason, error: ErrorInfo | None
+                 ) -> tuple[str, tuple[PositionLogprobs, ...] | None, FinishReason,
+                            ErrorInfo | None]:
+    """What a row that ends releases: ``(held text, held logprobs, reason, error)``.
+
+    Text held back while a stop string might have been forming is released unless the row
+    failed. Never raises: if releasing it fails, a normal end becomes an ``engine_error`` (its
+    tail could not be delivered) and an aborted row stays aborted without it.
+    """
     held_text = ""
     logprobs = None
     if request.detokenizer is not None and reason is not FinishReason.ERROR:
@@ -145,13 +171,7 @@ def final_event(request: Request, reason: FinishReason, error: ErrorInfo | None,
             failure = _text_failed(request, "flush", None)
             if reason is not FinishReason.ABORT:
                 reason, error = FinishReason.ERROR, failure
-    timings = {"queue_s": (request.admitted_time or now) - request.arrival_time,
-               "e2e_s": now - request.arrival_time}
-    if request.first_token_time is not None:
-        timings["ttft_s"] = request.first_token_time - request.arrival_time
-    return FinalEvent(request_id=request.request_id, seq=request.next_event_seq(),
-                      finish_reason=reason, usage=request.usage(), text=held_text, error=error,
-                      timings=timings, prompt_logprobs=take_prompt(request), logprobs=logprobs)
+    return held_text, logprobs, reason, error
 
 
 def released_logprobs(request: Request,

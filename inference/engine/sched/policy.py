@@ -156,8 +156,16 @@ class _LazyHeap:
         return len(self._live)
 
 
+def service_rank(request: Request) -> tuple[int, int]:
+    """The part of a sort key before fairness and arrival: interactive requests by tier,
+    ``(0, -priority)``, then every batch request, ``(1, 0)``, whatever its tier
+    (``docs/design.md``, "The batch service class")."""
+    return (1, 0) if request.batch else (0, -request.priority)
+
+
 class FCFSPolicy(SchedulingPolicy):
-    """First come, first served within priority tiers: sort key ``(-priority, arrival_seq)``."""
+    """First come, first served within priority tiers: sort key ``(-priority, arrival_seq)``,
+    after :func:`service_rank` (batch requests after every interactive one)."""
 
     name = "fcfs"
 
@@ -170,7 +178,7 @@ class FCFSPolicy(SchedulingPolicy):
         return head[1] if head else None
 
     def _push(self, request: Request) -> None:
-        self._heap.push((-request.priority, request.arrival_seq), request)
+        self._heap.push((*service_rank(request), request.arrival_seq), request)
 
     def _pop(self, request: Request) -> None:
         self._heap.remove(request)
@@ -184,7 +192,8 @@ class VTCPolicy(SchedulingPolicy):
     Models", OSDI 2024), with priority tiers in front.
 
     Sort key ``(-priority, counter[key], arrival_seq)``: the highest tier first, then the key that
-    has been served least, then its oldest request. A key that becomes backlogged (nothing queued
+    has been served least, then its oldest request; batch requests after every interactive one
+    (:func:`service_rank`), fair among their own keys. A key that becomes backlogged (nothing queued
     or running) is lifted to the minimum counter of the backlogged keys, or, when none is
     backlogged, to the counter of the key that went idle last; so it neither starves others nor
     gets a catch-up burst for the time it was away.
@@ -194,7 +203,7 @@ class VTCPolicy(SchedulingPolicy):
 
     def __init__(self, input_weight: float = 1.0, output_weight: float = 2.0):
         super().__init__(input_weight, output_weight)
-        # Each key's own pending requests, ordered by (-priority, arrival_seq).
+        # Each key's own pending requests, ordered by (service_rank, arrival_seq).
         self._per_key: dict[str, _LazyHeap] = defaultdict(_LazyHeap)
         self._backlogged: set[str] = set()
         self._last_idle_counter = 0.0
@@ -207,8 +216,8 @@ class VTCPolicy(SchedulingPolicy):
             head = heap.peek()
             if head is None:
                 continue
-            (neg_priority, arrival), request = head
-            sort_key = (neg_priority, self.keys[key].vtc_counter, arrival)
+            (batch, neg_priority, arrival), request = head
+            sort_key = (batch, neg_priority, self.keys[key].vtc_counter, arrival)
             if best_key is None or sort_key < best_key:
                 best_key, best = sort_key, request
         return best
@@ -227,7 +236,8 @@ class VTCPolicy(SchedulingPolicy):
         self._last_idle_counter = self.keys[key].vtc_counter
 
     def _push(self, request: Request) -> None:
-        self._per_key[request.fairness_key].push((-request.priority, request.arrival_seq), request)
+        self._per_key[request.fairness_key].push(
+            (*service_rank(request), request.arrival_seq), request)
         self._size += 1
 
     def _pop(self, request: Request) -> None:

@@ -70,12 +70,6 @@ def preempted_state(request: Request, clock: Callable[[], float]) -> ResumeState
     def unix(t: float | None) -> float | None:
         return None if t is None else t + offset
 
-    if resume is not None:
-        queue_wait_s = resume.queue_wait_s
-    elif request.queue_deadline is not None:
-        queue_wait_s = request.queue_deadline - request.arrival_time
-    else:
-        queue_wait_s = None
     return ResumeState(
         request_id=request.request_id, prompt_len=prompt_len,
         sampling=resume.sampling if resume is not None else request.sampling,
@@ -84,16 +78,42 @@ def preempted_state(request: Request, clock: Callable[[], float]) -> ResumeState
         cached_prompt_tokens=(resume.cached_prompt_tokens if resume is not None
                               else request.num_cached_tokens),
         arrived_at=unix(request.arrival_time) or 0.0, admitted_at=unix(request.admitted_time),
-        first_token_at=unix(request.first_token_time), queue_wait_s=queue_wait_s,
+        first_token_at=unix(request.first_token_time), queue_wait_s=request.queue_wait_s,
         generator=request.sampler_state, detokenizer=request.detokenizer,
         grammar=request.grammar)
 
 
+def restarted(request: Request) -> Request:
+    """A batch row preempted while it prefilled, before it generated anything
+    (``docs/design.md``, "The batch service class"), as the request that starts it again: the
+    same id, prompt, settings, arrival (so its place), deadline, generator and grammar; the
+    prompt tokens it computed are charged to nobody again (``recomputed_prefix``) and its usage
+    keeps its first admission's prefix hits."""
+    fresh = Request(request_id=request.request_id,
+                    prompt_token_ids=list(request.prompt_token_ids), sampling=request.sampling,
+                    tenant=request.tenant, fairness_key=request.fairness_key,
+                    priority=request.priority, fairness_weight=request.fairness_weight,
+                    arrival_seq=request.arrival_seq, arrival_time=request.arrival_time)
+    fresh.queue_deadline, fresh.admitted_time = request.queue_deadline, request.admitted_time
+    fresh.batch, fresh.expires_at = request.batch, request.expires_at
+    fresh.preemptions, fresh.event_seq = request.preemptions + 1, request.event_seq
+    fresh.recomputed_prefix = max(request.recomputed_prefix, request.num_computed_tokens)
+    fresh.first_cached_tokens = (request.first_cached_tokens if request.recomputed_prefix
+                                 else request.num_cached_tokens)
+    fresh.sampler_state, fresh.grammar = request.sampler_state, request.grammar
+    return fresh
+
+
 def for_another_engine(state: ResumeState) -> ResumeState:
-    """``state`` without its live objects (the generator's state as bytes instead): what a
-    preempted request takes to another engine, which replays its tokens into new ones."""
+    """``state`` without its live objects (the generator's state as bytes instead), its
+    choices' too: what a preempted request takes to another engine, which replays its tokens
+    into new ones."""
+    choices = tuple(dataclasses.replace(
+        c, sampler_state=(generator_state(c.generator) if c.generator is not None
+                          else c.sampler_state),
+        generator=None, detokenizer=None, grammar=None) for c in state.choices)
     return dataclasses.replace(state, sampler_state=generator_state(state.generator),
-                               generator=None, detokenizer=None, grammar=None)
+                               generator=None, detokenizer=None, grammar=None, choices=choices)
 
 
 def replay_detokenizer(tokenizer: Tokenizer, state: ResumeState,
@@ -106,6 +126,20 @@ def replay_detokenizer(tokenizer: Tokenizer, state: ResumeState,
         if token not in eos_token_ids:
             detokenizer.add_token(token, check_stop=n > state.sampling.min_tokens)
     return detokenizer
+
+
+def restore_times(request: Request, state: ResumeState, clock: Callable[[], float]) -> None:
+    """Set ``request``'s arrival, admission and first-token times (on ``clock``) from
+    ``state``'s unix ones; its admission deadline (if any) counts again from now."""
+    now = clock()
+    offset = now - time.time()
+    request.arrival_time = state.arrived_at + offset
+    if state.admitted_at is not None:
+        request.admitted_time = state.admitted_at + offset
+    if state.first_token_at is not None:
+        request.first_token_time = state.first_token_at + offset
+    if state.queue_wait_s is not None:
+        request.queue_deadline = now + state.queue_wait_s
 
 
 def resumed_request(state: ResumeState, prompt_token_ids: Sequence[int], *, tenant: str,
@@ -136,15 +170,7 @@ def resumed_request(state: ResumeState, prompt_token_ids: Sequence[int], *, tena
                       prompt_token_ids=[*prompt_token_ids, *state.generated], sampling=sampling,
                       tenant=tenant, fairness_key=fairness_key, priority=priority,
                       fairness_weight=fairness_weight, **extra)
-    now = clock()
-    offset = now - time.time()
-    request.arrival_time = state.arrived_at + offset
-    if state.admitted_at is not None:
-        request.admitted_time = state.admitted_at + offset
-    if state.first_token_at is not None:
-        request.first_token_time = state.first_token_at + offset
-    if state.queue_wait_s is not None:
-        request.queue_deadline = now + state.queue_wait_s
+    restore_times(request, state, clock)
     request.event_seq = state.next_seq
     request.preemptions = state.preemptions
     request.detokenizer = (state.detokenizer if state.detokenizer is not None

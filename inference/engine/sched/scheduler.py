@@ -52,7 +52,7 @@ from inference.engine.request import (
 from inference.engine.sched.admission import Admission
 from inference.engine.sched.lifecycle import RowLifecycle
 from inference.engine.sched.mixed_tick import MixedPass
-from inference.engine.sched.outputs import queue_timeout
+from inference.engine.sched.outputs import batch_expired, queue_timeout
 from inference.engine.sched.policy import SchedulingPolicy, make_policy
 from inference.engine.sched.state import SchedulerState
 from inference.engine.sched.stats import SchedulerStats
@@ -85,6 +85,7 @@ class Scheduler:
         self.rows = RowLifecycle(self.state)
         self.admission = Admission(self.state, self.rows)
         self.mixed = MixedPass(self.state, self.rows)  # calibrates its cost model
+        self.admission.cost_model = self.mixed.cost_model  # the batch rows' ITL rule
         self.observer = SchedulerStats(self.state, self.admission, self.mixed)
 
     # -- what the engine reads -----------------------------------------------------------------
@@ -137,12 +138,9 @@ class Scheduler:
         self.rows.enqueue(request)
 
     def abort_request(self, request_id: str) -> bool:
-        """End a request in any phase with ``finish_reason=abort``; False if it is not live."""
-        request = self.state.find(request_id)
-        if request is None:
-            return False
-        self.rows.finish(request, FinishReason.ABORT)
-        return True
+        """End a request in any phase with ``finish_reason=abort`` (every choice of a request
+        of ``n`` choices, with one final event); False if it is not live."""
+        return self.rows.finish_request(request_id, FinishReason.ABORT)
 
     def step(self, on_prefill_events: Callable[[list[Event]], None] | None = None
              ) -> list[Event]:
@@ -227,7 +225,8 @@ class Scheduler:
     # -- the phases around admission -----------------------------------------------------------
 
     def _expire_pending(self) -> None:
-        """End the pending requests whose admission deadline has passed (``queue_timeout``)."""
+        """End the pending requests whose admission deadline has passed (``queue_timeout``),
+        and the batch requests past their own deadline in any phase (``batch_expired``)."""
         state = self.state
         now = state.clock()
         expired = [r for r in state.pending.values()
@@ -235,6 +234,11 @@ class Scheduler:
         for request in expired:
             self.rows.finish(request, FinishReason.ERROR,
                              queue_timeout(now - request.arrival_time))
+        # A batch request past its own deadline ends in whatever phase it is (every choice).
+        late = {r.event_id for r in (*state.pending.values(), *state.prefilling, *state.active)
+                if r.expires_at is not None and now > r.expires_at}
+        for request_id in late:
+            self.rows.finish_request(request_id, FinishReason.ERROR, batch_expired())
 
     def _advance_prefill_chunk(self) -> None:
         """Phase 2: one chunk of every prefilling row, in one prefill pass."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from inference.engine.backends.base import ModelBackend, Tokenizer
 from inference.engine.config import EngineConfig, PrefillMode
@@ -54,13 +55,19 @@ class SchedulerState:
 
     Queues: ``pending`` maps request id to request (membership only: the policy holds the
     order), ``prefilling`` holds admitted rows in admission order, ``active`` the decode batch.
-    ``active_kv_reserved`` is the sum of the admitted rows' ``reserved_kv_tokens``.
+    ``active_kv_reserved`` is the sum of the admitted rows' ``reserved_kv_tokens``. ``groups``
+    maps the id of each live request forked into ``n`` > 1 choices to its
+    :class:`~inference.engine.sched.choices.ChoiceGroup` (its rows are in ``active``).
 
     Counters, all since start: ``tick_count``, ``tokens_generated``,
     ``prompt_tokens_computed``, ``kv_admit_blocked`` (soft-holds and hard-rejects together),
     ``soft_held`` and ``hard_rejected`` (per gate), ``finished`` (per finish reason),
     ``admissions`` (each row's ``admit_seq``), ``preemptions``, ``preempted_tokens_recomputed``
-    (prompt tokens computed again for resumed rows, charged to nobody). ``left_pending`` counts
+    (prompt tokens computed again for resumed rows, charged to nobody), ``batch_preemptions``
+    and ``batch_tokens_recomputed`` (the part of both of batch rows), ``batch_itl_held``
+    (admissions of a batch head held back by the ITL rule), ``forked_requests``
+    (requests of ``n`` > 1 choices forked after their one prefill) and ``forked_choices`` (the
+    decode rows those forks made, choice 0 included). ``left_pending`` counts
     the requests that left ``pending`` (admitted or ended) since the engine last took it.
 
     Outputs: ``events`` (in order, until taken) and ``preempted_out`` (the resume states of
@@ -84,6 +91,7 @@ class SchedulerState:
     prefilling: list[Request] = field(default_factory=list)
     active: list[Request] = field(default_factory=list)
     active_kv_reserved: int = 0
+    groups: dict[str, Any] = field(default_factory=dict)
 
     tick_count: int = 0
     tokens_generated: int = 0
@@ -95,7 +103,12 @@ class SchedulerState:
     admissions: int = 0
     preemptions: int = 0
     preempted_tokens_recomputed: int = 0
+    batch_preemptions: int = 0
+    batch_tokens_recomputed: int = 0
+    batch_itl_held: int = 0
     left_pending: int = 0
+    forked_requests: int = 0
+    forked_choices: int = 0
 
     events: list[Event] = field(default_factory=list)
     preempted_out: list[ResumeState] = field(default_factory=list)
@@ -108,8 +121,9 @@ class SchedulerState:
         self.max_batch_size = self.config.max_batch_size
 
     def rows_held(self) -> int:
-        """Admitted rows, prefilling and decoding: each holds a row of the batch and its KV."""
-        return len(self.prefilling) + len(self.active)
+        """Admitted rows, prefilling and decoding: each holds a row of the batch and its KV
+        (a request of ``n`` choices still prefilling holds the ``n`` rows it forks into)."""
+        return sum(r.num_rows for r in self.prefilling) + len(self.active)
 
     def has_work(self) -> bool:
         """Whether any request is live (in one of the three queues)."""

@@ -39,6 +39,7 @@ class SchedulerStats:
             "max_batch_size": state.max_batch_size,
             "max_pending": state.config.max_pending,
             "num_pending": len(state.pending),
+            "num_pending_batch": sum(1 for r in state.pending.values() if r.batch),
             "num_prefilling": len(state.prefilling),
             "num_active": len(state.active),
             "active_kv_reserved": state.active_kv_reserved,
@@ -62,7 +63,9 @@ class SchedulerStats:
         return snapshot
 
     def debug_snapshot(self) -> dict[str, Any]:
-        """Queue membership and per-row reservations, for invariant checks."""
+        """Queue membership and per-row reservations, for invariant checks; the forks of
+        requests of ``n`` > 1 choices (``forked_requests``, ``forked_choices``: the rows they
+        made, choice 0 included)."""
         state = self.state
         head = state.policy.peek_next()
         return {
@@ -71,5 +74,7 @@ class SchedulerStats:
             "prefilling": [r.debug_row() for r in state.prefilling],
             "active": [r.debug_row() for r in state.active],
             "active_kv_reserved": state.active_kv_reserved,
+            "forked_requests": state.forked_requests,
+            "forked_choices": state.forked_choices,
             **state.kv.snapshot(),
         }

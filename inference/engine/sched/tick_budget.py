@@ -179,6 +179,53 @@ def plan_prefill(prefilling: Sequence[tuple[int, int]], decode: PassShape,
     return _split(prefilling, budget, cap)
 
 
+def batch_row_fits(interactive: PassShape, batch: PassShape, rows: int, context: int,
+                   model: PassCostModel | None, slack_s: float) -> bool:
+    """Whether a batch request may be admitted (``docs/design.md``, "The batch service class"):
+    the predicted pass of every row, its ``rows`` (attending to ``context`` tokens in all) added
+    as decode rows, stays within the interactive rows' own pass plus ``slack_s`` seconds.
+
+    Args:
+        interactive, batch: the admitted rows of each class as the decode rows they are or
+            become (prefill fields zero).
+        model: the pass cost model; None: always True.
+
+    Returns:
+        True also when no interactive row is admitted: batch work then fills the machine.
+    """
+    if model is None or interactive.decode_rows == 0:
+        return True
+    with_row = PassShape(interactive.decode_rows + batch.decode_rows + rows,
+                         interactive.decode_context + batch.decode_context + context)
+    return model.predict(with_row) <= model.predict(interactive) + slack_s
+
+
+def plan_batch_prefill(prefilling: Sequence[tuple[int, int]], base: PassShape,
+                       model: PassCostModel, ceiling_s: float, cap: int) -> list[int]:
+    """Prompt tokens each batch prefilling row runs this tick, beside interactive rows: the
+    most (at most ``cap`` per row, split as :func:`plan_prefill` splits) whose predicted pass,
+    ``base`` (every decode row and the interactive rows' prompt tokens) included, fits
+    ``ceiling_s`` (the interactive rows' own pass plus the slack); none fit: 0 each.
+
+    Args:
+        prefilling: ``(position of the next prompt token, prompt tokens left)`` per batch row,
+            oldest first.
+    """
+    def fits(tokens: int) -> bool:
+        extra = _shape(prefilling, base, tokens, cap)
+        return model.predict(PassShape(
+            base.decode_rows, base.decode_context, base.prefill_tokens + tokens,
+            base.prefill_attention + extra.prefill_attention)) <= ceiling_s
+
+    low, high = 0, sum(min(cap, left) for _, left in prefilling)
+    if high and fits(high):
+        low = high
+    while high - low > 1:  # the prediction grows with the tokens: bisect
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return _split(prefilling, low, cap) if low else [0] * len(prefilling)
+
+
 def _split(prefilling: Sequence[tuple[int, int]], budget: int, cap: int) -> list[int]:
     take = [0] * len(prefilling)
     take[0] = min(prefilling[0][1], cap, max(1, budget // 4))

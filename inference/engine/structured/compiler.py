@@ -193,9 +193,9 @@ class GrammarCompiler:
         with self._lock:
             if self._lltok is None:
                 tok = self.tokenizer
-                if hasattr(tok, "json_text"):  # a ``tokenizers`` tokenizer
-                    eos = min(tok.eos_token_ids) if tok.eos_token_ids else None
-                    self._lltok = llguidance.LLTokenizer(tok.json_text(), eos_token=eos)
+                if hasattr(tok, "encode_as_text"):  # inference.tokenization.Tokenizer
+                    self._lltok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(
+                        _TextTokens(tok)))
                 else:  # tokens as bytes, eos/bos ids, bytes -> ids (the reference backend's)
                     self._lltok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(tok))
             return self._lltok
@@ -294,3 +294,21 @@ class GrammarCompiler:
                     request.grammar_error = error
                     return
         request.grammar = grammar
+
+
+class _TextTokens:
+    """A model's tokenizer as llguidance's ``TokenizerWrapper`` reads it: every token's bytes,
+    its special tokens, and text to ids with special-token text as ordinary text. Text a grammar
+    forces (a ``const`` of ``"<|im_end|>"``) is then written as the characters it is, never as
+    the control token, which the grammar would refuse."""
+
+    def __init__(self, tok: Any):
+        special = tok.special_token_ids()
+        self.special_token_ids = sorted(special.values())
+        self.tokens = [tok.token_bytes(i) for i in range(tok.vocab_size)]
+        self.eos_token_id = min(tok.eos_token_ids) if tok.eos_token_ids else None
+        self.bos_token_id = None
+        self._tok = tok
+
+    def __call__(self, text: bytes) -> list[int]:
+        return self._tok.encode_as_text(text.decode("utf-8", errors="replace"))

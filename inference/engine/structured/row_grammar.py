@@ -13,6 +13,7 @@ that row alone.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -98,6 +99,18 @@ class RowGrammar:
         self._mask = np.zeros(self._words, dtype=np.int32)
         self._ready = False
         self._future: Future[None] | None = None
+
+    def fork(self) -> RowGrammar:
+        """This grammar state for another row (a choice forked from the same prompt): its own
+        copy of the matcher (``deep_copy``) and of the next token's mask, the same limits."""
+        if self._future is not None:  # the mask being computed for this state: done first
+            future, self._future = self._future, None
+            future.result()
+            self._ready = True
+        clone = copy.copy(self)
+        clone.matcher = self.matcher.deep_copy()
+        clone._mask = self._mask.copy()
+        return clone
 
     # -- the mask ------------------------------------------------------------------------------
 

@@ -87,8 +87,10 @@ for _, c in ipairs(spec.concurrency) do
   end
 end
 
+-- Gate 1 bounds interactive requests: a batch one (its message's `batch`) neither counts in it
+-- nor is refused by it (docs/design.md, "The batch service class").
 local queued = fq_gate1(spec.prefix)
-if queued >= spec.max_queue then
+if not fq_is_batch(ARGV[2]) and queued >= spec.max_queue then
   return refuse('queue_full', 'requests waiting for a worker', spec.max_queue, queued, 1, 1000,
                 true)
 end

@@ -12,7 +12,8 @@
 --
 -- Keys under {p}:fq: (p the deployment's prefix)
 --   seq                 string: the last arrival number given
---   tiers               zset priority -> priority: tiers with a request waiting
+--   tiers               zset priority -> priority: tiers with a request waiting (FQ_BATCH: -inf)
+--   batch_wait          set: the batch requests waiting (kept out of gate 1)
 --   ready:{prio}        zset key -> counter: keys with a request waiting in the tier
 --   heads:{prio}        zset key -> arrival of its oldest waiting request in the tier
 --   q:{prio}:{key}      zset request id -> arrival: the key's waiting requests in the tier
@@ -47,7 +48,18 @@
 -- message's JSON), leases (concurrency lease keys holding its id), and once it runs,
 -- prompt_tokens and first_at (unix s of its first event); a request preempted and waiting again
 -- (preempt.lua) also usage (what it has streamed so far) and preemptions.
--- Gate 1 (requests accepted and not yet admitted) is HLEN wait + the sum of held.
+-- Gate 1 (requests accepted and not yet admitted) is HLEN wait + the sum of held, less the batch
+-- requests waiting (batch_wait).
+--
+-- The batch service class (docs/design.md, "The batch service class"): a request whose message
+-- says `batch` (its record's batch) waits in a tier of its own, FQ_BATCH ('batch', score -inf in
+-- tiers), below every priority tier whatever its own, with the same policy among its keys (its
+-- fairness key is a batch key of its own, inference.protocol.messages.batch_fairness_key). It
+-- is in no known_tiers nor wake_tier list (a worker whose rows are full never takes one), and
+-- batch_wait (set of request ids) keeps it out of gate 1.
+
+-- The tier name of batch requests.
+local FQ_BATCH = 'batch'
 
 local function fq(p, ...)
   return table.concat({p, 'fq', ...}, ':')
@@ -57,8 +69,22 @@ local function fq_counter(p, key)
   return tonumber(redis.call('HGET', fq(p, 'counter'), key) or '0')
 end
 
+-- Whether a request message (JSON) is of the batch service class.
+local function fq_is_batch(body)
+  local ok, message = pcall(cjson.decode, body)
+  return ok and type(message) == 'table' and message.batch == true
+end
+
+-- The tier a record waits in: its priority, or FQ_BATCH.
+local function fq_tier(rec)
+  if rec.batch then
+    return FQ_BATCH
+  end
+  return tostring(rec.prio)
+end
+
 local function fq_gate1(p)
-  local n = redis.call('HLEN', fq(p, 'wait'))
+  local n = redis.call('HLEN', fq(p, 'wait')) - redis.call('SCARD', fq(p, 'batch_wait'))
   local held = redis.call('HVALS', fq(p, 'held'))
   for i = 1, #held do
     n = n + tonumber(held[i])
@@ -68,7 +94,7 @@ end
 
 -- Put a request (a record table) in its place among the waiting ones.
 local function fq_add_waiting(p, rec)
-  local prio = tostring(rec.prio)
+  local prio = fq_tier(rec)
   redis.call('ZADD', fq(p, 'q', prio, rec.key), rec.seq, rec.id)
   redis.call('HSET', fq(p, 'wait'), rec.id, cjson.encode(rec))
   if rec.deadline and rec.deadline > 0 then
@@ -79,9 +105,14 @@ local function fq_add_waiting(p, rec)
     redis.call('ZADD', fq(p, 'heads', prio), rec.seq, rec.key)
   end
   redis.call('ZADD', fq(p, 'ready', prio), fq_counter(p, rec.key), rec.key)
-  redis.call('ZADD', fq(p, 'tiers'), rec.prio, prio)
   redis.call('LPUSH', fq(p, 'wake'), '1')
   redis.call('LTRIM', fq(p, 'wake'), 0, 255)
+  if rec.batch then
+    redis.call('ZADD', fq(p, 'tiers'), '-inf', prio)
+    redis.call('SADD', fq(p, 'batch_wait'), rec.id)
+    return
+  end
+  redis.call('ZADD', fq(p, 'tiers'), rec.prio, prio)
   -- For the workers whose rows are full: they wait for a tier above their lowest rows only.
   redis.call('SADD', fq(p, 'known_tiers'), prio)
   redis.call('LPUSH', fq(p, 'wake_tier', prio), '1')
@@ -95,7 +126,8 @@ local function fq_remove_waiting(p, id)
     return nil
   end
   local rec = cjson.decode(raw)
-  local prio = tostring(rec.prio)
+  local prio = fq_tier(rec)
+  redis.call('SREM', fq(p, 'batch_wait'), id)
   local queue = fq(p, 'q', prio, rec.key)
   redis.call('HDEL', fq(p, 'wait'), id)
   redis.call('ZREM', fq(p, 'deadlines'), id)
@@ -140,7 +172,8 @@ local function fq_enqueue(p, id, key, prio, deadline, body, leases)
   local seq = redis.call('INCR', fq(p, 'seq'))
   fq_backlog(p, key)
   fq_add_waiting(p, {id = id, key = key, prio = tonumber(prio), seq = seq,
-                     deadline = tonumber(deadline), body = body, leases = leases or {}})
+                     deadline = tonumber(deadline), body = body, leases = leases or {},
+                     batch = fq_is_batch(body) or nil})
   return seq
 end
 
@@ -172,15 +205,16 @@ local function fq_now()
   return tonumber(t[1]) + tonumber(t[2]) / 1e6
 end
 
--- A final error event (JSON) as inference.protocol.events.FinalEvent writes it.
+-- A final error event (JSON) as inference.protocol.events.FinalEvent writes it (retryable unless
+-- `retryable` is false).
 local function fq_error_event(id, seq, code, message, details, completion_tokens, prompt_tokens,
-                              cached_prompt_tokens)
+                              cached_prompt_tokens, retryable)
   return cjson.encode({type = 'final', request_id = id, seq = seq, finish_reason = 'error',
                        usage = {prompt_tokens = prompt_tokens or 0,
                                 cached_prompt_tokens = cached_prompt_tokens or 0,
                                 completion_tokens = completion_tokens or 0},
                        text = '', timings = {},
-                       error = {code = code, message = message, retryable = true,
+                       error = {code = code, message = message, retryable = retryable ~= false,
                                 details = details}})
 end
 

@@ -12,8 +12,11 @@ for i = 3, #ARGV, 2 do
   if raw and fq_owns(p, id, ARGV[i + 1]) then
     redis.call('HDEL', fq(p, 'taken', worker), id)
     redis.call('HDEL', fq(p, 'take'), id)
-    redis.call('HINCRBY', fq(p, 'held'), worker, -1)
-    fq_add_waiting(p, cjson.decode(raw))
+    local rec = cjson.decode(raw)
+    if not rec.batch then  -- a batch request was never in held (take.lua)
+      redis.call('HINCRBY', fq(p, 'held'), worker, -1)
+    end
+    fq_add_waiting(p, rec)
     n = n + 1
   end
 end

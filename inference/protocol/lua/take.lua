@@ -1,9 +1,10 @@
 -- Take up to n requests for a worker, in the deployment's fair order (after fair_queue.lua).
 -- ARGV: prefix, worker id, n, policy ("vtc" or "fcfs"), optionally a tier: only requests of a
--- higher tier are taken then (a worker whose rows are full preempts for them). Returns the taken
+-- higher tier are taken then (a worker whose rows are full preempts for them; a batch request
+-- never is). Returns the taken
 -- records (JSON), in order, each followed by its take token: a new one for every take, which the
 -- worker's writes and ends of the request carry (fq_owns). Each is held by the worker
--- (taken:{worker}, held) until its first event or hand-back.
+-- (taken:{worker}, and held unless it is a batch request) until its first event or hand-back.
 -- A worker reclaimed while it was silent (a pause longer than its heartbeat TTL) takes nothing
 -- until it has learned so and registered afresh (inference.worker.recovery): everything it held
 -- before is stale then, and nothing it takes afterwards is. Returns the status "RECLAIMED" then.
@@ -15,7 +16,7 @@ end
 local out = {}
 for _ = 1, n do
   local prio, key = fq_next_key(p, policy)
-  if not key or (above and tonumber(prio) <= above) then
+  if not key or (above and (prio == FQ_BATCH or tonumber(prio) <= above)) then
     break
   end
   local id = redis.call('ZRANGE', fq(p, 'q', prio, key), 0, 0)[1]
@@ -24,7 +25,9 @@ for _ = 1, n do
   local token = tostring(redis.call('INCR', fq(p, 'takes')))
   redis.call('HSET', fq(p, 'taken', worker), id, raw)
   redis.call('HSET', fq(p, 'take'), id, token)
-  redis.call('HINCRBY', fq(p, 'held'), worker, 1)
+  if not rec.batch then  -- a batch request never counts in gate 1
+    redis.call('HINCRBY', fq(p, 'held'), worker, 1)
+  end
   out[#out + 1] = raw
   out[#out + 1] = token
 end

@@ -1,6 +1,6 @@
 -- Take waiting requests out of the queue for good and end them (after fair_queue.lua): their
 -- client left ("ids": finish reason abort), or their admission deadline passed ("expired": a
--- retryable queue_timeout error). Any process may run this; each request ends once (fq_finish).
+-- retryable queue_timeout error; a batch request's own deadline: batch_expired). Any process may run this; each request ends once (fq_finish).
 -- ARGV: prefix, the events' TTL (s), then "ids" and request ids, or "expired" and a limit.
 -- Returns the ids of the requests ended.
 local p, ttl, mode = ARGV[1], tonumber(ARGV[2]), ARGV[3]
@@ -23,7 +23,14 @@ for i = 1, #ids do
     local seq = fq_tokens_sent(p, rec.id)
     local usage = rec.usage or {prompt_tokens = 0, cached_prompt_tokens = 0,
                                 completion_tokens = 0}
-    if mode == 'expired' then
+    if mode == 'expired' and rec.batch then
+      -- A batch request's deadline is its own completion window (docs/design.md, "The batch
+      -- service class"): past it, it ends with batch_expired, which a retry cannot help.
+      event = fq_error_event(
+        rec.id, seq, 'batch_expired', 'the batch request did not finish before its deadline',
+        {batch_deadline_at = rec.deadline}, usage.completion_tokens, usage.prompt_tokens,
+        usage.cached_prompt_tokens, false)
+    elseif mode == 'expired' then
       local message = cjson.decode(rec.body)
       local allowed = tonumber(message.queue_deadline_s) or 0
       local since = message.enqueued_at

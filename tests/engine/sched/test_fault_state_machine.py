@@ -17,7 +17,8 @@ from tests.engine.sched.test_scheduler_state_machine import SchedulerMachine, _s
 
 class ChaosBackend(ReferenceBackend):
     """Every ``fail_every``-th forward pass raises; rows ``r<n>`` with ``n % 5 == 0`` get NaN
-    logits once they have generated two tokens (their prefill logits stay valid)."""
+    logits once they have generated two tokens (their prefill logits stay valid); each choice
+    ``r<n>#<i>`` of a request of ``n`` > 1 choices as its request."""
 
     def __init__(self, fail_every: int = 7):
         super().__init__()
@@ -41,8 +42,10 @@ class ChaosBackend(ReferenceBackend):
         self._pass()
         logits = super().decode(rows)
         for i, row in enumerate(rows):
-            generated = row.position + 1 - self.prompt_len[row.row_id]
-            if int(row.row_id[1:]) % 5 == 0 and generated >= 2:
+            # A forked choice was never prefilled: its request's prompt (the row of choice 0).
+            generated = row.position + 1 - self.prompt_len.get(
+                row.row_id, self.prompt_len.get(row.row_id.partition("#")[0], 0))
+            if int(row.row_id[1:].split("#")[0]) % 5 == 0 and generated >= 2:
                 logits[i] = float("nan")
                 self.poisoned.add(row.row_id)
         return logits
@@ -59,10 +62,11 @@ class FaultyFCFSMachine(SchedulerMachine):
         super().teardown()  # the invariants, one final event each, everything released
         if not hasattr(self, "engine"):
             return
-        for rid in self.engine.backend.poisoned:  # its NaN step ended it, and only it
+        for row in self.engine.backend.poisoned:  # its NaN step ended it, and only it
+            rid, _, index = row.partition("#")
             final = self.log.final(rid)
-            assert final.error is not None and final.error.details["reason"] == "nan_logits", (
-                rid, final)
+            error = final.choices[int(index or 0)].error if final.choices else final.error
+            assert error is not None and error.details["reason"] == "nan_logits", (row, final)
 
 
 class FaultyVTCMachine(FaultyFCFSMachine):
@@ -73,3 +77,26 @@ TestFaultyFCFSScheduler = FaultyFCFSMachine.TestCase
 TestFaultyFCFSScheduler.settings = settings(**_settings)
 TestFaultyVTCScheduler = FaultyVTCMachine.TestCase
 TestFaultyVTCScheduler.settings = settings(**_settings)
+
+
+def test_the_choices_of_a_resumed_batch_request_are_never_preempted_one_at_a_time(monkeypatch):
+    """A batch request of two choices, preempted while it decodes, resumes: its choices replay
+    their tokens as prefilling rows of one group. An interactive request arriving then waits
+    for them instead of preempting one alone (which left its other choice running beside the
+    resumed request: one request in two queues, its tokens streamed twice)."""
+    import tests.engine.sched.test_scheduler_state_machine as machine
+
+    monkeypatch.setattr(machine, "event", lambda *args, **kwargs: None)
+    monkeypatch.setattr(machine, "target", lambda *args, **kwargs: None)
+    run = FaultyFCFSMachine()
+    run.setup(chunk=3, blocks=12, batch=2, queue=2, caching=False, preemptions=0,
+              hand_out=False)
+    run.tick(2)
+    run.submit_batch(max_tokens=5, n=2, priority=0, tail=0, tenant="a")
+    run.tick(6)  # both choices decode
+    for _ in range(3):
+        run.submit_urgent(max_tokens=1, n=1, tail=0, tenant="a")
+    run.tick(2)  # the batch request is preempted, resumed, replays its choices
+    run.submit_urgent(max_tokens=1, n=1, tail=0, tenant="a")
+    run.teardown()  # one queue per request after every tick, one final event each
+    assert run.engine.stats()["batch_preemptions"] >= 1

@@ -8,6 +8,14 @@ exactly one queue (or handed out after a preemption); ``active_kv_reserved`` equ
 total; no request preempted more than ``max_preemptions`` times. When arrivals stop, every
 request ends with exactly one final event after a gap-free run of token events (however often
 it was preempted), its usage counts each of its tokens once, and the reservation returns to 0.
+
+Some requests ask ``n`` > 1 choices: prefilled once, forked into ``n`` rows that share the
+prompt's full blocks. Then ``active_kv_reserved`` is the sum of every admitted row's part
+(``prompt_len + n * max_tokens`` before the fork; ``prompt_len + max_tokens`` for choice 0 and
+``max_tokens`` for each other choice after it), a forked request's rows are all in ``active``, it
+takes ``n`` rows of the batch, each choice ends exactly once (one final event with one entry per
+choice), its token events count on one ``seq``, and no block is left held; it is preempted as a
+whole (every choice at once) and resumed as a whole, in the engine or from its resume state.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from inference.engine.backends.reference import ReferenceBackend
-from inference.engine.llm_engine import QueueFullError
+from inference.engine.llm_engine import InvalidRequestError, QueueFullError
 from inference.engine.request import FinalEvent, FinishReason, ResumeState, SamplingParams
 from tests.support.engine import EventLog, make_engine
 
@@ -43,7 +51,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             enable_prefix_caching=caching, preemption=preemptions > 0,
             max_preemptions=max(preemptions, 1))
         self.log = EventLog()
-        self.submitted: dict[str, tuple[int, int]] = {}
+        self.submitted: dict[str, tuple[int, int, int]] = {}
         self.prompts: dict[str, tuple[list[int], str, int]] = {}
         self.aborted: set[str] = set()
         self.counter = 0
@@ -68,36 +76,59 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(head=st.sampled_from(range(len(HEADS))), tail=st.integers(0, 30),
           max_tokens=st.integers(1, 40), tenant=st.sampled_from("abc"),
-          priority=st.integers(0, 2), huge=st.integers(0, 9))
+          priority=st.integers(0, 2), huge=st.integers(0, 9),
+          n=st.sampled_from([1, 1, 1, 2, 3]))
     def submit(self, head: int, tail: int, max_tokens: int, tenant: str, priority: int,
-               huge: int) -> None:
+               huge: int, n: int = 1, batch: bool = False) -> None:
         prompt = HEADS[head] + [(self.counter * 31 + i) % 250 for i in range(tail)]
         if huge == 0:  # sometimes a request that can never fit
             max_tokens += 400
         self.counter += 1
         rid = f"r{self.counter}"
+        sampling = SamplingParams(max_tokens=max_tokens, n=n, temperature=1.0 if n > 1 else 0.0,
+                                  seed=self.counter)
+        key = f"{tenant}:batch" if batch else tenant
         try:
             self.engine.submit(prompt_token_ids=prompt, request_id=rid, tenant=tenant,
-                               priority=priority, sampling=SamplingParams(max_tokens=max_tokens))
+                               fairness_key=key, priority=priority, sampling=sampling,
+                               batch=batch)
         except QueueFullError:
             assert self.engine.num_queued() >= self.engine.config.max_pending
             return
-        self.submitted[rid] = (len(prompt), max_tokens)
-        self.prompts[rid] = (prompt, tenant, priority)
+        except InvalidRequestError as exc:  # more choices than rows
+            assert n > self.engine.config.max_batch_size
+            assert exc.error.details["param"] == "n"
+            return
+        self.submitted[rid] = (len(prompt), max_tokens, n)
+        self.prompts[rid] = (prompt, tenant, priority, key, sampling, batch)
 
-    @rule(tail=st.integers(0, 6), max_tokens=st.integers(1, 6), tenant=st.sampled_from("abc"))
-    def submit_urgent(self, tail: int, max_tokens: int, tenant: str) -> None:
+    @rule(tail=st.integers(0, 30), max_tokens=st.integers(1, 40), tenant=st.sampled_from("ab"),
+          priority=st.integers(0, 3), n=st.sampled_from([1, 1, 2]))
+    def submit_batch(self, tail: int, max_tokens: int, tenant: str, priority: int,
+                     n: int) -> None:
+        """A batch request (any tier: it sorts after every interactive one, and any
+        interactive request may preempt it in any phase, however often)."""
+        self.submit(head=1, tail=tail, max_tokens=max_tokens, tenant=tenant, priority=priority,
+                    huge=1, n=n, batch=True)
+
+    @rule(tail=st.integers(0, 6), max_tokens=st.integers(1, 6), tenant=st.sampled_from("abc"),
+          n=st.sampled_from([1, 1, 2]))
+    def submit_urgent(self, tail: int, max_tokens: int, tenant: str, n: int) -> None:
         """A request of a tier above every other: it preempts whatever lower rows it needs."""
-        self.submit(head=0, tail=tail, max_tokens=max_tokens, tenant=tenant, priority=3, huge=1)
+        self.submit(head=0, tail=tail, max_tokens=max_tokens, tenant=tenant, priority=3, huge=1,
+                    n=n)
 
     def resubmit(self) -> None:
         """Submit the handed-out requests again from their resume state (as a worker that
         takes them from the shared queue does); those the pending queue has no room for wait."""
         for rid, state in list(self.handed_out.items()):
-            prompt, tenant, priority = self.prompts[rid]
+            prompt, tenant, priority, key, sampling, batch = self.prompts[rid]
+            # A batch row preempted before its first token starts again from its message.
+            again = {} if state.generated or state.choices else {"sampling": sampling}
             try:
                 self.engine.submit(prompt_token_ids=prompt, request_id=rid, tenant=tenant,
-                                   priority=priority, resume=state)
+                                   fairness_key=key, priority=priority, batch=batch,
+                                   resume=None if again else state, **again)
             except QueueFullError:
                 return
             del self.handed_out[rid]
@@ -118,18 +149,34 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def check_snapshot(self) -> None:
         snap = self.engine.debug_snapshot()
-        queues = {name: [r["request_id"] for r in snap[name]]
+        # A forked request's rows (its choices) are all in ``active``: it counts there once.
+        queues = {name: list(dict.fromkeys(r["event_id"] for r in snap[name]))
                   for name in ("pending", "prefilling", "active")}
         everywhere = [rid for ids in queues.values() for rid in ids] + list(self.handed_out)
         assert len(everywhere) == len(set(everywhere)), f"a request in two queues: {queues}"
         assert set(everywhere) == self.live_ids(), "live requests and queue contents differ"
         admitted = snap["prefilling"] + snap["active"]
         rows = snap["pending"] + admitted
-        assert all(r["preemptions"] <= self.max_preemptions for r in rows)
-        assert all(s.preemptions <= self.max_preemptions for s in self.handed_out.values())
-        assert snap["active_kv_reserved"] == sum(r["prompt_len"] + r["max_tokens"]
-                                                 for r in admitted)
-        assert len(admitted) <= self.engine.config.max_batch_size
+        # Batch rows have no bound (docs/design.md, "The batch service class").
+        assert all(r["preemptions"] <= self.max_preemptions for r in rows if not r["batch"])
+        assert all(s.preemptions <= self.max_preemptions for rid, s in self.handed_out.items()
+                   if not self.prompts[rid][5])
+        # Each request's rows reserve its prompt once and each live choice's whole growth
+        # (one row with n choices before its fork; a row per live choice after it).
+        reserved: dict[str, int] = {}
+        choices: dict[str, int] = {}
+        for r in admitted:
+            rid = r["event_id"]
+            reserved[rid] = reserved.get(rid, 0) + r["reserved_kv_tokens"]
+            choices[rid] = choices.get(rid, 0) + r["n"]
+            if r["event_id"] != r["request_id"] or r["choice_index"]:
+                assert r["n"] == 1, r
+        for rid, tokens in reserved.items():
+            prompt_len, max_tokens, _ = self.submitted[rid]
+            assert tokens == prompt_len + choices[rid] * max_tokens, (rid, admitted)
+        assert snap["active_kv_reserved"] == sum(r["reserved_kv_tokens"] for r in admitted)
+        assert (sum(r["n"] for r in snap["prefilling"]) + len(snap["active"])
+                <= self.engine.config.max_batch_size)
         assert (snap["kv_blocks_held"] + snap["kv_blocks_free"] + snap["kv_blocks_evictable"]
                 == snap["kv_blocks_total"])
         held = {b for r in admitted for b in r["blocks"]}
@@ -137,8 +184,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert snap["active_kv_reserved"] <= self.engine.scheduler.active_kv_budget
         stats = self.engine.stats()
         assert stats["num_pending"] == len(queues["pending"])
-        assert stats["num_active"] == len(queues["active"])
-        assert stats["num_prefilling"] == len(queues["prefilling"])
+        assert stats["num_active"] == len(snap["active"])  # rows: a choice each
+        assert stats["num_prefilling"] == len(snap["prefilling"])
+        if any(r["preemptions"] and (r["n"] > 1 or r["event_id"] != r["request_id"]
+                                     or r["choice_index"]) for r in rows) or any(
+                s.choices for s in self.handed_out.values()):
+            self.choices_preempted = True
         assert stats["active_kv_reserved"] == snap["active_kv_reserved"]
 
     @invariant()
@@ -162,13 +213,20 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not self.engine.has_work(), f"hang: {self.engine.stats()}"
         preemptions = self.engine.stats()["preemptions"]
         event("preempted" if preemptions else "not preempted")
+        event("forked" if self.engine.debug_snapshot()["forked_requests"] else "not forked")
+        choices_preempted = getattr(self, "choices_preempted", False)
+        event("n choices preempted" if choices_preempted else "no n choices preempted")
+        target(float(choices_preempted), label="n choices preempted")
         target(float(preemptions), label="preemptions")  # steer towards runs that preempt
-        for rid, (prompt_len, max_tokens) in self.submitted.items():
+        for rid, (prompt_len, max_tokens, n) in self.submitted.items():
             events = self.log.by_request[rid]
             finals = [e for e in events if isinstance(e, FinalEvent)]
             assert len(finals) == 1, f"{rid} has {len(finals)} final events"
             final = finals[0]
             tokens = len(events) - 1
+            if n > 1:
+                self.check_choices(rid, events, final, prompt_len, max_tokens, n)
+                continue
             if tokens:
                 assert final.usage.prompt_tokens == prompt_len
             else:  # stopped before its first token: the prompt tokens computed by then
@@ -186,13 +244,43 @@ class SchedulerMachine(RuleBasedStateMachine):
             else:
                 assert final.finish_reason is FinishReason.ABORT and rid in self.aborted
         stats = self.engine.stats()
-        if not self.max_preemptions:
-            assert stats["preemptions"] == 0
+        assert self.engine.debug_snapshot()["forked_choices"] == sum(
+            n for rid, (_, _, n) in self.submitted.items()
+            if n > 1 and any(e.type == "token" for e in self.log.by_request[rid]))
+        if not self.max_preemptions:  # batch rows are preempted whatever the setting
+            assert stats["preemptions"] == stats["batch_preemptions"]
+        event("batch preempted" if stats["batch_preemptions"] else "no batch preempted")
         assert stats["active_kv_reserved"] == 0
         assert stats["kv_blocks_held"] == 0
         assert stats["kv_blocks_reserved"] == 0
         assert stats["num_queued"] == 0
         assert all(v["in_flight"] == 0 for v in stats["per_key"].values())
+
+
+    def check_choices(self, rid: str, events: list, final: FinalEvent, prompt_len: int,
+                      max_tokens: int, n: int) -> None:
+        """A request of ``n`` choices: one entry per choice in its final event, each choice's
+        tokens on its own index, billed once, its end as its tokens say."""
+        assert [c.index for c in final.choices] == list(range(n))
+        per_choice = [sum(1 for e in events[:-1] if e.index == i) for i in range(n)]
+        assert final.usage.completion_tokens == sum(per_choice) == len(events) - 1
+        assert final.usage.prompt_tokens <= prompt_len
+        if len(events) > 1:  # forked: every choice had its first token
+            assert final.usage.prompt_tokens == prompt_len
+        for choice, tokens in zip(final.choices, per_choice, strict=True):
+            assert choice.completion_tokens == tokens
+            if choice.finish_reason is FinishReason.LENGTH:
+                assert tokens == max_tokens
+            elif choice.finish_reason is FinishReason.ERROR:
+                assert choice.error is not None
+                if not (self.injects_faults and choice.error.code == "engine_error"):
+                    assert choice.error.code in ("kv_budget_exceeded", "kv_pool_exceeded")
+                    assert tokens == 0
+            else:
+                assert choice.finish_reason is FinishReason.ABORT and rid in self.aborted
+        if rid in self.aborted and final.finish_reason is FinishReason.ABORT:
+            return
+        assert final.finish_reason is final.choices[0].finish_reason
 
 
 class VTCSchedulerMachine(SchedulerMachine):

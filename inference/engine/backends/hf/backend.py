@@ -239,6 +239,13 @@ class TransformersBackend(_Forward, ModelBackend):
         )
         self.num_blocks, self.block_size = num_blocks, block_size
 
+    def copy_block(self, source: int, target: int) -> None:
+        """Copy block ``source``'s K and V, every layer and head, into block ``target``
+        (copy-on-write of a prompt's partial block when a request forks into choices; the
+        native kernels read the same pool, so they see the copy too)."""
+        assert self._kv is not None, "allocate_kv_pool first"
+        self._kv[:, :, target].copy_(self._kv[:, :, source])
+
     # ----------------------------------------------------------------------------- forward
 
     def prefill(self, chunks: Sequence[PrefillChunk]) -> torch.Tensor:

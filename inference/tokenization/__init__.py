@@ -34,10 +34,12 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from inference.tokenization import chat_tools
 
 # Around each content in the second rendering (noncharacters: never in interchange text).
 _OPEN, _CLOSE = "\ufdd0", "\ufdd1"
@@ -233,33 +235,66 @@ class Tokenizer:
                 pass
         return piece.replace("\u2581", " ").encode("utf-8")
 
-    def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
-        """The prompt text of chat ``messages`` (``role``/``content``), generation prompt added.
+    @functools.cached_property
+    def renders_tools(self) -> bool:
+        """Whether the chat template renders tool definitions (it reads the variable ``tools``);
+        else a chat with tools gets :func:`inference.tokenization.chat_tools.fallback_messages`."""
+        if not self.chat_template:
+            return False
+        from jinja2 import meta
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        try:
+            ast = ImmutableSandboxedEnvironment().parse(self.chat_template)
+        except Exception:  # noqa: BLE001 - a template that does not parse renders nothing
+            return False
+        return "tools" in meta.find_undeclared_variables(ast)
+
+    def _prepared(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None,
+                  ) -> tuple[list[dict[str, Any]], list[Any] | None]:
+        """The messages and tools the template is given (:mod:`.chat_tools`)."""
+        if not chat_tools.uses_tools(messages, tools):
+            return [dict(m) for m in messages], None
+        if self.renders_tools:
+            return chat_tools.template_messages(messages), list(tools) if tools else None
+        return chat_tools.fallback_messages(messages, tools), None
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> str:
+        if not self.chat_template:
+            raise ValueError("this model's tokenizer has no chat template")
+        from jinja2.exceptions import TemplateError
+
+        extra = {"tools": tools} if tools else {}
+        try:
+            return _compile_template(self.chat_template).render(
+                messages=messages, add_generation_prompt=True, **extra, **self.special_tokens)
+        except TemplateError as exc:
+            raise ValueError(f"the chat template refused the messages: {exc}") from exc
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]],
+                    tools: Sequence[Any] | None = None) -> str:
+        """The prompt text of chat ``messages`` (``role``/``content``; a tool call's or a tool
+        result's fields too), with the ``tools`` offered (OpenAI's function tools, or None),
+        generation prompt added. A template that does not render tools gets them in the
+        fallback format (:mod:`inference.tokenization.chat_tools`).
 
         Raises:
             ValueError: the model has no chat template, or the template refuses the messages
                 (``jinja2.TemplateError`` is a subclass of nothing here, so it is wrapped).
         """
-        if not self.chat_template:
-            raise ValueError("this model's tokenizer has no chat template")
-        from jinja2.exceptions import TemplateError
+        return self._render(*self._prepared(messages, tools))
 
-        try:
-            return _compile_template(self.chat_template).render(
-                messages=[dict(m) for m in messages], add_generation_prompt=True,
-                **self.special_tokens)
-        except TemplateError as exc:
-            raise ValueError(f"the chat template refused the messages: {exc}") from exc
-
-    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """Prompt ids of chat ``messages`` by the model's own template, generation prompt added.
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
+                            tools: Sequence[Any] | None = None) -> list[int]:
+        """Prompt ids of chat ``messages`` (with ``tools``) by the model's own template,
+        generation prompt added.
 
         Special-token text inside a content is ordinary text (see :meth:`chat_ids`).
 
         Raises:
             ValueError: as :meth:`render_chat` and :meth:`chat_ids`.
         """
-        return self.chat_ids(self.render_chat(messages), messages)
+        return self.chat_ids(self.render_chat(messages, tools), messages, tools)
 
     def special_token_ids(self) -> dict[str, int]:
         """The text -> id of each special token of the vocabulary (added tokens marked special)."""
@@ -268,22 +303,31 @@ class Tokenizer:
             self._special = {t.content: int(i) for i, t in decoder.items() if t.special}
         return self._special
 
-    def chat_ids(self, text: str, messages: Sequence[dict[str, str]]) -> list[int]:
-        """Prompt ids of ``text``, the rendering of ``messages`` (:meth:`render_chat`), with
-        special-token text inside a content tokenized as ordinary text (several tokens).
+    def chat_ids(self, text: str, messages: Sequence[Mapping[str, Any]],
+                 tools: Sequence[Any] | None = None) -> list[int]:
+        """Prompt ids of ``text``, the rendering of ``messages`` and ``tools``
+        (:meth:`render_chat`), with special-token text inside a content tokenized as ordinary
+        text (several tokens).
 
         Only the special tokens the template wrote are control tokens. Without special-token
-        text in any content, the ids are :meth:`encode` of ``text``.
+        text in any content, the ids are :meth:`encode` of ``text``. The fallback's tool
+        definitions are part of a content; a template that renders tools itself writes them
+        outside every content, so special-token text in them is refused.
 
         Raises:
             ValueError: a content holds special-token text and the template changes that
-                content (its place in ``text`` cannot be found), or refuses the messages.
+                content (its place in ``text`` cannot be found), a tool definition the template
+                renders holds special-token text, or the template refuses the messages.
         """
         special = self.special_token_ids()
-        contents = [m.get("content") for m in messages]
+        prepared, shown_tools = self._prepared(messages, tools)
+        if shown_tools and any(s in json.dumps(shown_tools, ensure_ascii=False) for s in special):
+            raise ValueError("a tool definition holds the text of a special token; remove that "
+                             "text from it")
+        contents = [m.get("content") for m in prepared]
         if not any(isinstance(c, str) and any(s in c for s in special) for c in contents):
             return self.encode(text)
-        spans = self._content_spans(text, messages)
+        spans = self._content_spans(text, prepared, shown_tools)
         encoding = self._tok.encode(text, add_special_tokens=False)
         ids: list[int] = []
         cut = 0
@@ -293,6 +337,16 @@ class Tokenizer:
                 ids.append(token_id)
                 cut = end
         return ids + self._plain_encode(text[cut:])
+
+    @property
+    def vocab_size(self) -> int:
+        """Tokens in the vocabulary (added tokens included)."""
+        return self._tok.get_vocab_size()
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """Token ids of ``text`` with special-token text as ordinary text (several tokens), as a
+        message content is tokenized (the grammar library's tokenization of forced text)."""
+        return self._plain_encode(text)
 
     def _plain_encode(self, text: str) -> list[int]:
         """Ids of ``text`` with special-token text as ordinary text."""
@@ -306,8 +360,8 @@ class Tokenizer:
             self._plain = plain
         return self._plain.encode(text, add_special_tokens=False).ids
 
-    def _content_spans(self, text: str,
-                       messages: Sequence[dict[str, str]]) -> list[tuple[int, int]]:
+    def _content_spans(self, text: str, messages: list[dict[str, Any]],
+                       tools: list[Any] | None) -> list[tuple[int, int]]:
         """``[start, end)`` (characters of ``text``) of each message content, in order.
 
         Raises:
@@ -318,8 +372,9 @@ class Tokenizer:
         if any(_OPEN in str(m.get("content")) or _CLOSE in str(m.get("content"))
                for m in messages):
             raise refused
-        marked = self.render_chat([{**m, "content": f"{_OPEN}{m['content']}{_CLOSE}"}
-                                   if isinstance(m.get("content"), str) else m for m in messages])
+        marked = self._render([{**m, "content": f"{_OPEN}{m['content']}{_CLOSE}"}
+                               if isinstance(m.get("content"), str) else m for m in messages],
+                              tools)
         spans: list[tuple[int, int]] = []
         plain_len, start = 0, None
         for piece in re.split(f"([{_OPEN}{_CLOSE}])", marked):

@@ -1,0 +1,31 @@
+"""Celery tasks of the API's stored objects: the Responses API's responses
+(:mod:`api.response_store`) and the Files API's files (:mod:`api.file_store`)."""
+
+from __future__ import annotations
+
+from celery import shared_task
+
+from api import file_store, response_store
+
+PURGE_TASK = "api.tasks.purge_responses"
+PURGE_FILES_TASK = "api.tasks.purge_files"
+
+
+@shared_task(name=PURGE_TASK, ignore_result=True)
+def purge_responses() -> int:
+    """Delete the stored responses past ``RESPONSES_RETENTION_S`` (periodic); returns how many."""
+    return response_store.purge()
+
+
+def end_orphaned_responses(**_: object) -> int:
+    """End the stored responses whose web process died mid-answer, and give those that ended
+    without usage their billed usage: a receiver of :data:`gateway.tasks.swept`, so it runs with
+    each round of the queue sweep."""
+    return response_store.end_orphans() + response_store.fill_billed_usage()
+
+
+@shared_task(name=PURGE_FILES_TASK, ignore_result=True)
+def purge_files() -> int:
+    """Delete the files past their ``expires_at``, rows and stored bytes (periodic); returns how
+    many."""
+    return file_store.purge()
