@@ -26,6 +26,23 @@ _sights: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, RedisSight] = (
 )
 
 
+def raise_if_cancelled() -> None:
+    """Re-raise a cancellation of the running task that a Redis call swallowed.
+
+    On Python 3.11, ``asyncio.wait_for`` (used inside redis-py) loses a cancellation that
+    arrives just as the awaited operation completes. A loop that then goes on would never end:
+    a client's disconnect would leave its request generating for nobody, and a background loop
+    (the web monitor, the event reader) would hold its event loop's shutdown forever. So every
+    such loop checks the task's own pending-cancellation count after each Redis call.
+
+    Raises:
+        asyncio.CancelledError: the task was asked to stop.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 def aredis() -> aioredis.Redis:
     """The async Redis client of the running event loop (one connection pool per loop).
 

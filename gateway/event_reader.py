@@ -5,8 +5,7 @@ Each request of a web process that waits for its events (:func:`gateway.events.e
 handed to it. The loop's :class:`EventReader` task reads every subscribed stream with one
 ``XREAD BLOCK ... STREAMS k1 k2 ... id1 id2 ...`` at a time, on a connection of its own (no
 request's call can hold it, and it never blocks a shared one), and hands each subscription its new
-entries in order, each once. A worker's tick that writes to 16 streams costs a read or two, not
-16 (one per request, each re-sent).
+entries in order, each once: a tick that writes to 16 streams costs a read or two, not 16.
 
 - A read returns at most :data:`COUNT` entries per stream and names at most
   :data:`MAX_KEYS_PER_READ` streams; more streams are read by several commands sent in one round
@@ -43,7 +42,7 @@ import redis.exceptions
 from django.conf import settings
 
 from gateway import delivery
-from gateway.clients import aredis
+from gateway.clients import aredis, raise_if_cancelled
 from gateway.conf import redis_keys
 from gateway.monitor import WEB_ID
 from inference.protocol.keys import redis_retry_options
@@ -364,6 +363,7 @@ class EventReader:
                 try:
                     replies = await self._xread(client, reads)
                 except REDIS_DOWN as exc:
+                    raise_if_cancelled()
                     self._ok = False
                     self._sent_at = None
                     for subs in list(self._subs.values()):
@@ -372,8 +372,8 @@ class EventReader:
                     await asyncio.sleep(OUTAGE_BACKOFF_S[min(failures, len(OUTAGE_BACKOFF_S) - 1)])
                     failures += 1
                     continue
-                self._sent_at = None
-                self._ok, failures = True, 0
+                raise_if_cancelled()
+                self._sent_at, self._ok, failures = None, True, 0
                 self._dispatch(reads, replies)
         finally:
             self._sent_at = None

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import redis.exceptions
 
 from gateway import event_reader, monitor
+from gateway.clients import raise_if_cancelled
 from gateway.conf import redis_keys
 from gateway.errors import APIError
 from inference.protocol.events import Event, decode_event
@@ -31,19 +32,6 @@ OUTAGE_BACKOFF_S = (0.1, 0.2, 0.5, 1.0)
 class Waiting:
     """No event for a while: the first-event timeout passed (a streaming response commits to its
     status), or a keepalive period passed (a streaming response sends a comment)."""
-
-
-def _raise_if_cancelled() -> None:
-    """Re-raise a cancellation that a Redis call swallowed.
-
-    On Python 3.11, ``asyncio.wait_for`` (used inside redis-py) loses a cancellation that
-    arrives just as the awaited operation completes. A client disconnect is delivered as such a
-    cancellation, and losing it would leave the request generating for nobody, so the task's own
-    pending-cancellation count is checked after every read.
-    """
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
 
 
 def lost_error() -> APIError:
@@ -96,7 +84,7 @@ async def events(
             try:
                 entries = await subscription.read(block_ms / 1000, patience_s)
             except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-                _raise_if_cancelled()
+                raise_if_cancelled()
                 now = time.monotonic()
                 failing_since = failing_since or now
                 if now - failing_since > outage_tolerance_s:
@@ -110,7 +98,7 @@ async def events(
                     beat_at = time.monotonic() + keepalive_s if keepalive_s else None
                     yield Waiting()  # the client's connection stays open through the outage
                 continue
-            _raise_if_cancelled()
+            raise_if_cancelled()
             failures, failing_since = 0, None
             now = time.monotonic()
             if not entries:

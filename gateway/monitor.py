@@ -37,7 +37,7 @@ import redis.exceptions
 from asgiref.sync import sync_to_async
 
 from gateway import aborts, housekeeping, usage
-from gateway.clients import aredis, sight
+from gateway.clients import aredis, raise_if_cancelled, sight
 from gateway.conf import redis_keys
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,7 @@ class Monitor:
         while True:
             try:
                 await self.beat()
+                raise_if_cancelled()
                 if failing_since is not None:
                     log.warning("Redis is reachable again after %.1f s",
                                 time.monotonic() - failing_since)
@@ -103,6 +104,7 @@ class Monitor:
                 log.exception("web monitor round failed")
             finally:
                 self._started.set()
+            raise_if_cancelled()  # a round that failed may have swallowed it too
             await asyncio.sleep(min(MONITOR_INTERVAL_S, sight().gap_s / 2))
 
     def start(self) -> None:
