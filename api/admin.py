@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from api.models import StoredFile, StoredResponse
+from api.models import Batch, StoredFile, StoredResponse
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
@@ -33,3 +33,13 @@ class StoredFileAdmin(ReadOnlyAdmin):
                     "expires_at")
     list_filter = ("purpose", "tenant")
     search_fields = ("id", "filename")
+
+
+@admin.register(Batch)
+class BatchAdmin(ReadOnlyAdmin):
+    """Batches of the Batch API (their clients create them, Celery steps run them)."""
+
+    list_display = ("id", "tenant", "endpoint", "status", "total", "completed", "failed",
+                    "created_at", "expires_at")
+    list_filter = ("status", "tenant")
+    search_fields = ("id", "input_file_id")

@@ -77,7 +77,7 @@ def not_found(file_id: str, param: str | None = None) -> APIError:
                     type="invalid_request_error")
 
 
-def _live(tenant_id: int) -> Any:
+def live_files(tenant_id: int) -> Any:
     """The tenant's files not yet expired."""
     return StoredFile.objects.filter(tenant_id=tenant_id).filter(
         Q(expires_at__isnull=True) | Q(expires_at__gt=timezone.now()))
@@ -89,7 +89,8 @@ async def get(tenant_id: int, file_id: str, param: str | None = None) -> StoredF
     Raises:
         APIError: 404 when there is none (also another tenant's, or one expired).
     """
-    found = None if holds_nul(file_id) else await _live(tenant_id).filter(pk=file_id).afirst()
+    found = (None if holds_nul(file_id)
+             else await live_files(tenant_id).filter(pk=file_id).afirst())
     if found is None:
         raise not_found(file_id, param)
     return found
@@ -200,11 +201,11 @@ def page(tenant_id: int, *, purpose: str | None, limit: int, order: str,
     Raises:
         APIError: 404 naming ``after`` when it is not one of the tenant's files.
     """
-    rows = _live(tenant_id)
+    rows = live_files(tenant_id)
     if purpose is not None:
         rows = rows.filter(purpose=storable_text(purpose))
     if after is not None:
-        cursor = None if holds_nul(after) else _live(tenant_id).filter(pk=after).first()
+        cursor = None if holds_nul(after) else live_files(tenant_id).filter(pk=after).first()
         if cursor is None:
             raise not_found(after, "after")
         at, key = cursor.created_at, cursor.pk

@@ -86,3 +86,103 @@ class StoredFile(models.Model):
 
     def __str__(self) -> str:
         return f"{self.id} ({self.purpose}, {self.bytes} bytes)"
+
+
+class Batch(models.Model):
+    """One batch of the Batch API (``/v1/batches``), scoped to its tenant: the requests of an
+    uploaded ``batch`` file (:class:`BatchLine`), run as batch work (``docs/design.md``, "The
+    batch service class") by the Celery steps of :mod:`api.batch_runner`.
+
+    ``status`` follows OpenAI's: ``validating`` (the file is read into lines), ``in_progress``,
+    ``finalizing`` (the output and error files are written), then one of ``completed``,
+    ``failed`` (the file could not be read as a batch: ``errors``), ``expired`` (its completion
+    window ended first) or ``cancelled`` (after ``cancelling``). ``read_lines`` is how far
+    validation has read the input file (it goes in steps); ``ends_as`` the status a finalizing
+    batch ends in; ``total``, ``completed`` and ``failed`` are its ``request_counts``.
+    """
+
+    class Status(models.TextChoices):
+        VALIDATING = "validating"
+        FAILED = "failed"
+        IN_PROGRESS = "in_progress"
+        FINALIZING = "finalizing"
+        COMPLETED = "completed"
+        EXPIRED = "expired"
+        CANCELLING = "cancelling"
+        CANCELLED = "cancelled"
+
+    id = models.CharField(primary_key=True, max_length=64)
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="batches")
+    api_key = models.ForeignKey(ApiKey, null=True, blank=True, on_delete=models.SET_NULL,
+                                related_name="batches")
+    endpoint = models.CharField(max_length=64)
+    input_file_id = models.CharField(max_length=64)
+    output_file_id = models.CharField(max_length=64, blank=True)
+    error_file_id = models.CharField(max_length=64, blank=True)
+    completion_window = models.CharField(max_length=16, default="24h")
+    status = models.CharField(max_length=16, choices=Status.choices, db_index=True,
+                              default=Status.VALIDATING)
+    metadata = models.JSONField(null=True, blank=True)
+    errors = models.JSONField(null=True, blank=True)
+    read_lines = models.PositiveIntegerField(default=0)
+    # While finalizing: the status it ends in (completed, expired or cancelled).
+    ends_as = models.CharField(max_length=16, blank=True)
+    total = models.PositiveIntegerField(default=0)
+    completed = models.PositiveIntegerField(default=0)
+    failed = models.PositiveIntegerField(default=0)
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+    expires_at = models.DateTimeField()
+    in_progress_at = models.DateTimeField(null=True, blank=True)
+    finalizing_at = models.DateTimeField(null=True, blank=True)
+    completed_at = models.DateTimeField(null=True, blank=True)
+    failed_at = models.DateTimeField(null=True, blank=True)
+    expired_at = models.DateTimeField(null=True, blank=True)
+    cancelling_at = models.DateTimeField(null=True, blank=True)
+    cancelled_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        verbose_name_plural = "batches"
+        indexes = [models.Index(fields=["tenant", "created_at", "id"])]
+
+    def __str__(self) -> str:
+        return f"{self.id} ({self.status})"
+
+
+class BatchLine(models.Model):
+    """One request of a batch: its line of the input file (``index``, from 0, over the non-empty
+    lines; ``custom_id``; ``body``), and what became of it.
+
+    ``state``: ``waiting`` (to be sent to the workers), ``running`` (admitted as
+    ``request_id``, its answer not read yet), ``done`` (``result`` is its output-file line) or
+    ``failed`` (``result`` is its error-file line). ``attempt`` counts the requests it was sent
+    as (a line whose request ended with a retryable error, or was lost, goes again under a new
+    ``request_id``).
+    """
+
+    class State(models.TextChoices):
+        WAITING = "waiting"
+        RUNNING = "running"
+        DONE = "done"
+        FAILED = "failed"
+
+    batch = models.ForeignKey(Batch, on_delete=models.CASCADE, related_name="lines")
+    index = models.PositiveIntegerField()
+    custom_id = models.TextField()
+    body = models.JSONField(null=True)
+    state = models.CharField(max_length=8, choices=State.choices, default=State.WAITING)
+    attempt = models.PositiveSmallIntegerField(default=0)
+    request_id = models.CharField(max_length=96, blank=True)
+    # The epoch of the Redis data its request was queued in (a new one: Redis lost it).
+    epoch = models.CharField(max_length=64, blank=True)
+    sent_at = models.DateTimeField(null=True, blank=True)
+    result = models.JSONField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["batch", "index"]
+        constraints = [models.UniqueConstraint(fields=["batch", "index"],
+                                               name="batch_line_index_unique")]
+        indexes = [models.Index(fields=["batch", "state", "index"])]
+
+    def __str__(self) -> str:
+        return f"{self.batch_id} line {self.index} ({self.state})"

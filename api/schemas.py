@@ -48,6 +48,21 @@ MAX_COMPLETION_LOGPROBS = 5
 # The OpenAI API's bounds of ``metadata``.
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
+def metadata_bounds(value: dict[str, str] | None) -> dict[str, str] | None:
+    """OpenAI's bounds of ``metadata``: at most 16 pairs, keys of at most 64 characters, values
+    of at most 512 (a pydantic validator's ``ValueError`` otherwise)."""
+    if value is None:
+        return value
+    if len(value) > MAX_METADATA_PAIRS:
+        raise ValueError(f"expected at most {MAX_METADATA_PAIRS} key-value pairs, but got "
+                         f"{len(value)}")
+    if any(len(key) > MAX_METADATA_KEY for key in value):
+        raise ValueError(f"a key is longer than {MAX_METADATA_KEY} characters")
+    if any(len(text) > MAX_METADATA_VALUE for text in value.values()):
+        raise ValueError(f"a value is longer than {MAX_METADATA_VALUE} characters")
+    return value
+
+
 class StreamOptions(BodyObject):
     include_usage: bool = False
     # Accepted when false (served_fields refuses true): no chunk carries an obfuscation field.
@@ -116,17 +131,7 @@ class GenerationRequest(BodyObject):
     @field_validator("metadata")
     @classmethod
     def _metadata_bounds(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        """At most 16 pairs, keys of at most 64 characters, values of at most 512."""
-        if value is None:
-            return value
-        if len(value) > MAX_METADATA_PAIRS:
-            raise ValueError(f"expected at most {MAX_METADATA_PAIRS} key-value pairs, but got "
-                             f"{len(value)}")
-        if any(len(key) > MAX_METADATA_KEY for key in value):
-            raise ValueError(f"a key is longer than {MAX_METADATA_KEY} characters")
-        if any(len(text) > MAX_METADATA_VALUE for text in value.values()):
-            raise ValueError(f"a value is longer than {MAX_METADATA_VALUE} characters")
-        return value
+        return metadata_bounds(value)
 
     @property
     def include_usage(self) -> bool:

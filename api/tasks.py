@@ -1,13 +1,15 @@
 """Celery tasks of the API's stored objects: the Responses API's responses
-(:mod:`api.response_store`) and the Files API's files (:mod:`api.file_store`)."""
+(:mod:`api.response_store`), the Files API's files (:mod:`api.file_store`) and the Batch API's
+batches (:mod:`api.batch_runner`)."""
 
 from __future__ import annotations
 
 from celery import shared_task
 
-from api import file_store, response_store
+from api import batch_runner, file_store, response_store
 
 PURGE_TASK = "api.tasks.purge_responses"
+BATCH_STEP_TASK = "api.tasks.advance_batches"
 PURGE_FILES_TASK = "api.tasks.purge_files"
 
 
@@ -29,3 +31,10 @@ def purge_files() -> int:
     """Delete the files past their ``expires_at``, rows and stored bytes (periodic); returns how
     many."""
     return file_store.purge()
+
+
+@shared_task(name=BATCH_STEP_TASK, ignore_result=True, expires=30)
+def advance_batches() -> int:
+    """One step of every active batch (periodic, every ``BATCH_STEP_INTERVAL_S``; each step is
+    bounded by ``BATCH_STEP_BUDGET_S``); returns how many batches were stepped."""
+    return batch_runner.advance_all()

@@ -1,6 +1,6 @@
 from django.urls import path, re_path
 
-from api import file_views, response_views, views
+from api import batch_views, file_views, response_views, views
 
 urlpatterns = [
     path("v1/chat/completions", views.chat_completions),
@@ -11,6 +11,9 @@ urlpatterns = [
     path("v1/files", file_views.files),
     path("v1/files/<str:file_id>", file_views.file_detail),
     path("v1/files/<str:file_id>/content", file_views.file_content),
+    path("v1/batches", batch_views.batches),
+    path("v1/batches/<str:batch_id>", batch_views.batch_detail),
+    path("v1/batches/<str:batch_id>/cancel", batch_views.batch_cancel),
     path("v1/models", views.list_models),
     path("v1/models/<path:model>", views.retrieve_model),
     path("scheduler/stats", views.scheduler_stats),

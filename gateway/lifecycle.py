@@ -243,9 +243,9 @@ async def end_request(request_id: str, meta: dict[str, Any], *, finished: bool,
 async def start(principal: Principal, *, sampling: Sampling, default_max_tokens: int,
                 messages: Sequence[dict[str, Any]] | None = None, prompt: str | None = None,
                 tools: Sequence[dict[str, Any]] | None = None, user: str | None = None,
-                meta: dict[str, Any] | None = None,
-                prompt_tokens: int | None = None, request_id: str | None = None,
-                detachable: bool = False) -> Generation:
+                meta: dict[str, Any] | None = None, prompt_tokens: int | None = None,
+                request_id: str | None = None, detachable: bool = False,
+                batch_deadline_at: float | None = None) -> Generation:
     """Admit a request of ``principal`` and dispatch it to the workers.
 
     Exactly one of ``messages`` (chat) and ``prompt`` (completion) is given. A ``sampling``
@@ -264,6 +264,8 @@ async def start(principal: Principal, *, sampling: Sampling, default_max_tokens:
         request_id: the request's id (else a new one).
         detachable: no web process's heartbeat guards the request: it goes on when its reader
             leaves, until it ends or is aborted (its owner holds it in :mod:`gateway.grace`).
+        batch_deadline_at: batch work (a Batch API line, :mod:`api.batch_runner`): no web
+            process, no ``MAX_QUEUE_WAIT_S``; it must end by this unix time.
 
     Returns:
         The generation; for a prompt refused for its length, one that was never queued and
@@ -273,27 +275,26 @@ async def start(principal: Principal, *, sampling: Sampling, default_max_tokens:
         APIError: 503 when no worker is alive, this web process is draining, or the counting
             processes keep failing; 429 naming the limit that refused.
     """
-    if monitor.DRAINING.is_set():
-        # Also for a request on a connection opened before the drain began (keep-alive).
+    batch = batch_deadline_at is not None
+    if monitor.DRAINING.is_set() and not batch:  # also on a connection opened before the drain
         raise APIError(503, "This server is shutting down; retry the request.",
                        code="service_unavailable", retry_after_s=1)
     tenant = principal.tenant
     conf = platform_settings()
     # Started in any case: the heartbeat, the epoch and the sweeps (grace periods included).
-    web_id = (await monitor.ensure_started()).web_id
+    web_id = "" if batch else (await monitor.ensure_started()).web_id
     message = RequestMessage(
         request_id=request_id or uuid.uuid4().hex,
         tenant=tenant.slug,
-        fairness_key=fairness_key(tenant, api_key_id=principal.api_key_id, user=user),
-        priority=tenant.tier.priority,
-        fairness_weight=tenant.fairness_weight,
+        fairness_key=fairness_key(tenant, api_key_id=principal.api_key_id, user=user,
+                                  batch=batch),
+        batch=batch, batch_deadline_at=batch_deadline_at or 0.0,
+        priority=tenant.tier.priority, fairness_weight=tenant.fairness_weight,
         messages=None if messages is None else tuple(ChatTurn(**m) for m in messages),
-        tools=tuple(tools) if tools else None,
-        prompt=prompt,
-        sampling=sampling,
+        tools=tuple(tools) if tools else None, prompt=prompt, sampling=sampling,
         default_max_tokens=default_max_tokens,
-        queue_deadline_s=conf["MAX_QUEUE_WAIT_S"],
-        origin="" if detachable else web_id,
+        queue_deadline_s=0.0 if batch else conf["MAX_QUEUE_WAIT_S"],
+        origin="" if detachable or batch else web_id,
         meta={"tenant_id": tenant.pk, "api_key_id": principal.api_key_id, **(meta or {})},
     )
     if prompt_tokens is None:

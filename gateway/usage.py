@@ -175,6 +175,7 @@ def _save(report: UsageReport, figures: Bill | None) -> tuple[bool, int | None]:
         "finish_reason": figures.finish_reason,
         "status": figures.status,
         "error_code": figures.error_code,
+        "batch_id": str(meta.get("batch_id") or ""),
     }
     try:
         with transaction.atomic():

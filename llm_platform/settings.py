@@ -239,6 +239,15 @@ LLM_PLATFORM = {
     "FILES_UPLOAD_LEASE_S": env.float("FILES_UPLOAD_LEASE_S", default=600.0),
     "FILES_RETENTION_S": env.float("FILES_RETENTION_S", default=30 * 86400.0),
     "FILES_OUTPUT_RETENTION_S": env.float("FILES_OUTPUT_RETENTION_S", default=30 * 86400.0),
+    # The Batch API (api.batch_runner): lines of one batch queued at once (in Redis and the
+    # workers), how often the Celery step runs (s) and how long one step may work (s), lines
+    # validation reads per step, and the requests one line may be sent as (a retryable error or
+    # a request Redis lost sends it again) before it goes to the error file.
+    "BATCH_LINES_IN_FLIGHT": env.int("BATCH_LINES_IN_FLIGHT", default=64),
+    "BATCH_STEP_INTERVAL_S": env.float("BATCH_STEP_INTERVAL_S", default=1.0),
+    "BATCH_STEP_BUDGET_S": env.float("BATCH_STEP_BUDGET_S", default=0.5),
+    "BATCH_VALIDATE_LINES": env.int("BATCH_VALIDATE_LINES", default=5_000),
+    "BATCH_MAX_ATTEMPTS": env.int("BATCH_MAX_ATTEMPTS", default=3),
     # Connections per web process: each request in flight holds one while it waits for events.
     "REDIS_MAX_CONNECTIONS": env.int("REDIS_MAX_CONNECTIONS", default=4096),
     # The one served model; requests naming another get 404 model_not_found.
@@ -328,6 +337,10 @@ CELERY_BEAT_SCHEDULE = {
     # web process died mid-answer are ended by the queue sweep: api.tasks).
     "purge-responses": {"task": "api.tasks.purge_responses",
                         "schedule": env.float("RESPONSES_PURGE_INTERVAL_S", default=3600.0)},
+    # The Batch API: each step validates, feeds, collects and finalizes every active batch a
+    # bounded amount (api.batch_runner), so the other tasks are never held up behind it.
+    "advance-batches": {"task": "api.tasks.advance_batches",
+                        "schedule": env.float("BATCH_STEP_INTERVAL_S", default=1.0)},
     # Files (the Files API) past their expires_at are deleted, rows and stored bytes.
     "purge-files": {"task": "api.tasks.purge_files",
                     "schedule": env.float("FILES_PURGE_INTERVAL_S", default=3600.0)},

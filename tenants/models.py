@@ -129,6 +129,8 @@ class UsageRecord(models.Model):
     finish_reason = models.CharField(max_length=16, blank=True)
     status = models.PositiveSmallIntegerField(default=200, help_text="HTTP status answered.")
     error_code = models.CharField(max_length=64, blank=True)
+    # The batch (the Batch API) whose line this request ran, or blank for interactive work.
+    batch_id = models.CharField(max_length=64, blank=True, db_index=True)
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
 
     class Meta:

@@ -1,0 +1,163 @@
+"""A batch's lines: its input file read into :class:`~api.models.BatchLine` rows (validation,
+``BATCH_VALIDATE_LINES`` lines per step), and the lines of its output and error files in
+OpenAI's format.
+
+A line must be a JSON object holding exactly ``custom_id`` (a non-empty string, unique in the
+file), ``method`` (``POST``), ``url`` (the batch's endpoint) and ``body`` (a JSON object: the
+request); a line that is not goes to the error file with a 400 naming the field. A
+``custom_id`` given twice fails the batch (OpenAI's rule: the output could not be matched to its
+requests), as does a file whose bytes are gone or that is not JSONL (``errors`` says why).
+Text holding U+0000 is kept with it replaced by U+FFFD (:mod:`gateway.storable`: PostgreSQL
+refuses it).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from django.utils import timezone
+
+from api import file_store
+from api.models import Batch, BatchLine, StoredFile
+from gateway.errors import APIError
+from gateway.storable import storable, storable_text
+
+LINE_FIELDS = frozenset({"custom_id", "method", "url", "body"})
+
+
+def output_line(line: BatchLine, status: int, body: dict[str, Any]) -> dict[str, Any]:
+    """A line of the output or error file as OpenAI writes it: the endpoint's answer (its HTTP
+    status and body)."""
+    return storable({"id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": line.custom_id,
+                     "response": {"status_code": status, "request_id": line.request_id or None,
+                                  "body": body},
+                     "error": None})
+
+
+def error_line(line: BatchLine, code: str, message: str) -> dict[str, Any]:
+    """A line of the error file for a request that got no answer (expired, cancelled)."""
+    return {"id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": line.custom_id,
+            "response": None, "error": {"code": code, "message": message}}
+
+
+def _refused(message: str, param: str) -> dict[str, Any]:
+    return APIError(400, message, param=param, code="invalid_value").body()
+
+
+def file_lines(found: StoredFile) -> Iterator[bytes]:
+    """The non-empty lines of a stored file, as :func:`api.file_checks.check_jsonl` counts them.
+
+    Raises:
+        FileNotFoundError: its bytes are gone from the storage.
+    """
+    rest = b""
+    first = True
+    for chunk in file_store.content_chunks(found):
+        if first and chunk.startswith(b"\xef\xbb\xbf"):
+            chunk = chunk[3:]
+        first = False
+        *whole, rest = (rest + chunk).split(b"\n")
+        for raw in whole:
+            if raw.strip():
+                yield raw
+    if rest.strip():
+        yield rest
+
+
+def fail(row: Batch, code: str, message: str, line: int | None = None) -> None:
+    """End the batch ``failed`` (``errors`` holds why), its lines dropped."""
+    row.status = Batch.Status.FAILED
+    row.failed_at = timezone.now()
+    row.errors = {"object": "list", "data": [{"code": code, "message": message,
+                                               "param": None, "line": line}]}
+    row.save(update_fields=["status", "failed_at", "errors"])
+    BatchLine.objects.filter(batch=row).delete()
+
+
+def parse_line(row: Batch, index: int, value: Any) -> BatchLine:
+    """The line ``index`` (from 0) of the batch's input file: waiting, or failed with its 400."""
+    line = BatchLine(batch=row, index=index, custom_id="", body=None)
+    if not isinstance(value, dict):
+        problem = _refused(f"Line {index + 1} is not a JSON object.", "line")
+    elif not isinstance(value.get("custom_id"), str) or not value["custom_id"]:
+        problem = _refused("Missing required parameter: 'custom_id' (a non-empty string).",
+                           "custom_id")
+    elif value.get("method") != "POST":
+        problem = _refused("Invalid value for 'method': expected 'POST'.", "method")
+    elif value.get("url") != row.endpoint:
+        problem = _refused(f"Invalid value for 'url': expected '{row.endpoint}', the batch's "
+                           f"endpoint.", "url")
+    elif not isinstance(value.get("body"), dict):
+        problem = _refused("Invalid value for 'body': expected a JSON object (the request).",
+                           "body")
+    elif extra := sorted(set(value) - LINE_FIELDS):
+        problem = _refused(f"Unknown parameter: '{storable_text(extra[0])[:80]}'.",
+                           storable_text(extra[0])[:80])
+    else:
+        problem = None
+    if isinstance(value, dict) and isinstance(value.get("custom_id"), str):
+        line.custom_id = storable_text(value["custom_id"])
+    if problem is None:
+        line.body = storable(value["body"])
+    else:
+        line.state = BatchLine.State.FAILED
+        line.result = output_line(line, 400, problem)
+    return line
+
+
+def _duplicate(row: Batch, index: int, custom_id: str, first: int) -> None:
+    fail(row, "duplicate_custom_id",
+         f"Line {index + 1} has the custom_id '{custom_id[:80]}' of line {first + 1}; each "
+         f"custom_id must be unique in a batch.", index + 1)
+
+
+def read_some(row: Batch, most: int) -> None:
+    """Read the next ``most`` lines of the batch's input file into its lines; the batch goes
+    ``in_progress`` once the whole file is read, or ends ``failed``."""
+    found = StoredFile.objects.filter(tenant_id=row.tenant_id, pk=row.input_file_id).first()
+    if found is None:
+        fail(row, "invalid_file", f"The input file '{row.input_file_id}' was deleted before the "
+                                  f"batch read it.")
+        return
+    start = row.read_lines
+    made: list[BatchLine] = []
+    seen: dict[str, int] = {}
+    try:
+        for index, raw in enumerate(file_lines(found)):
+            if index < start:
+                continue
+            if index >= start + most:
+                break
+            try:
+                value = json.loads(raw)
+            except (ValueError, RecursionError):
+                fail(row, "invalid_json", f"Line {index + 1} is not valid JSON.", index + 1)
+                return
+            line = parse_line(row, index, value)
+            if line.custom_id in seen:
+                _duplicate(row, index, line.custom_id, seen[line.custom_id])
+                return
+            if line.custom_id:
+                seen[line.custom_id] = index
+            made.append(line)
+    except FileNotFoundError:
+        fail(row, "invalid_file", "The input file's bytes are gone from the storage.")
+        return
+    earlier = (BatchLine.objects.filter(batch=row, custom_id__in=list(seen))
+               .values_list("custom_id", "index").first())
+    if earlier is not None:
+        _duplicate(row, seen[earlier[0]], earlier[0], earlier[1])
+        return
+    BatchLine.objects.bulk_create(made)
+    row.read_lines = start + len(made)
+    if len(made) < most:  # the whole file is read
+        row.total = row.read_lines
+        if row.total == 0:
+            fail(row, "empty_file", "The input file holds no request.")
+            return
+        row.status = Batch.Status.IN_PROGRESS
+        row.in_progress_at = timezone.now()
+    row.save(update_fields=["read_lines", "total", "status", "in_progress_at"])

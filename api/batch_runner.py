@@ -1,0 +1,369 @@
+"""The Batch API's Celery step: each active batch is validated, fed to the workers, collected and
+finalized a bounded amount at a time (:func:`advance_all`, every ``BATCH_STEP_INTERVAL_S``).
+
+- **Validating.** The input file is read ``BATCH_VALIDATE_LINES`` lines per step into
+  :class:`~api.models.BatchLine` rows. A line must hold a string ``custom_id`` (unique in the
+  file: a duplicate fails the batch, as OpenAI's), ``method`` ``POST``, the batch's ``url`` and
+  a ``body`` object; a line that does not goes to the error file (HTTP 400 naming the field).
+  A file that cannot be read as JSONL fails the batch, its reason in ``errors``.
+- **In progress.** At most ``BATCH_LINES_IN_FLIGHT`` lines of a batch are in Redis and the
+  workers at once. A line is checked as its endpoint checks a request (a 400 naming the field
+  goes to the error file), counted, and admitted through the same lifecycle as an interactive
+  request (:func:`gateway.lifecycle.start`) as *batch work*: its own class in the fair order,
+  its own fairness key, no ``MAX_QUEUE_WAIT_S``, and the batch's ``expires_at`` as its
+  deadline (``docs/design.md``, "The batch service class"). A refusal by a rate or concurrency
+  limit (429) or no live worker (503) leaves the line waiting for a later step; a token-budget
+  refusal goes to the error file. A line's answer is read from its request's event stream once
+  its final event is there, and becomes its output line (the body the endpoint would have
+  answered) or its error line.
+- **Finalizing.** The output and error files are written (``batch_output`` files of the
+  tenant), then the batch ends ``completed``, ``expired`` (its window ran out: the lines not
+  finished are aborted and go to the error file, ``batch_expired``) or ``cancelled`` (the same,
+  ``batch_cancelled``).
+
+**Exactly once.** Each step works on one batch under its row's lock (``SELECT ... FOR UPDATE
+SKIP LOCKED``: steps running at once never share a batch) in one transaction. A line's request
+id is fixed by the batch, the line and its attempt, and admission is idempotent per request id
+(``admit.lua``'s marker), so a step that dies after admitting a line and before its commit sends
+the same request again and gets the first verdict: the line runs once. An answer stays in its
+event stream (``EVENTS_TTL_S``) until a step reads it. A line whose request ended with a
+retryable error (its worker died, the server interrupted it) or that Redis lost (a new epoch)
+is sent again under its next attempt, up to ``BATCH_MAX_ATTEMPTS``.
+
+**Billing.** A batch line has no web process: its usage is recorded as its worker counted it
+(its client gets the whole answer, in the output file). A line that failed is billed nothing,
+and one aborted by a cancel or its window's end is billed its prompt only (its client got none
+of it), as an interactive request whose client left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import redis
+from django.db import transaction
+from django.db.models import Count
+from django.utils import timezone
+
+from api import batch_lines, batch_store, file_store, responses, views
+from api.batch_lines import error_line, output_line
+from api.models import Batch, BatchLine
+from api.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, validate
+from gateway import admission, delivery, grace, lifecycle
+from gateway.admission import Principal
+from gateway.clients import sync_redis
+from gateway.conf import platform_settings, redis_keys
+from gateway.errors import APIError
+from gateway.tokens import measure_here
+from inference.protocol.events import ErrorInfo, Event, FinalEvent
+from inference.protocol.messages import Sampling
+from tenants.models import ApiKey, Tenant, UsageRecord
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Each batch gets at least this long of a step (seconds), however many are active.
+MIN_SHARE_S = 0.05
+# How long the lines aborted at a cancel or an expiry may take to send their final event before
+# they are given up (seconds).
+STOP_WAIT_S = 10.0
+# Refusals that leave a line waiting for a later step (a limit that frees up, no worker now).
+HOLD_CODES = frozenset({"rate_limit_exceeded", "concurrency_limit_exceeded", "queue_full",
+                        "no_worker_available", "service_unavailable"})
+
+_loop: asyncio.AbstractEventLoop | None = None
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` on this process's event loop for batch steps (kept between steps, so its
+    Redis pool is too). The ORM is used outside it only."""
+    global _loop
+    if _loop is None or _loop.is_closed():
+        _loop = asyncio.new_event_loop()
+    return _loop.run_until_complete(coro)
+
+
+def advance_all() -> int:
+    """One step of every active batch, oldest first, each within its share of
+    ``BATCH_STEP_BUDGET_S``; returns how many batches were stepped."""
+    ids = list(Batch.objects.filter(status__in=batch_store.ACTIVE)
+               .order_by("created_at", "id").values_list("pk", flat=True))
+    if not ids:
+        return 0
+    share = max(platform_settings()["BATCH_STEP_BUDGET_S"] / len(ids), MIN_SHARE_S)
+    for pk in ids:
+        try:
+            advance(pk, until=time.monotonic() + share)
+        except redis.RedisError as exc:
+            log.warning("batch %s: Redis unreachable, its step waits: %s", pk, exc)
+    return len(ids)
+
+
+def advance(batch_id: str, until: float) -> None:
+    """One step of the batch ``batch_id`` (see the module docstring); nothing when another step
+    holds it or it has ended. ``until``: the ``time.monotonic()`` by which it stops taking on
+    more work."""
+    with transaction.atomic():
+        row = (Batch.objects.select_for_update(skip_locked=True)
+               .filter(pk=batch_id, status__in=batch_store.ACTIVE).first())
+        if row is not None:
+            _Step(row, until).run()
+
+
+class _Step:
+    """One step of one batch, under its row's lock."""
+
+    def __init__(self, row: Batch, until: float):
+        self.row = row
+        self.until = until
+        self.conf = platform_settings()
+        self.lines = BatchLine.objects.filter(batch=row)
+
+    def run(self) -> None:
+        status = self.row.status
+        if status == Batch.Status.VALIDATING:
+            batch_lines.read_some(self.row, self.conf["BATCH_VALIDATE_LINES"])
+        elif status == Batch.Status.IN_PROGRESS:
+            if timezone.now() >= self.row.expires_at:
+                self.stop(Batch.Status.EXPIRED, "batch_expired",
+                          "This request could not be executed before the completion window "
+                          "expired.")
+            else:
+                self.collect()
+                self.feed()
+                if not self.lines.filter(state__in=(BatchLine.State.WAITING,
+                                                    BatchLine.State.RUNNING)).exists():
+                    self.begin_finalizing(Batch.Status.COMPLETED)
+        elif status == Batch.Status.CANCELLING:
+            self.stop(Batch.Status.CANCELLED, "batch_cancelled",
+                      "This request was not executed: its batch was cancelled.")
+        elif status == Batch.Status.FINALIZING:
+            self.finalize()
+        self.count()
+
+    # -- in progress ------------------------------------------------------------------------
+
+    def _request(self, body: dict[str, Any]) -> GenerationRequest:
+        """The line's body checked as its endpoint checks a request.
+
+        Raises:
+            APIError: as the endpoint answers (400 naming the field, 404 for another model).
+        """
+        chat = self.row.endpoint == "/v1/chat/completions"
+        req = validate(ChatCompletionRequest if chat else CompletionRequest, body)
+        views.check_model(req.model)
+        if req.stream:
+            raise APIError(400, "Invalid value for 'stream': a batch's requests are answered "
+                                "whole; leave it out or send false.", param="stream",
+                           code="invalid_value")
+        return req
+
+    def _principal(self) -> Principal:
+        key = (ApiKey.objects.select_related("tenant__tier").filter(pk=self.row.api_key_id)
+               .first() if self.row.api_key_id else None)
+        if key is not None:
+            return Principal.for_api_key(key)
+        tenant = Tenant.objects.select_related("tier").get(pk=self.row.tenant_id)
+        return Principal(tenant=tenant, scope=f"batch-{self.row.pk}")
+
+    def feed(self) -> None:
+        running = self.lines.filter(state=BatchLine.State.RUNNING).count()
+        room = self.conf["BATCH_LINES_IN_FLIGHT"] - running
+        if room <= 0:
+            return
+        waiting = list(self.lines.filter(state=BatchLine.State.WAITING).order_by("index")[:room])
+        if not waiting:
+            return
+        principal = self._principal()
+        context = _run(lifecycle.served_context())
+        for line in waiting:
+            if time.monotonic() > self.until or not self.send(line, principal, context):
+                return
+
+    def send(self, line: BatchLine, principal: Principal, context: int | None) -> bool:
+        """Admit ``line``'s request; False when a limit held it back (try again later)."""
+        row = self.row
+        line.request_id = f"{row.pk}-{line.index}-{line.attempt}"
+        try:
+            req = self._request(line.body)
+            chat = isinstance(req, ChatCompletionRequest)
+            messages = [m.as_dict() for m in req.messages] if chat else None
+            tools = req.prompt_tools if chat else None
+            prompt = None if chat else req.prompt
+            try:
+                count = measure_here(messages, prompt, None if context is None else context - 1,
+                                     tools)
+            except ValueError as exc:
+                raise APIError(400, f"Invalid value for 'messages': {exc}", param="messages",
+                               code="invalid_value") from exc
+            refusal = lifecycle.context_refusal(count, req.requested_max_tokens, context,
+                                                req.prompt_param)
+            if refusal is not None:
+                raise views.worker_error(req, refusal)
+            public_id = f"{'chatcmpl' if chat else 'cmpl'}-{line.request_id}"
+            generation = _run(lifecycle.start(
+                principal, request_id=line.request_id, messages=messages, prompt=prompt,
+                tools=tools, sampling=Sampling(**req.sampling(req.requested_max_tokens)),
+                default_max_tokens=self.conf["DEFAULT_MAX_TOKENS"], user=req.user,
+                meta={"model": req.model, "public_id": public_id, "stream": False,
+                      "batch_id": row.pk},
+                prompt_tokens=count.tokens, batch_deadline_at=row.expires_at.timestamp()))
+        except APIError as exc:
+            if exc.code in HOLD_CODES and exc.should_retry is not False:
+                return False
+            line.state = BatchLine.State.FAILED
+            line.result = output_line(line, exc.status, exc.body())
+            line.save(update_fields=["state", "request_id", "result"])
+            return True
+        line.state = BatchLine.State.RUNNING
+        line.epoch = str(generation.meta.get(admission.EPOCH_META_KEY) or "")
+        line.sent_at = timezone.now()
+        line.save(update_fields=["state", "request_id", "epoch", "sent_at"])
+        return True
+
+    def _epoch(self, client: redis.Redis) -> str:
+        epoch = client.get(redis_keys().epoch)
+        return epoch.decode() if isinstance(epoch, bytes) else (epoch or "")
+
+    def collect(self, aborted: bool = False) -> int:
+        """Read the answers of the running lines that ended; returns how many are left
+        running."""
+        client = sync_redis()
+        epoch = self._epoch(client)
+        left = 0
+        for line in self.lines.filter(state=BatchLine.State.RUNNING).order_by("index"):
+            events = grace.stream_events(line.request_id, client)
+            final = events[-1] if events and isinstance(events[-1], FinalEvent) else None
+            if final is not None:
+                try:
+                    self.settle(line, events, final, aborted)
+                except APIError as exc:  # its body no longer passes (the settings changed)
+                    line.state = BatchLine.State.FAILED
+                    line.result = output_line(line, exc.status, exc.body())
+                    line.save(update_fields=["state", "result"])
+            elif (line.epoch and epoch and epoch != line.epoch) or (
+                    not events and UsageRecord.objects.filter(
+                        request_id=line.request_id).exists()):
+                # Redis lost the request, or its answer's stream expired unread.
+                self.again(line, "the request was lost")
+            else:
+                left += 1
+        return left
+
+    def again(self, line: BatchLine, why: str) -> None:
+        if line.attempt + 1 >= self.conf["BATCH_MAX_ATTEMPTS"]:
+            line.state = BatchLine.State.FAILED
+            line.result = output_line(line, 503, APIError(
+                503, f"The request failed {line.attempt + 1} times ({why}).",
+                code="service_unavailable").body())
+            line.save(update_fields=["state", "result"])
+            return
+        log.info("batch %s line %d: %s; sending it again", self.row.pk, line.index, why)
+        line.attempt += 1
+        line.state = BatchLine.State.WAITING
+        line.request_id = ""
+        line.save(update_fields=["attempt", "state", "request_id"])
+
+    def settle(self, line: BatchLine, events: list[Event], final: FinalEvent,
+               aborted: bool) -> None:
+        error: ErrorInfo | None = final.error
+        if error is not None and error.retryable and not aborted:
+            self.again(line, f"{error.code.value}: {error.message}")
+            return
+        if aborted and final.finish_reason.value == "abort":
+            return  # ended by stop(): written there
+        req = self._request(line.body)
+        chat = isinstance(req, ChatCompletionRequest)
+        shape = responses.ResponseShape(
+            kind="chat" if chat else "text",
+            id=f"{'chatcmpl' if chat else 'cmpl'}-{line.request_id}", model=req.model,
+            created=int(time.time()), logprobs=req.token_logprobs is not None,
+            echo=req.echoed_prompt, tools=chat and req.prompt_tools is not None,
+            calls_only=getattr(req, "calls_only", False), n=req.n)
+        if responses.failed(final):
+            assert error is not None
+            exc = views.worker_error(req, error)
+            line.state = BatchLine.State.FAILED
+            line.result = output_line(line, exc.status, exc.body())
+        else:
+            answer = responses.Choices(shape)
+            for event in events:
+                answer.add(event)
+            line.state = BatchLine.State.DONE
+            line.result = output_line(line, 200, answer.body(final))
+        line.save(update_fields=["state", "result"])
+
+    # -- ending -----------------------------------------------------------------------------
+
+    def stop(self, ends_as: str, code: str, message: str) -> None:
+        """End the batch's unfinished lines (``code``), then finalize it as ``ends_as``: the
+        running ones are aborted (each step until its final event, :data:`STOP_WAIT_S` at
+        most), the waiting ones go to the error file."""
+        row = self.row
+        for line in self.lines.filter(state=BatchLine.State.WAITING):
+            line.state = BatchLine.State.FAILED
+            line.result = error_line(line, code, message)
+            line.save(update_fields=["state", "result"])
+        self.collect(aborted=True)
+        client = sync_redis()
+        since = row.cancelling_at if ends_as == Batch.Status.CANCELLED else row.expires_at
+        late = (timezone.now() - since).total_seconds() > STOP_WAIT_S
+        for line in self.lines.filter(state=BatchLine.State.RUNNING):
+            finals = grace.stream_events(line.request_id, client)
+            ended = bool(finals) and isinstance(finals[-1], FinalEvent)
+            if not ended:
+                # What its client got: none of it (billed its prompt, as a client that left).
+                _run(lifecycle.end_request(
+                    line.request_id, {}, finished=False,
+                    delivered=delivery.Delivery(tokens=0, end=delivery.LEFT, status=499)))
+            if ended or late:
+                line.state = BatchLine.State.FAILED
+                line.result = error_line(line, code, message)
+                line.save(update_fields=["state", "result"])
+        if not self.lines.filter(state=BatchLine.State.RUNNING).exists():
+            self.begin_finalizing(ends_as)
+
+    def begin_finalizing(self, ends_as: str) -> None:
+        row = self.row
+        row.status = Batch.Status.FINALIZING
+        row.ends_as = ends_as
+        row.finalizing_at = timezone.now()
+        row.save(update_fields=["status", "ends_as", "finalizing_at"])
+
+    def _jsonl(self, state: str) -> bytes:
+        results = (self.lines.filter(state=state).order_by("index")
+                   .values_list("result", flat=True))
+        return b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n"
+                        for r in results.iterator(chunk_size=2000))
+
+    def finalize(self) -> None:
+        row = self.row
+        for state, field, name in ((BatchLine.State.DONE, "output_file_id", "output"),
+                                   (BatchLine.State.FAILED, "error_file_id", "error")):
+            data = self._jsonl(state)
+            if data and not getattr(row, field):
+                made = file_store.create_from_bytes(data, tenant_id=row.tenant_id,
+                                                    filename=f"{row.pk}_{name}.jsonl")
+                setattr(row, field, made.pk)
+        now = timezone.now()
+        row.status = row.ends_as or Batch.Status.COMPLETED
+        field = {Batch.Status.COMPLETED: "completed_at", Batch.Status.EXPIRED: "expired_at",
+                 Batch.Status.CANCELLED: "cancelled_at"}[row.status]
+        setattr(row, field, now)
+        row.save(update_fields=["output_file_id", "error_file_id", "status", field])
+
+    def count(self) -> None:
+        row = self.row
+        if row.status == Batch.Status.FAILED:
+            return
+        by_state = dict(self.lines.order_by().values("state").annotate(n=Count("id"))
+                        .values_list("state", "n"))
+        row.completed = by_state.get(BatchLine.State.DONE, 0)
+        row.failed = by_state.get(BatchLine.State.FAILED, 0)
+        row.save(update_fields=["completed", "failed"])

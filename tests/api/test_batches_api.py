@@ -1,0 +1,342 @@
+"""The Batch API served end to end on the reference backend (fast lane): the real ``openai``
+client against the REST API, an in-process worker, and the Celery step
+(:func:`api.batch_runner.advance_all`) run by the test as beat runs it; shapes read back with the
+SDK's own types."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+
+import openai
+import pytest
+from django.utils import timezone
+from openai.types import Batch as SDKBatch
+from openai.types.chat import ChatCompletion
+from openai.types.completion import Completion
+
+from api import batch_runner
+from api.models import Batch, BatchLine
+from gateway import usage
+from inference.protocol.messages import batch_fairness_key
+from tenants.models import UsageRecord
+from tests.api.test_api import MODEL
+from tests.api.test_files_api import files_root  # noqa: F401 - the test's own files folder
+from tests.api.test_nullable_fields import in_process
+
+pytestmark = pytest.mark.django_db
+
+CHAT = "/v1/chat/completions"
+
+
+def line(custom_id: str, content: str, *, url: str = CHAT, max_tokens: int = 6,
+         **body) -> dict:
+    if url == "/v1/completions":
+        request = {"model": MODEL, "prompt": content, "max_tokens": max_tokens,
+                   "temperature": 0, **body}
+    else:
+        request = {"model": MODEL, "messages": [{"role": "user", "content": content}],
+                   "max_tokens": max_tokens, "temperature": 0, **body}
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": request}
+
+
+def jsonl(lines: list[dict]) -> bytes:
+    return b"".join(json.dumps(item).encode() + b"\n" for item in lines)
+
+
+def run_until_ended(batch_id: str, timeout_s: float = 30.0) -> Batch:
+    """Step the batch as Celery beat does until it has ended."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        batch_runner.advance_all()
+        row = Batch.objects.get(pk=batch_id)
+        if row.status in ("completed", "failed", "expired", "cancelled"):
+            return row
+        time.sleep(0.02)
+    raise AssertionError(f"batch {batch_id} still {Batch.objects.get(pk=batch_id).status}")
+
+
+def step_until(batch_id: str, done, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        batch_runner.advance_all()
+        time.sleep(0.02)
+
+
+def read_jsonl(data: bytes) -> list[dict]:
+    return [json.loads(raw) for raw in data.splitlines() if raw.strip()]
+
+
+async def create_batch(client: openai.AsyncOpenAI, lines: list[dict], endpoint: str = CHAT,
+                       **extra) -> SDKBatch:
+    made = await client.files.create(file=("input.jsonl", jsonl(lines)), purpose="batch")
+    return await client.batches.create(input_file_id=made.id, endpoint=endpoint,
+                                       completion_window="24h", **extra)
+
+
+def outputs(raw_key: str, row: Batch) -> tuple[list[dict], list[dict]]:
+    async def calls(client):
+        out = (await client.files.content(row.output_file_id)).content if row.output_file_id \
+            else b""
+        err = (await client.files.content(row.error_file_id)).content if row.error_file_id \
+            else b""
+        return read_jsonl(out), read_jsonl(err)
+
+    return in_process(raw_key, calls)
+
+
+def test_a_batch_answers_every_line_once_as_its_endpoint_would(tenant_key, inproc_worker):
+    tenant, key, raw = tenant_key
+    good = [line(f"ok-{i}", f"Question number {i}?") for i in range(5)]
+    bad = [line("wrong-url", "Hi", url="/v1/completions"),
+           line("bad-body", "Hi", n=99),
+           {"custom_id": "no-body", "method": "POST", "url": CHAT}]
+
+    async def create(client):
+        return await create_batch(client, good + bad, metadata={"job": "eval-7"})
+
+    made = in_process(raw, create)
+    assert made.status == "validating" and made.metadata == {"job": "eval-7"}
+    row = run_until_ended(made.id)
+
+    async def calls(client):
+        shown = await client.batches.with_raw_response.retrieve(made.id)
+        direct = [await client.chat.completions.create(**item["body"]) for item in good]
+        return json.loads(shown.content), direct
+
+    shown, direct = in_process(raw, calls)
+    SDKBatch.model_validate(shown, strict=True)  # the SDK's own type, as the server wrote it
+    assert shown["status"] == "completed"
+    assert shown["request_counts"] == {"total": 8, "completed": 5, "failed": 3}
+    assert shown["in_progress_at"] and shown["finalizing_at"] and shown["completed_at"]
+    out, err = outputs(raw, row)
+    assert [o["custom_id"] for o in out] == [g["custom_id"] for g in good]
+    for got, answer in zip(out, direct, strict=True):
+        assert got["response"]["status_code"] == 200 and got["error"] is None
+        body = ChatCompletion.model_validate(got["response"]["body"])
+        # The endpoint's own answer to the same body (temperature 0): the same text.
+        assert body.choices[0].message.content == answer.choices[0].message.content
+        assert body.usage.completion_tokens == answer.usage.completion_tokens
+    by_id = {e["custom_id"]: e for e in err}
+    assert set(by_id) == {"wrong-url", "bad-body", "no-body"}
+    assert by_id["wrong-url"]["response"]["body"]["error"]["param"] == "url"
+    assert by_id["bad-body"]["response"]["body"]["error"]["param"] == "n"
+    assert by_id["no-body"]["response"]["body"]["error"]["param"] == "body"
+    assert all(e["response"]["status_code"] == 400 for e in err)
+
+
+def test_completions_lines_and_the_usage_they_are_billed(tenant_key, inproc_worker):
+    tenant, key, raw = tenant_key
+    lines = [line(f"c{i}", f"Once upon a time {i}", url="/v1/completions") for i in range(3)]
+    made = in_process(raw, lambda client: create_batch(client, lines,
+                                                       endpoint="/v1/completions"))
+    row = run_until_ended(made.id)
+    assert row.status == "completed" and (row.completed, row.failed) == (3, 0)
+    out, err = outputs(raw, row)
+    assert err == [] and row.error_file_id == ""
+    bodies = [Completion.model_validate(o["response"]["body"]) for o in out]
+    request_ids = [o["response"]["request_id"] for o in out]
+    for request_id in request_ids:
+        deadline = time.monotonic() + 10
+        while not UsageRecord.objects.filter(request_id=request_id).exists():
+            assert time.monotonic() < deadline
+            usage.record(request_id)
+            time.sleep(0.05)
+    records = {r.request_id: r for r in UsageRecord.objects.filter(request_id__in=request_ids)}
+    for body, request_id in zip(bodies, request_ids, strict=True):
+        record = records[request_id]
+        assert record.batch_id == made.id  # marked as batch work
+        assert record.completion_tokens == body.usage.completion_tokens
+        assert record.prompt_tokens == body.usage.prompt_tokens
+
+
+def test_batch_lines_are_batch_work_with_their_own_fairness_key(tenant_key, inproc_worker,
+                                                                monkeypatch):
+    tenant, key, raw = tenant_key
+    sent = []
+    real = batch_runner.lifecycle.start
+
+    async def spy(*args, **kwargs):
+        generation = await real(*args, **kwargs)
+        sent.append(generation.message)
+        return generation
+
+    monkeypatch.setattr(batch_runner.lifecycle, "start", spy)
+    made = in_process(raw, lambda client: create_batch(client, [line("a", "Hi")]))
+    row = run_until_ended(made.id)
+    [message] = sent
+    assert message.batch and message.fairness_key == batch_fairness_key(tenant.slug)
+    assert message.batch_deadline_at == pytest.approx(row.expires_at.timestamp())
+    assert message.queue_deadline_s == 0 and message.origin == ""
+
+
+def test_cancel_mid_run_keeps_finished_lines_and_ends_the_rest(settings, tenant_key,
+                                                               inproc_worker):
+    settings.LLM_PLATFORM = {**settings.LLM_PLATFORM, "BATCH_LINES_IN_FLIGHT": 2}
+    tenant, key, raw = tenant_key
+    lines = [line(f"r{i}", f"Tell me about {i}", max_tokens=30) for i in range(12)]
+    made = in_process(raw, lambda client: create_batch(client, lines))
+    step_until(made.id, lambda: BatchLine.objects.filter(batch_id=made.id,
+                                                         state="done").count() >= 2)
+
+    async def cancel(client):
+        return await client.batches.cancel(made.id)
+
+    assert in_process(raw, cancel).status == "cancelling"
+    row = run_until_ended(made.id)
+    assert row.status == "cancelled" and row.cancelled_at is not None
+    out, err = outputs(raw, row)
+    ids = [o["custom_id"] for o in out] + [e["custom_id"] for e in err]
+    assert sorted(ids) == sorted(g["custom_id"] for g in lines)  # every line once
+    assert len(out) >= 2 and all(o["response"]["status_code"] == 200 for o in out)
+    assert err and all(e["error"]["code"] == "batch_cancelled" for e in err)
+    assert (row.completed, row.failed, row.total) == (len(out), len(err), 12)
+
+    async def again(client):
+        with pytest.raises(openai.ConflictError):
+            await client.batches.cancel(made.id)
+
+    in_process(raw, again)
+
+
+def test_an_expired_window_ends_expired_with_the_unfinished_lines_in_the_error_file(
+        settings, tenant_key, inproc_worker):
+    settings.LLM_PLATFORM = {**settings.LLM_PLATFORM, "BATCH_LINES_IN_FLIGHT": 1}
+    tenant, key, raw = tenant_key
+    lines = [line(f"r{i}", f"Tell me about {i}", max_tokens=20) for i in range(6)]
+    made = in_process(raw, lambda client: create_batch(client, lines))
+    step_until(made.id, lambda: BatchLine.objects.filter(batch_id=made.id,
+                                                         state="done").exists())
+    Batch.objects.filter(pk=made.id).update(expires_at=timezone.now() - timedelta(seconds=1))
+    row = run_until_ended(made.id)
+    assert row.status == "expired" and row.expired_at is not None
+    out, err = outputs(raw, row)
+    assert sorted([o["custom_id"] for o in out] + [e["custom_id"] for e in err]) == sorted(
+        g["custom_id"] for g in lines)
+    assert out and err and all(e["error"]["code"] == "batch_expired" for e in err)
+
+
+def test_another_tenant_cannot_see_or_fetch_any_of_it(make_tenant, tenant_key, inproc_worker):
+    tenant, key, raw = tenant_key
+    _, _, other = make_tenant()
+    made = in_process(raw, lambda client: create_batch(client, [line("a", "Hi")]))
+    row = run_until_ended(made.id)
+
+    async def calls(client):
+        refused = []
+        for call in (lambda: client.batches.retrieve(made.id),
+                     lambda: client.batches.cancel(made.id),
+                     lambda: client.files.content(row.output_file_id),
+                     lambda: client.batches.create(input_file_id=made.input_file_id,
+                                                   endpoint=CHAT, completion_window="24h")):
+            with pytest.raises(openai.NotFoundError) as caught:
+                await call()
+            refused.append(caught.value.body)
+        listed = await client.batches.list()
+        return refused, listed
+
+    refused, listed = in_process(other, calls)
+    assert listed.data == []
+    assert refused[3]["param"] == "input_file_id"
+
+
+def test_creating_a_batch_refuses_what_it_cannot_serve_naming_the_field(tenant_key):
+    tenant, key, raw = tenant_key
+
+    async def calls(client):
+        made = await client.files.create(file=("in.jsonl", jsonl([line("a", "Hi")])),
+                                         purpose="batch")
+        good = {"input_file_id": made.id, "endpoint": CHAT, "completion_window": "24h"}
+        cases = [({"endpoint": "/v1/embeddings"}, "endpoint"),
+                 ({"completion_window": "1h"}, "completion_window"),
+                 ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+                 ({"input_file_id": "file-nope"}, "input_file_id"),
+                 ({"output_expires_after": {"anchor": "created_at", "seconds": 3600}},
+                  "output_expires_after")]
+        params = []
+        for change, param in cases:
+            with pytest.raises(openai.APIStatusError) as caught:
+                await client.batches.create(**{**good, **change})
+            assert caught.value.status_code in (400, 404), caught.value
+            params.append((caught.value.body["param"], param))
+        return params
+
+    for got, want in in_process(raw, calls):
+        assert got == want
+
+
+def test_a_file_with_a_repeated_custom_id_fails_the_batch_with_its_reason(tenant_key,
+                                                                           inproc_worker):
+    tenant, key, raw = tenant_key
+    made = in_process(raw, lambda client: create_batch(
+        client, [line("same", "Hi"), line("other", "Hi"), line("same", "Bye")]))
+    row = run_until_ended(made.id)
+    assert row.status == "failed" and row.failed_at is not None
+    [error] = row.errors["data"]
+    assert error["code"] == "duplicate_custom_id" and error["line"] == 3
+    assert not BatchLine.objects.filter(batch_id=made.id).exists()
+
+
+def test_validation_reads_a_large_file_in_steps(settings, tenant_key):
+    settings.LLM_PLATFORM = {**settings.LLM_PLATFORM, "BATCH_VALIDATE_LINES": 7}
+    tenant, key, raw = tenant_key
+    made = in_process(raw, lambda client: create_batch(
+        client, [line(f"r{i}", "Hi") for i in range(20)]))
+    reads = []
+    for _ in range(5):
+        batch_runner.advance_all()
+        reads.append(Batch.objects.get(pk=made.id).read_lines)
+    row = Batch.objects.get(pk=made.id)
+    assert reads[:3] == [7, 14, 20] and row.total == 20 and row.status == "in_progress"
+    assert list(BatchLine.objects.filter(batch_id=made.id).values_list("index", flat=True)) == \
+        list(range(20))
+
+
+def test_lines_a_rate_limit_refuses_wait_and_a_budget_refusal_is_an_error_line(
+        make_tenant, inproc_worker):
+    tenant, key, raw = make_tenant(requests_per_minute=2)
+    made = in_process(raw, lambda client: create_batch(
+        client, [line(f"r{i}", "Hi") for i in range(4)]))
+    for _ in range(10):
+        batch_runner.advance_all()
+        time.sleep(0.02)
+    states = sorted(BatchLine.objects.filter(batch_id=made.id).values_list("state", flat=True))
+    # Two were admitted; the rest wait for the window instead of failing.
+    assert states.count("waiting") == 2 and "failed" not in states
+
+    tenant2, key2, raw2 = make_tenant(token_budget=10)
+    made2 = in_process(raw2, lambda client: create_batch(client, [line("big", "Hi")]))
+    row = run_until_ended(made2.id)
+    _, err = outputs(raw2, row)
+    [refused] = err
+    assert refused["response"]["status_code"] == 429
+    assert refused["response"]["body"]["error"]["code"] == "token_budget_exhausted"
+
+
+def test_batches_list_in_pages_newest_first(tenant_key):
+    tenant, key, raw = tenant_key
+
+    async def calls(client):
+        made = [await create_batch(client, [line("a", "Hi")]) for _ in range(3)]
+        first = await client.batches.list(limit=2)
+        rest = await client.batches.list(limit=2, after=first.data[-1].id)
+        return made, first, rest
+
+    made, first, rest = in_process(raw, calls)
+    assert [b.id for b in first.data] == [made[2].id, made[1].id] and first.has_more
+    assert [b.id for b in rest.data] == [made[0].id] and not rest.has_more
+
+
+def test_a_nul_character_in_a_line_is_kept_as_u_fffd_never_a_stuck_batch(tenant_key,
+                                                                          inproc_worker):
+    tenant, key, raw = tenant_key
+    lines = [line("nul\u0000id", "Hello\u0000there"),
+             {"custom_id": "odd", "method": "POST", "url": CHAT, "body": {}, "x\u0000": 1}]
+    made = in_process(raw, lambda client: create_batch(client, lines))
+    row = run_until_ended(made.id)
+    assert row.status == "completed" and (row.completed, row.failed) == (1, 1)
+    out, err = outputs(raw, row)
+    assert [o["custom_id"] for o in out] == ["nul\ufffdid"]
+    assert err[0]["response"]["body"]["error"]["param"] == "x\ufffd"
