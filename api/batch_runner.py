@@ -54,13 +54,13 @@ from api import batch_lines, batch_store, file_store, responses, views
 from api.batch_lines import error_line, output_line
 from api.models import Batch, BatchLine
 from api.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, validate
-from gateway import admission, delivery, grace, lifecycle
+from gateway import admission, batch_metrics, delivery, grace, lifecycle
 from gateway.admission import Principal
 from gateway.clients import sync_redis
 from gateway.conf import platform_settings, redis_keys
 from gateway.errors import APIError
 from gateway.tokens import measure_here
-from inference.protocol.events import ErrorInfo, Event, FinalEvent
+from inference.protocol.events import ErrorInfo, Event, FinalEvent, decode_event
 from inference.protocol.messages import Sampling
 from tenants.models import ApiKey, Tenant, UsageRecord
 
@@ -238,7 +238,10 @@ class _Step:
         epoch = self._epoch(client)
         left = 0
         for line in self.lines.filter(state=BatchLine.State.RUNNING).order_by("index"):
-            events = grace.stream_events(line.request_id, client)
+            # The whole stream is read only once its last entry is the final event.
+            last = client.xrevrange(redis_keys().events(line.request_id), count=1)
+            ended = bool(last) and isinstance(decode_event(last[0][1]), FinalEvent)
+            events = grace.stream_events(line.request_id, client) if ended else []
             final = events[-1] if events and isinstance(events[-1], FinalEvent) else None
             if final is not None:
                 try:
@@ -248,7 +251,7 @@ class _Step:
                     line.result = output_line(line, exc.status, exc.body())
                     line.save(update_fields=["state", "result"])
             elif (line.epoch and epoch and epoch != line.epoch) or (
-                    not events and UsageRecord.objects.filter(
+                    not last and UsageRecord.objects.filter(
                         request_id=line.request_id).exists()):
                 # Redis lost the request, or its answer's stream expired unread.
                 self.again(line, "the request was lost")
@@ -359,11 +362,19 @@ class _Step:
         row.save(update_fields=["output_file_id", "error_file_id", "status", field])
 
     def count(self) -> None:
+        """Its ``request_counts`` now, and the figures of :mod:`gateway.batch_metrics`."""
         row = self.row
-        if row.status == Batch.Status.FAILED:
-            return
-        by_state = dict(self.lines.order_by().values("state").annotate(n=Count("id"))
-                        .values_list("state", "n"))
-        row.completed = by_state.get(BatchLine.State.DONE, 0)
-        row.failed = by_state.get(BatchLine.State.FAILED, 0)
-        row.save(update_fields=["completed", "failed"])
+        before = {"completed": row.completed, "failed": row.failed}
+        if row.status != Batch.Status.FAILED:
+            by_state = dict(self.lines.order_by().values("state").annotate(n=Count("id"))
+                            .values_list("state", "n"))
+            row.completed = by_state.get(BatchLine.State.DONE, 0)
+            row.failed = by_state.get(BatchLine.State.FAILED, 0)
+            row.save(update_fields=["completed", "failed"])
+        ended = {"completed": row.completed - before["completed"],
+                 "failed": row.failed - before["failed"]}
+        slug = Tenant.objects.filter(pk=row.tenant_id).values_list("slug", flat=True).first()
+        figures = ({"tenant": slug, "status": row.status, "total": row.total,
+                    "completed": row.completed, "failed": row.failed}
+                   if row.status in batch_store.ACTIVE else None)
+        batch_metrics.publish_on_commit(row.pk, figures, ended)

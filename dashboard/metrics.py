@@ -21,6 +21,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from dashboard import recorder
+from gateway import batch_metrics
 from gateway.clients import sync_redis
 from gateway.workers import gate1, gate1_queued_sync, worker_snapshots_sync
 
@@ -43,6 +44,24 @@ class PlatformCollector(Collector):
         yield from self._admissions(client, workers)
         yield from self._structured(workers)
         yield from self._usage(client)
+        yield from self._batches(client)
+
+    def _batches(self, client: redis.Redis) -> Iterator[Metric]:
+        figures = batch_metrics.read(client)
+        lines = CounterMetricFamily("llm_batch_lines", "Batch lines ended, by outcome "
+                                    "(completed: an output line; failed: an error line).",
+                                    labels=["outcome"])
+        for outcome, n in figures["lines"].items():
+            lines.add_metric([outcome], n)
+        yield lines
+        active = GaugeMetricFamily("llm_batches_active", "Batches not yet ended, by status.",
+                                   labels=["status"])
+        by_status: dict[str, int] = {}
+        for entry in figures["active"]:
+            by_status[entry["status"]] = by_status.get(entry["status"], 0) + 1
+        for status, n in sorted(by_status.items()):
+            active.add_metric([status], n)
+        yield active
 
     def _queues(self, client: redis.Redis, workers: dict) -> Iterator[Metric]:
         alive = GaugeMetricFamily("llm_workers_alive", "Inference workers with a live heartbeat.")

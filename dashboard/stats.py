@@ -10,7 +10,7 @@ from typing import Any
 
 import redis
 
-from gateway import workers
+from gateway import batch_metrics, workers
 from gateway.clients import sync_redis
 
 # The dashboard's totals: queue lengths, KV figures and token counters of the deployment.
@@ -50,9 +50,11 @@ def summarize(snapshots: dict[str, dict[str, Any]], queued: int) -> dict[str, An
 
 
 def live_summary(client: redis.Redis | None = None) -> dict[str, Any]:
-    """:func:`summarize` of the live workers' stats now."""
+    """:func:`summarize` of the live workers' stats now, and the batches in progress
+    (``batches``: :func:`gateway.batch_metrics.read`)."""
     client = client or sync_redis()
-    return summarize(workers.worker_snapshots_sync(client), workers.gate1_queued_sync(client))
+    return {**summarize(workers.worker_snapshots_sync(client), workers.gate1_queued_sync(client)),
+            "batches": batch_metrics.read(client)}
 
 
 def tokens_rate(previous: dict[str, dict[str, Any]], current: dict[str, dict[str, Any]],

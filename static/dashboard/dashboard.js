@@ -124,6 +124,23 @@
     setText("m-compile_refusals", fmt.int(structured.compile_refusals || 0));
     setText("m-gate1_queued", fmt.int(live.gate1_queued));
     setText("m-max_queue_size", fmt.int(live.max_queue_size));
+    const batches = live.batches || { lines: {}, active: [] };
+    setText("m-batches_active", fmt.int(batches.active.length));
+    setText("m-batch_lines_completed", fmt.int(batches.lines.completed || 0));
+    setText("m-batch_lines_failed", fmt.int(batches.lines.failed || 0));
+    const batchBody = document.querySelector("#batches tbody");
+    batchBody.textContent = "";
+    if (!batches.active.length) {
+      const cell = batchBody.insertRow().insertCell();
+      cell.colSpan = 6;
+      cell.textContent = "no batch in progress";
+    }
+    batches.active.forEach(function (b) {
+      const row = batchBody.insertRow();
+      row.dataset.batch = b.id;
+      [b.id, b.tenant || "", b.status, fmt.int(b.total), fmt.int(b.completed), fmt.int(b.failed)
+      ].forEach(function (text) { row.insertCell().textContent = text; });
+    });
     const rate = liveRate(live, data.now);
     if (rate !== null) setText("m-tokens_per_s", fmt.rate(rate));
 

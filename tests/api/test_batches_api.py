@@ -340,3 +340,28 @@ def test_a_nul_character_in_a_line_is_kept_as_u_fffd_never_a_stuck_batch(tenant_
     out, err = outputs(raw, row)
     assert [o["custom_id"] for o in out] == ["nul\ufffdid"]
     assert err[0]["response"]["body"]["error"]["param"] == "x\ufffd"
+
+
+def test_the_dashboard_shows_batches_in_progress_and_metrics_count_lines_by_outcome(
+        settings, admin_client, tenant_key, inproc_worker, django_capture_on_commit_callbacks):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    settings.LLM_PLATFORM = {**settings.LLM_PLATFORM, "BATCH_LINES_IN_FLIGHT": 1}
+    tenant, key, raw = tenant_key
+    made = in_process(raw, lambda client: create_batch(
+        client, [line(f"r{i}", "Hi") for i in range(3)] + [line("bad", "Hi", url="/v1/x")]))
+    with django_capture_on_commit_callbacks(execute=True):
+        batch_runner.advance_all()  # read: in progress, one line failed at validation
+    [shown] = admin_client.get("/admin/scheduler/data").json()["live"]["batches"]["active"]
+    assert shown["id"] == made.id and shown["tenant"] == tenant.slug
+    assert shown["status"] == "in_progress" and shown["total"] == 4 and shown["failed"] == 1
+    with django_capture_on_commit_callbacks(execute=True):
+        run_until_ended(made.id)
+    batches = admin_client.get("/admin/scheduler/data").json()["live"]["batches"]
+    assert batches == {"lines": {"completed": 3, "failed": 1}, "active": []}
+    families = {f.name: f for f in text_string_to_metric_families(
+        admin_client.get("/metrics").content.decode())}
+    lines = {s.labels["outcome"]: s.value for s in families["llm_batch_lines"].samples
+             if s.name == "llm_batch_lines_total"}
+    assert lines == {"completed": 3, "failed": 1}
+    assert families["llm_batches_active"].samples == []
