@@ -21,6 +21,7 @@ from typing import Any
 from django.utils import timezone
 
 from api import file_store
+from api.file_checks import JSON_KINDS
 from api.models import Batch, BatchLine, StoredFile
 from gateway.errors import APIError
 from gateway.storable import storable, storable_text
@@ -30,8 +31,10 @@ LINE_FIELDS = frozenset({"custom_id", "method", "url", "body"})
 
 def output_line(line: BatchLine, status: int, body: dict[str, Any]) -> dict[str, Any]:
     """A line of the output or error file as OpenAI writes it: the endpoint's answer (its HTTP
-    status and body)."""
-    return storable({"id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": line.custom_id,
+    status and body); ``custom_id`` null for a line that had none, ``request_id`` null for one
+    whose request never ran."""
+    return storable({"id": f"batch_req_{uuid.uuid4().hex[:24]}",
+                     "custom_id": line.custom_id or None,
                      "response": {"status_code": status, "request_id": line.request_id or None,
                                   "body": body},
                      "error": None})
@@ -39,7 +42,7 @@ def output_line(line: BatchLine, status: int, body: dict[str, Any]) -> dict[str,
 
 def error_line(line: BatchLine, code: str, message: str) -> dict[str, Any]:
     """A line of the error file for a request that got no answer (expired, cancelled)."""
-    return {"id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": line.custom_id,
+    return {"id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": line.custom_id or None,
             "response": None, "error": {"code": code, "message": message}}
 
 
@@ -82,20 +85,26 @@ def parse_line(row: Batch, index: int, value: Any) -> BatchLine:
     line = BatchLine(batch=row, index=index, custom_id="", body=None)
     if not isinstance(value, dict):
         problem = _refused(f"Line {index + 1} is not a JSON object.", "line")
-    elif not isinstance(value.get("custom_id"), str) or not value["custom_id"]:
-        problem = _refused("Missing required parameter: 'custom_id' (a non-empty string).",
-                           "custom_id")
+    elif "custom_id" not in value:
+        problem = _refused(f"Line {index + 1}: missing required parameter 'custom_id' (a "
+                           f"non-empty string, unique in the file).", "custom_id")
+    elif not isinstance(value["custom_id"], str) or not value["custom_id"]:
+        kind = ("an empty string" if value["custom_id"] == ""
+                else f"a JSON {JSON_KINDS.get(type(value['custom_id']), 'value')}")
+        problem = _refused(f"Line {index + 1}: invalid type for 'custom_id': expected a "
+                           f"non-empty string, but got {kind}.", "custom_id")
     elif value.get("method") != "POST":
-        problem = _refused("Invalid value for 'method': expected 'POST'.", "method")
+        problem = _refused(f"Line {index + 1}: invalid value for 'method': expected 'POST'.",
+                           "method")
     elif value.get("url") != row.endpoint:
-        problem = _refused(f"Invalid value for 'url': expected '{row.endpoint}', the batch's "
-                           f"endpoint.", "url")
+        problem = _refused(f"Line {index + 1}: invalid value for 'url': expected "
+                           f"'{row.endpoint}', the batch's endpoint.", "url")
     elif not isinstance(value.get("body"), dict):
-        problem = _refused("Invalid value for 'body': expected a JSON object (the request).",
-                           "body")
+        problem = _refused(f"Line {index + 1}: invalid value for 'body': expected a JSON object "
+                           f"(the request).", "body")
     elif extra := sorted(set(value) - LINE_FIELDS):
-        problem = _refused(f"Unknown parameter: '{storable_text(extra[0])[:80]}'.",
-                           storable_text(extra[0])[:80])
+        problem = _refused(f"Line {index + 1}: unknown parameter "
+                           f"'{storable_text(extra[0])[:80]}'.", storable_text(extra[0])[:80])
     else:
         problem = None
     if isinstance(value, dict) and isinstance(value.get("custom_id"), str):

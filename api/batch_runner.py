@@ -133,7 +133,9 @@ class _Step:
             if timezone.now() >= self.row.expires_at:
                 self.stop(Batch.Status.EXPIRED, "batch_expired",
                           "This request could not be executed before the completion window "
-                          "expired.")
+                          "expired.",
+                          "This request was stopped before it finished: the completion window "
+                          "expired (billed its prompt only).")
             else:
                 self.collect()
                 self.feed()
@@ -142,7 +144,9 @@ class _Step:
                     self.begin_finalizing(Batch.Status.COMPLETED)
         elif status == Batch.Status.CANCELLING:
             self.stop(Batch.Status.CANCELLED, "batch_cancelled",
-                      "This request was not executed: its batch was cancelled.")
+                      "This request was not executed: its batch was cancelled.",
+                      "This request was stopped before it finished: its batch was cancelled "
+                      "(billed its prompt only).")
         elif status == Batch.Status.FINALIZING:
             self.finalize()
         self.count()
@@ -217,6 +221,7 @@ class _Step:
         except APIError as exc:
             if exc.code in HOLD_CODES and exc.should_retry is not False:
                 return False
+            line.request_id = ""  # refused before it ran: no request
             line.state = BatchLine.State.FAILED
             line.result = output_line(line, exc.status, exc.body())
             line.save(update_fields=["state", "request_id", "result"])
@@ -304,10 +309,11 @@ class _Step:
 
     # -- ending -----------------------------------------------------------------------------
 
-    def stop(self, ends_as: str, code: str, message: str) -> None:
+    def stop(self, ends_as: str, code: str, message: str, stopped: str) -> None:
         """End the batch's unfinished lines (``code``), then finalize it as ``ends_as``: the
-        running ones are aborted (each step until its final event, :data:`STOP_WAIT_S` at
-        most), the waiting ones go to the error file."""
+        waiting ones go to the error file (``message``), the running ones are aborted (each
+        step until its final event, :data:`STOP_WAIT_S` at most) and go there too
+        (``stopped``)."""
         row = self.row
         for line in self.lines.filter(state=BatchLine.State.WAITING):
             line.state = BatchLine.State.FAILED
@@ -327,7 +333,7 @@ class _Step:
                     delivered=delivery.Delivery(tokens=0, end=delivery.LEFT, status=499)))
             if ended or late:
                 line.state = BatchLine.State.FAILED
-                line.result = error_line(line, code, message)
+                line.result = error_line(line, code, stopped)
                 line.save(update_fields=["state", "result"])
         if not self.lines.filter(state=BatchLine.State.RUNNING).exists():
             self.begin_finalizing(ends_as)

@@ -56,7 +56,8 @@ class PlatformCollector(Collector):
         yield lines
         active = GaugeMetricFamily("llm_batches_active", "Batches not yet ended, by status.",
                                    labels=["status"])
-        by_status: dict[str, int] = {}
+        # Every status a batch goes through is a series, 0 when none is in it.
+        by_status = dict.fromkeys(batch_metrics.ACTIVE_STATUSES, 0)
         for entry in figures["active"]:
             by_status[entry["status"]] = by_status.get(entry["status"], 0) + 1
         for status, n in sorted(by_status.items()):

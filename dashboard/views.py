@@ -118,18 +118,23 @@ def dashboard_data(request: HttpRequest) -> JsonResponse:
     })
 
 
-async def _may_read_metrics(request: HttpRequest) -> bool:
+async def _metrics_access(request: HttpRequest) -> int:
+    """200: the request may read the metrics; 403: its credentials are valid but not allowed
+    (a signed-in user who is not staff, an API key that is not an operator's); 401: none, or
+    unknown ones."""
     user = await request.auser()
     if user.is_authenticated and user.is_staff:
-        return True
+        return 200
     token = bearer_token(request.headers).token
     if not token:
-        return False
+        return 403 if user.is_authenticated else 401
     expected = dashboard_settings().get("METRICS_TOKEN") or ""
     if expected and hmac.compare_digest(token.encode(), expected.encode()):
-        return True
+        return 200
     key = await aauthenticate_key(token)
-    return bool(key and key.is_operator)
+    if key is None:
+        return 401
+    return 200 if key.is_operator else 403
 
 
 @async_json_errors
@@ -137,11 +142,16 @@ async def metrics_view(request: HttpRequest) -> HttpResponse:
     """``GET /metrics`` (Prometheus text format).
 
     For staff users, operator API keys and the ``METRICS_TOKEN`` bearer token (for a Prometheus
-    scrape config); it names tenants, so it is not public. 401 otherwise (a JSON error body).
+    scrape config); it names tenants, so it is not public. 401 without valid credentials, 403
+    with credentials that may not read it (as ``/scheduler/stats``), a JSON error body.
     """
-    if not await _may_read_metrics(request):
+    access = await _metrics_access(request)
+    if access == 401:
         raise APIError(401, "Metrics need a staff session, an operator API key or the metrics "
                        "token.", code="unauthorized",
                        extra_headers={"WWW-Authenticate": 'Bearer realm="metrics"'})
+    if access == 403:
+        raise APIError(403, "Only staff users, operator keys and the metrics token may read "
+                       "the metrics.", code="forbidden")
     body = await sync_to_async(metrics.render)()
     return HttpResponse(body, content_type=CONTENT_TYPE_LATEST)

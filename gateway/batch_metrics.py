@@ -24,6 +24,8 @@ from gateway.conf import redis_keys
 log = logging.getLogger(__name__)
 
 OUTCOMES = ("completed", "failed")
+# The statuses of a batch not yet ended (api.batch_store.ACTIVE).
+ACTIVE_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
 
 
 def lines_key() -> str:

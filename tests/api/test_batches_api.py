@@ -92,7 +92,8 @@ def test_a_batch_answers_every_line_once_as_its_endpoint_would(tenant_key, inpro
     good = [line(f"ok-{i}", f"Question number {i}?") for i in range(5)]
     bad = [line("wrong-url", "Hi", url="/v1/completions"),
            line("bad-body", "Hi", n=99),
-           {"custom_id": "no-body", "method": "POST", "url": CHAT}]
+           {"custom_id": "no-body", "method": "POST", "url": CHAT},
+           {"custom_id": 7, "method": "POST", "url": CHAT, "body": {}}]
 
     async def create(client):
         return await create_batch(client, good + bad, metadata={"job": "eval-7"})
@@ -109,7 +110,7 @@ def test_a_batch_answers_every_line_once_as_its_endpoint_would(tenant_key, inpro
     shown, direct = in_process(raw, calls)
     SDKBatch.model_validate(shown, strict=True)  # the SDK's own type, as the server wrote it
     assert shown["status"] == "completed"
-    assert shown["request_counts"] == {"total": 8, "completed": 5, "failed": 3}
+    assert shown["request_counts"] == {"total": 9, "completed": 5, "failed": 4}
     assert shown["in_progress_at"] and shown["finalizing_at"] and shown["completed_at"]
     out, err = outputs(raw, row)
     assert [o["custom_id"] for o in out] == [g["custom_id"] for g in good]
@@ -120,7 +121,12 @@ def test_a_batch_answers_every_line_once_as_its_endpoint_would(tenant_key, inpro
         assert body.choices[0].message.content == answer.choices[0].message.content
         assert body.usage.completion_tokens == answer.usage.completion_tokens
     by_id = {e["custom_id"]: e for e in err}
-    assert set(by_id) == {"wrong-url", "bad-body", "no-body"}
+    assert set(by_id) == {"wrong-url", "bad-body", "no-body", None}
+    untyped = by_id[None]["response"]["body"]["error"]
+    assert untyped["param"] == "custom_id" and "Line 9" in untyped["message"]
+    assert "number" in untyped["message"]
+    # Refused before any request ran: no request id.
+    assert by_id["bad-body"]["response"]["request_id"] is None
     assert by_id["wrong-url"]["response"]["body"]["error"]["param"] == "url"
     assert by_id["bad-body"]["response"]["body"]["error"]["param"] == "n"
     assert by_id["no-body"]["response"]["body"]["error"]["param"] == "body"
@@ -364,4 +370,5 @@ def test_the_dashboard_shows_batches_in_progress_and_metrics_count_lines_by_outc
     lines = {s.labels["outcome"]: s.value for s in families["llm_batch_lines"].samples
              if s.name == "llm_batch_lines_total"}
     assert lines == {"completed": 3, "failed": 1}
-    assert families["llm_batches_active"].samples == []
+    assert {s.labels["status"]: s.value for s in families["llm_batches_active"].samples} == {
+        "validating": 0, "in_progress": 0, "finalizing": 0, "cancelling": 0}

@@ -1,0 +1,220 @@
+"""Batch work beside interactive traffic: what a running batch costs interactive streams, and
+how fast a batch goes on an idle platform.
+
+Runs, in this order, each alone on the machine (the platform's processes are stopped between
+runs; the real model on the default backend):
+
+* ``interactive``: tenant ``chat`` streams completions (Poisson at ``--rate`` for
+  ``--duration`` s, greedy, ``ignore_eos``) through the REST API;
+* ``interactive+batch``: the same arrivals while tenant ``bulk``'s batch of ``--lines`` lines
+  (``/v1/completions``, the Batch API, stepped by Celery beat) runs; the batch is cancelled once
+  the interactive requests are done;
+* ``batch``: the batch alone on the idle platform, until it completes;
+* ``offline``: the same lines through the engine in this process (``LLMEngine``, the same
+  batch size, every line submitted at once): the throughput the batch is measured against.
+
+The verdict (printed, not asserted): interactive TTFT p99 and ITL p99 with the batch within
+15 % of those without it, and the batch's output tokens/s on the idle platform (from its
+``in_progress_at`` to its ``completed_at``) at least 0.9x the offline engine's.
+
+Usage::
+
+    python -m benchmarks.serving.batch_impact                     # ~10 min
+    python -m benchmarks.serving.batch_impact --lines 200 --duration 20 --out-dir /tmp/bi
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import random
+import time
+from typing import Any
+
+from benchmarks.harness.cli import HelpFormatter, add_out_dir_flag, name_list
+from benchmarks.harness.common import machine, print_table, reference_tokenizer, write_json
+from benchmarks.harness.metrics import summarize
+from benchmarks.harness.servers import Platform, TenantSpec
+from benchmarks.harness.targets import RestTarget, run_load
+from benchmarks.harness.workload import PromptMaker, poisson_arrivals, random_requests
+
+RUNS = ("interactive", "interactive+batch", "batch", "offline")
+MODEL = "SmolLM2-135M-Instruct"
+INPUT_LEN, OUTPUT_LEN = (32, 96), (32, 64)
+# The verdict's bounds.
+INTERACTIVE_SLACK = 0.15
+BATCH_VS_OFFLINE = 0.9
+
+
+def batch_lines(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rng = random.Random(args.seed + 1)
+    maker = PromptMaker(reference_tokenizer(), seed=args.seed + 1)
+    return [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
+             "body": {"model": MODEL, "prompt": maker.make(args.line_input, rng),
+                      "max_tokens": args.line_output, "temperature": 0, "ignore_eos": True}}
+            for i in range(args.lines)]
+
+
+def interactive_specs(args: argparse.Namespace) -> list:
+    rng = random.Random(args.seed)
+    maker = PromptMaker(reference_tokenizer(), seed=args.seed)
+    return random_requests(maker, poisson_arrivals(args.rate, args.duration, rng), INPUT_LEN,
+                           OUTPUT_LEN, rng, tenant="chat")
+
+
+def platform_env(args: argparse.Namespace, files_root: str) -> dict[str, Any]:
+    return {"MAX_BATCH_SIZE": args.batch, "FILES_ROOT": files_root,
+            "BATCH_LINES_IN_FLIGHT": args.in_flight, "BATCH_STEP_INTERVAL_S": 0.5}
+
+
+async def start_batch(url: str, key: str, lines: list[dict[str, Any]]) -> tuple[Any, Any]:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=2)
+    data = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+    made = await client.files.create(file=("lines.jsonl", io.BytesIO(data)), purpose="batch")
+    batch = await client.batches.create(input_file_id=made.id, endpoint="/v1/completions",
+                                        completion_window="24h")
+    return client, batch
+
+
+async def platform_run(name: str, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
+    with_chat, with_batch = name != "batch", name != "interactive"
+    tenants = [TenantSpec("chat", "standard"), TenantSpec("bulk", "standard")]
+    with Platform(tenants, beat=True, **platform_env(args, f"{tmp}/{name}-files")) as platform:
+        out: dict[str, Any] = {"name": name}
+        client = batch = None
+        if with_batch:
+            client, batch = await start_batch(platform.url, platform.keys["bulk"],
+                                              batch_lines(args))
+        if with_chat:
+            async with RestTarget(platform.url, platform.keys, model=MODEL) as target:
+                results, duration = await run_load(target, interactive_specs(args), desc=name)
+            out["interactive"] = summarize(results, duration)
+        if client is not None and batch is not None:
+            if with_chat:  # the interactive window is over: what the batch did meanwhile
+                shown = await client.batches.retrieve(batch.id)
+                out["batch_lines_done_meanwhile"] = shown.request_counts.completed
+                out["batch_status_after"] = shown.status
+                if shown.status in ("validating", "in_progress"):
+                    await client.batches.cancel(batch.id)
+            else:
+                deadline = time.monotonic() + args.batch_timeout
+                while time.monotonic() < deadline:
+                    shown = await client.batches.retrieve(batch.id)
+                    if shown.status in ("completed", "failed", "expired", "cancelled"):
+                        break
+                    await asyncio.sleep(1.0)
+                out["batch"] = {"status": shown.status,
+                                "request_counts": shown.request_counts.model_dump(),
+                                "seconds": ((shown.completed_at or 0)
+                                            - (shown.in_progress_at or 0)),
+                                "output_tokens": await output_tokens(client, shown)}
+                seconds = out["batch"]["seconds"]
+                out["batch"]["tokens_per_s"] = (out["batch"]["output_tokens"] / seconds
+                                                if seconds > 0 else None)
+            await client.close()
+    return out
+
+
+async def output_tokens(client: Any, batch: Any) -> int:
+    if not batch.output_file_id:
+        return 0
+    content = (await client.files.content(batch.output_file_id)).content
+    return sum(json.loads(raw)["response"]["body"]["usage"]["completion_tokens"]
+               for raw in content.splitlines() if raw.strip())
+
+
+def offline_run(args: argparse.Namespace) -> dict[str, Any]:
+    """The same lines through an in-process engine of the same batch size."""
+    from inference.engine.config import EngineConfig
+    from inference.engine.llm_engine import LLMEngine
+    from inference.engine.request import FinalEvent, SamplingParams
+
+    lines = batch_lines(args)
+    engine = LLMEngine(EngineConfig(max_batch_size=args.batch, max_pending=len(lines) + 1))
+    # Warm up (the model's first passes, the kernels' build) before the clock starts, as the
+    # platform's worker is warm when the batch arrives.
+    engine.submit(prompt=lines[0]["body"]["prompt"], request_id="warm-up",
+                  sampling=SamplingParams(max_tokens=4, ignore_eos=True))
+    while not any(isinstance(e, FinalEvent) for e in engine.step()):
+        pass
+    started = time.perf_counter()
+    for line in lines:
+        body = line["body"]
+        engine.submit(prompt=body["prompt"], request_id=line["custom_id"],
+                      sampling=SamplingParams(max_tokens=body["max_tokens"], ignore_eos=True))
+    tokens = ended = 0
+    while ended < len(lines):
+        for event in engine.step():
+            if isinstance(event, FinalEvent):
+                ended += 1
+                tokens += event.usage.completion_tokens
+    seconds = time.perf_counter() - started
+    engine.shutdown()
+    return {"name": "offline", "batch": {"output_tokens": tokens, "seconds": seconds,
+                                         "tokens_per_s": tokens / seconds}}
+
+
+def verdict(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    alone, beside = runs.get("interactive"), runs.get("interactive+batch")
+    if alone and beside:
+        for figure in ("ttft_ms", "itl_ms"):
+            base = alone["interactive"][figure].get("p99")
+            got = beside["interactive"][figure].get("p99")
+            if base and got is not None:
+                out[f"{figure}_p99_ratio"] = got / base
+                out[f"{figure}_within"] = got <= base * (1 + INTERACTIVE_SLACK)
+    batch, offline = runs.get("batch"), runs.get("offline")
+    if batch and offline and batch["batch"].get("tokens_per_s"):
+        ratio = batch["batch"]["tokens_per_s"] / offline["batch"]["tokens_per_s"]
+        out["batch_vs_offline"] = ratio
+        out["batch_vs_offline_pass"] = ratio >= BATCH_VS_OFFLINE
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--runs", type=name_list(RUNS), default=list(RUNS))
+    parser.add_argument("--duration", type=float, default=60.0,
+                        help="seconds of interactive arrivals")
+    parser.add_argument("--rate", type=float, default=1.0, help="interactive requests/s")
+    parser.add_argument("--lines", type=int, default=2000, help="lines in the batch")
+    parser.add_argument("--line-input", type=int, default=48, help="prompt tokens per line")
+    parser.add_argument("--line-output", type=int, default=16, help="tokens each line makes")
+    parser.add_argument("--batch", type=int, default=16, help="the worker's MAX_BATCH_SIZE")
+    parser.add_argument("--in-flight", type=int, default=64, help="BATCH_LINES_IN_FLIGHT")
+    parser.add_argument("--batch-timeout", type=float, default=1800.0)
+    parser.add_argument("--seed", type=int, default=0)
+    add_out_dir_flag(parser)
+    args = parser.parse_args(argv)
+    import tempfile
+
+    runs: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="batch-impact-") as tmp:
+        for name in args.runs:
+            runs[name] = (offline_run(args) if name == "offline"
+                          else asyncio.run(platform_run(name, args, tmp)))
+    rows = []
+    for name, run in runs.items():
+        chat = run.get("interactive") or {}
+        batch = run.get("batch") or {}
+        rows.append({"run": name, "TTFT p99 ms": (chat.get("ttft_ms") or {}).get("p99", ""),
+                     "ITL p99 ms": (chat.get("itl_ms") or {}).get("p99", ""),
+                     "batch lines meanwhile": run.get("batch_lines_done_meanwhile", ""),
+                     "batch tok/s": batch.get("tokens_per_s") or ""})
+    print(f"machine: {machine()}")
+    print_table(rows, ["run", "TTFT p99 ms", "ITL p99 ms", "batch lines meanwhile",
+                       "batch tok/s"])
+    judged = verdict(runs)
+    print("verdict:", json.dumps(judged, indent=1))
+    write_json("batch_impact", {"args": vars(args), "runs": runs, "verdict": judged},
+               args.out_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
