@@ -137,6 +137,10 @@ STEPS = (
          ("--redis-persistence", "none", "--duration-s", "90", "--seed", "3"),
          ("--redis-persistence", "none", "--seed", "3", *_SHORT_CHAOS), CHAOS,
          "experiment 9 on a Redis that restarts empty"),
+    Step("batch_impact", "benchmarks.serving.batch_impact", (),
+         ("--lines", "40", "--duration", "5"), OUT_DIR,
+         "experiment 11, batch work: interactive TTFT and ITL with and without a 2,000-line "
+         "batch, and the batch against the offline engine"),
     Step("structured", "benchmarks.structured.workload", (), ("--quick",), OUT_DIR,
          "structured outputs: JSON-schema requests against transformers generate with "
          "llguidance, mask cost, ITL beside constrained rows, jump-forward and mask overlap"),
