@@ -288,12 +288,8 @@ class _Step:
             return  # ended by stop(): written there
         req = self._request(line.body)
         chat = isinstance(req, ChatCompletionRequest)
-        shape = responses.ResponseShape(
-            kind="chat" if chat else "text",
-            id=f"{'chatcmpl' if chat else 'cmpl'}-{line.request_id}", model=req.model,
-            created=int(time.time()), logprobs=req.token_logprobs is not None,
-            echo=req.echoed_prompt, tools=chat and req.prompt_tools is not None,
-            calls_only=getattr(req, "calls_only", False), n=req.n)
+        shape = views.response_shape(req, req.model, line.request_id, chat=chat,
+                                     tools=chat and req.prompt_tools is not None)
         if responses.failed(final):
             assert error is not None
             exc = views.worker_error(req, error)

@@ -155,13 +155,8 @@ async def _generate(
     tools: list[dict[str, Any]] | None = None,
 ) -> HttpResponse:
     request_id = uuid.uuid4().hex
-    kind = "chat" if messages is not None else "text"
-    shape = responses.ResponseShape(
-        kind=kind, id=f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id}",
-        model=model, created=int(time.time()), include_usage=req.include_usage,
-        logprobs=req.token_logprobs is not None, echo=req.echoed_prompt, tools=tools is not None,
-        calls_only=getattr(req, "calls_only", False), n=req.n,
-    )
+    shape = response_shape(req, model, request_id, chat=messages is not None,
+                           tools=tools is not None)
     generation = await lifecycle.start(
         Principal.for_api_key(key), request_id=request_id, messages=messages, prompt=prompt,
         tools=tools,
@@ -181,6 +176,17 @@ async def _generate(
     for name, value in limits.items():
         response[name] = value
     return response
+
+
+def response_shape(req: GenerationRequest, model: str, request_id: str, *, chat: bool,
+                   tools: bool) -> responses.ResponseShape:
+    """The shape of the answer to ``req`` (a chat's when ``chat``; ``tools``: it offers tools),
+    its id ``chatcmpl-{request_id}`` or ``cmpl-{request_id}``."""
+    return responses.ResponseShape(
+        kind="chat" if chat else "text", id=f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
+        model=model, created=int(time.time()), include_usage=req.include_usage,
+        logprobs=req.token_logprobs is not None, echo=req.echoed_prompt, tools=tools,
+        calls_only=getattr(req, "calls_only", False), n=req.n)
 
 
 def worker_error(req: GenerationRequest, error: ErrorInfo) -> APIError:
