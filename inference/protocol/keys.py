@@ -67,7 +67,8 @@ def redis_retry_options(asyncio: bool = False) -> dict[str, Any]:
     on a lost or refused connection with exponential backoff (0.05 s doubling to 0.5 s) for about
     :data:`REDIS_RETRY_WINDOW_S` (not on a timeout). Every Redis call the platform repeats this
     way is idempotent (an admission or an event write repeated after a lost reply changes
-    nothing)."""
+    nothing; a worker's counter updates, gate 1's held count and the fairness counters, carry a
+    token that Redis applies once: ``fq_once`` in ``inference/protocol/lua/fair_queue.lua``)."""
     from redis.backoff import ExponentialBackoff
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import TimeoutError as RedisTimeoutError

@@ -198,9 +198,8 @@ class WorkerBridge:
             served = float(row.get("weighted_service") or 0.0)
             if served > self._charged.get(key, 0.0):
                 delta[key] = served - self._charged.get(key, 0.0)
+                self._charged[key] = served  # the queue sends it, once, however long it takes
         self.queue.charge(delta)
-        for key, amount in delta.items():  # charged only once the queue took it
-            self._charged[key] = self._charged.get(key, 0.0) + amount
 
     def publish_stats(self, ttl_s: float) -> None:
         """Heartbeat and stats snapshot (expiring after ``ttl_s`` without a refresh).

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -102,6 +103,12 @@ class FairQueue:
         self.wake_self = keys.fq("wake", worker_id)
         self._tiers: list[int] = []
         self._tiers_read_at = float("-inf")
+        # Counter updates not yet known to have arrived (release: n; charge: key -> amount):
+        # the one sent last with its token, resent as it was until a reply says it arrived,
+        # and what came since (sent next, under a new token).
+        self._sent: dict[str, tuple[str, Any]] = {}
+        self._unsent_release = 0
+        self._unsent_charge: dict[str, float] = {}
 
     def _run(self, name: str, *args: Any) -> Any:
         return self._scripts[name](args=[self.keys.prefix, *args])
@@ -174,10 +181,40 @@ class FairQueue:
 
     def release_held(self, n: int) -> bool:
         """``n`` held requests left this worker's pending queue (admitted, or ended); False
-        when nothing changed: this worker was reclaimed (its held count went with it)."""
-        if not n:
-            return True
-        return bool(self._run("release", self.worker_id, n))
+        when nothing changed: this worker was reclaimed (its held count went with it).
+
+        Applied once in Redis whatever happens to the reply: an update whose reply was lost is
+        sent again, with its token, at the next call (``n`` may be 0 for that), and Redis
+        applies each token once (``fq_once``).
+
+        Raises:
+            redis.RedisError: Redis is unreachable (what was not sent goes with the next call).
+        """
+        self._unsent_release += n
+        changed = True
+        while True:
+            update = self._next_update("release", self._unsent_release)
+            if update is None:
+                return changed
+            self._unsent_release = 0
+            token, count = update
+            changed = bool(self._run("release", self.worker_id, count, token)) and changed
+            del self._sent["release"]
+
+    def drop_releases(self) -> None:
+        """Forget the held-count updates not known to have arrived: the held count they would
+        lower is gone (this worker was reclaimed, or Redis lost its data)."""
+        self._unsent_release = 0
+        self._sent.pop("release", None)
+
+    def _next_update(self, kind: str, unsent: Any) -> tuple[str, Any] | None:
+        """The update of ``kind`` to send now: the one sent last if no reply said it arrived,
+        else what is unsent under a new token (None: nothing)."""
+        if kind not in self._sent:
+            if not unsent:
+                return None
+            self._sent[kind] = (uuid.uuid4().hex, unsent)
+        return self._sent[kind]
 
     def write_events(self, events: Iterable[Owned], ttl_s: int,
                      prompt_tokens: Mapping[str, int] | None = None) -> set[tuple[str, str]]:
@@ -209,15 +246,28 @@ class FairQueue:
         lost = _ids(self._run("events", self.worker_id, ttl_s, *args))
         return {(lost[i], lost[i + 1]) for i in range(0, len(lost), 2)}
 
-    def charge(self, service: dict[str, float]) -> None:
+    def charge(self, service: Mapping[str, float]) -> None:
         """Add weighted tokens (``w_in`` x computed prompt + ``w_out`` x generated, divided by
-        the key's weight) to each fairness key's shared counter."""
-        args: list[Any] = []
+        the key's weight) to each fairness key's shared counter.
+
+        Applied once in Redis as :meth:`release_held` is (an update whose reply was lost is
+        sent again with its token at the next call; ``service`` may be empty for that).
+
+        Raises:
+            redis.RedisError: Redis is unreachable (what was not sent goes with the next call).
+        """
         for key, amount in service.items():
             if amount:
-                args += [key, repr(float(amount))]
-        if args:
-            self._run("charge", *args)
+                self._unsent_charge[key] = self._unsent_charge.get(key, 0.0) + float(amount)
+        while True:
+            update = self._next_update("charge", self._unsent_charge)
+            if update is None:
+                return
+            self._unsent_charge = {}
+            token, amounts = update
+            args = [part for key, amount in amounts.items() for part in (key, repr(amount))]
+            self._run("charge", self.worker_id, token, *args)
+            del self._sent["charge"]
 
     def expire(self, ttl_s: int, limit: int = 256) -> list[str]:
         """End the waiting requests whose admission deadline has passed (``queue_timeout``).

@@ -298,10 +298,9 @@ class Intake:
         """
         queued = self.engine.num_queued() - self.engine.stats().get("num_pending_batch", 0)
         waiting = sum(1 for q in self._waiting.values() if not q.batch)
-        left = self.state.held - queued - waiting
-        if left > 0:
-            self.queue.release_held(left)
-            self.state.held -= left
+        left = max(0, self.state.held - queued - waiting)
+        self.state.held -= left
+        self.queue.release_held(left)  # with what an earlier call could not send
 
     def _end_unadmitted(self, request_id: str, take: str, reason: FinishReason,
                         error: ErrorInfo | None = None,

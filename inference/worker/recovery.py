@@ -170,6 +170,7 @@ class Recovery:
         for request_id in live:
             self.engine.abort(request_id)
         self.state.held = 0
+        self.queue.drop_releases()
         self.register()
 
     def register(self) -> None:
@@ -225,6 +226,7 @@ class Recovery:
         for request_id in live:
             self.engine.abort(request_id)
         self.state.held = 0
+        self.queue.drop_releases()
         self.state.registered = False
         self.state.epoch = self._read_epoch()
 

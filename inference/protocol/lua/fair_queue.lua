@@ -31,6 +31,9 @@
 --                       the request carries the token of its own take: a stale one (a take that
 --                       was reclaimed while its worker was paused, then taken again) is refused
 --   takes               string: the last take token given
+--   once:{kind}:{worker} string, expiring: the token of the worker's last update of the kind
+--                       (release, charge) that Redis applied: the same update sent again after a
+--                       lost reply is not applied twice (fq_once)
 --   reclaimed:{worker}  string, expiring: set when the worker was reclaimed (reclaim.lua), until
 --                       it learns so and registers afresh; it takes nothing meanwhile
 --   wake                list: one entry per enqueue, for idle workers to block on
@@ -242,6 +245,21 @@ end
 -- write for a take that is no longer the current one (reclaimed, taken again) is refused.
 local function fq_owns(p, id, token)
   return redis.call('HGET', fq(p, 'take'), id) == token
+end
+
+-- Whether a worker's update of the kind (release, charge) carrying this token is new: it is
+-- recorded as applied then. A worker sends its updates in order and sends one again (same token)
+-- until a reply says it arrived, so only its last applied token is kept. A counter update whose
+-- reply was lost (a dropped connection, Redis killed once it had written it) is thus applied
+-- once, not once per try.
+local FQ_ONCE_TTL_S = 86400
+local function fq_once(p, kind, worker, token)
+  local key = fq(p, 'once', kind, worker)
+  if redis.call('GET', key) == token then
+    return false
+  end
+  redis.call('SET', key, token, 'EX', FQ_ONCE_TTL_S)
+  return true
 end
 
 -- The token events a running request's stream holds (its next seq).

@@ -1,0 +1,156 @@
+"""A worker's counter updates survive a lost reply: applied once, not once per try.
+
+Between the worker and a real Redis sits a TCP proxy that, when armed, lets a script call reach
+Redis and drops the connection instead of passing its reply on (what a Redis killed right after
+writing a call, or a dropped connection, does). The worker's Redis client retries such a call on a
+new connection (``redis_retry_options``): the held count of gate 1 and the fairness counters
+must still move once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import uuid
+
+import pytest
+import redis
+from django.conf import settings as django_settings
+
+from inference.protocol.keys import Keys, redis_retry_options
+from inference.protocol.messages import RequestMessage
+from inference.worker.fair_queue import FairQueue
+
+
+class ReplyDropper:
+    """A TCP proxy to Redis; :meth:`arm` makes it drop the reply to the next script call
+    (``EVALSHA``) that Redis ran, closing that connection."""
+
+    def __init__(self, host: str, port: int):
+        self.target = (host, port)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.armed = threading.Event()
+        self.dropped = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def arm(self) -> None:
+        self.armed.set()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            state = {"script": False}
+            threading.Thread(target=self._up, args=(client, upstream, state), daemon=True).start()
+            threading.Thread(target=self._down, args=(upstream, client, state),
+                             daemon=True).start()
+
+    def _up(self, client: socket.socket, upstream: socket.socket, state: dict) -> None:
+        while data := _recv(client):
+            state["script"] = b"EVALSHA" in data.upper()
+            upstream.sendall(data)
+        _close(client, upstream)
+
+    def _down(self, upstream: socket.socket, client: socket.socket, state: dict) -> None:
+        while data := _recv(upstream):
+            ran = state["script"] and not data.startswith(b"-NOSCRIPT")
+            if ran and self.armed.is_set():
+                self.armed.clear()
+                self.dropped += 1
+                break  # Redis ran it; its client never hears so
+            client.sendall(data)
+        _close(client, upstream)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def _recv(sock: socket.socket) -> bytes:
+    with contextlib.suppress(OSError):
+        return sock.recv(65536)
+    return b""
+
+
+def _close(*socks: socket.socket) -> None:
+    for sock in socks:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)  # wakes the thread reading it
+        with contextlib.suppress(OSError):
+            sock.close()
+
+
+@pytest.fixture
+def dropper():
+    url = redis.connection.parse_url(django_settings.REDIS_URL)
+    proxy = ReplyDropper(url.get("host", "127.0.0.1"), int(url.get("port", 6379)))
+    yield proxy
+    proxy.close()
+
+
+@pytest.fixture
+def worker_queue(dropper, redis_prefix):
+    """The queue of a worker whose Redis client (the worker's retry options) goes through the
+    proxy."""
+    client = redis.Redis(host="127.0.0.1", port=dropper.port, db=_db(), **redis_retry_options())
+    yield FairQueue(client, Keys(redis_prefix), "w1", "vtc")
+    client.close()
+
+
+def _db() -> int:
+    return int(redis.connection.parse_url(django_settings.REDIS_URL).get("db", 0))
+
+
+def message(key: str) -> RequestMessage:
+    return RequestMessage(request_id=uuid.uuid4().hex, tenant=key, fairness_key=key,
+                          priority=0, prompt="hi")
+
+
+def test_a_release_whose_reply_was_lost_lowers_gate_one_once(worker_queue, dropper):
+    for _ in range(3):
+        worker_queue.enqueue(message("acme"))
+    worker_queue.take(3)
+    worker_queue.release_held(1)  # one admitted
+    assert worker_queue.gate1() == 2
+    dropper.arm()
+    worker_queue.release_held(1)  # another admitted: Redis ran it, its reply was lost, retried
+    assert dropper.dropped == 1
+    assert worker_queue.gate1() == 1  # the one still held by the worker
+    worker_queue.release_held(1)
+    assert worker_queue.gate1() == 0
+
+
+def test_a_release_sent_when_redis_was_unreachable_goes_with_the_next_call(
+        worker_queue, dropper, monkeypatch):
+    for _ in range(2):
+        worker_queue.enqueue(message("acme"))
+    worker_queue.take(2)
+    calls = {"n": 0}
+    real = worker_queue._run
+
+    def unreachable_once(name, *args):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise redis.ConnectionError("Redis is down")
+        return real(name, *args)
+
+    monkeypatch.setattr(worker_queue, "_run", unreachable_once)
+    with pytest.raises(redis.ConnectionError):
+        worker_queue.release_held(1)
+    assert worker_queue.gate1() == 2
+    worker_queue.release_held(0)  # the next round: what was not sent goes now
+    assert worker_queue.gate1() == 1
+
+
+def test_a_charge_whose_reply_was_lost_adds_its_service_once(worker_queue, dropper, rclient,
+                                                             keys):
+    worker_queue.enqueue(message("acme"))
+    worker_queue.charge({"acme": 10.0})
+    dropper.arm()
+    worker_queue.charge({"acme": 5.0})
+    assert dropper.dropped == 1
+    assert float(rclient.hget(keys.fq("counter"), "acme")) == pytest.approx(15.0)
