@@ -44,14 +44,15 @@ FIELD_RULES: dict[str, Rule] = {
         "prefix_queried_tokens", "kv_block_evictions", "admissions_soft_held",
         "admissions_hard_rejected", "requests_finished", "preemptions",
         "preempted_tokens_recomputed", "batch_preemptions", "batch_tokens_recomputed",
-        "batch_itl_held",
+        "batch_itl_held", "batch_decode_waits",
         # structured outputs: a dict of counts (constrained requests, compile-cache hits,
         # refusals by reason, masks, forced tokens), summed per entry
         "structured"), Rule.SUM),
     **dict.fromkeys(("published_at", "uptime_s", "last_tick_s"), Rule.MAX),
     "max_model_len": Rule.MIN,
     **dict.fromkeys(("policy", "prefill_mode", "kv_block_size", "max_batch_size", "max_pending",
-                     "dtype", "preemption", "batch_itl_slack_ms"), Rule.SAME),
+                     "dtype", "preemption", "batch_itl_slack_ms",
+                     "batch_itl_slack_fraction"), Rule.SAME),
 }
 # Fields that only mean something for one worker (its own cost model and last pass, the rows it
 # may preempt): shown in each worker's snapshot, left out of the deployment's total.

@@ -65,7 +65,8 @@ def interactive_specs(args: argparse.Namespace) -> list:
 
 
 def platform_env(args: argparse.Namespace, files_root: str) -> dict[str, Any]:
-    return {"MAX_BATCH_SIZE": args.batch, "FILES_ROOT": files_root,
+    # The real model (the harness's stack defaults to the model-free reference backend).
+    return {"BACKEND": "transformers", "MAX_BATCH_SIZE": args.batch, "FILES_ROOT": files_root,
             "BATCH_LINES_IN_FLIGHT": args.in_flight, "BATCH_STEP_INTERVAL_S": 0.5}
 
 
@@ -129,12 +130,25 @@ async def output_tokens(client: Any, batch: Any) -> int:
 
 def offline_run(args: argparse.Namespace) -> dict[str, Any]:
     """The same lines through an in-process engine of the same batch size."""
-    from inference.engine.config import EngineConfig
     from inference.engine.llm_engine import LLMEngine
     from inference.engine.request import FinalEvent, SamplingParams
+    from inference.worker.settings import WorkerSettings
 
     lines = batch_lines(args)
-    engine = LLMEngine(EngineConfig(max_batch_size=args.batch, max_pending=len(lines) + 1))
+    # The worker's own engine configuration (its settings, dtype and cost model included) as
+    # the platform runs read it, with room for every line at once.
+    worker = WorkerSettings(**{k.lower(): v for k, v in platform_env(args, "").items()
+                               if k.lower() in WorkerSettings.model_fields})
+    config = worker.engine_config().model_copy(update={"max_pending": len(lines) + 1})
+    if not config.model_path:  # the default model, prepared as the worker prepares it
+        from concurrent.futures import ThreadPoolExecutor
+
+        from inference.engine.model_store import prepare_default_model
+
+        with ThreadPoolExecutor(1) as once:
+            path = once.submit(prepare_default_model, worker.model_cache_dir).result()
+        config = config.model_copy(update={"model_path": str(path)})
+    engine = LLMEngine(config)
     # Warm up (the model's first passes, the kernels' build) before the clock starts, as the
     # platform's worker is warm when the batch arrives.
     engine.submit(prompt=lines[0]["body"]["prompt"], request_id="warm-up",
@@ -153,9 +167,12 @@ def offline_run(args: argparse.Namespace) -> dict[str, Any]:
                 ended += 1
                 tokens += event.usage.completion_tokens
     seconds = time.perf_counter() - started
+    stats = engine.stats()
     engine.shutdown()
     return {"name": "offline", "batch": {"output_tokens": tokens, "seconds": seconds,
-                                         "tokens_per_s": tokens / seconds}}
+                                         "tokens_per_s": tokens / seconds},
+            "engine": {"dtype": stats.get("dtype"), "prefill_mode": stats.get("prefill_mode"),
+                       "max_batch_size": config.max_batch_size}}
 
 
 def verdict(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:

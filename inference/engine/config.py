@@ -66,10 +66,13 @@ class EngineConfig(BaseModel):
     target_itl_ms: float = Field(
         500.0, ge=0, description="Target tick duration while streams run (ms), mixed_batch."
     )
-    # The batch service class: batch rows are admitted (and their prompts fed) only while the
-    # predicted pass stays within the interactive rows' own plus this (ms; mixed_batch).
+    # The batch service class: batch rows are admitted, decode and have their prompts fed
+    # only while the predicted pass stays within the interactive rows' own times
+    # (1 + batch_itl_slack_fraction) plus batch_itl_slack_ms (mixed_batch).
+    batch_itl_slack_fraction: float = Field(
+        0.1, ge=0, description="Share of interactive rows' pass time batch rows may add.")
     batch_itl_slack_ms: float = Field(
-        25.0, ge=0, description="Pass time batch rows may add to interactive rows' (ms).")
+        0.0, ge=0, description="Pass time batch rows may add to interactive rows' (ms).")
     kv_block_size: int = Field(16, ge=1, description="Tokens per KV block.")
     kv_num_blocks: int = Field(
         2048, ge=0, description="KV blocks in the pool; 0 derives it from KV_CACHE_BYTES."

@@ -69,6 +69,7 @@ class Admission:
         # whenever a row is free) and the slack batch rows may add to a pass (seconds).
         self.cost_model: PassCostModel | None = None
         self.batch_slack_s = state.config.batch_itl_slack_ms / 1000.0
+        self.batch_slack_fraction = state.config.batch_itl_slack_fraction
 
     # -- admission and the gates -------------------------------------------------------------
 
@@ -130,7 +131,7 @@ class Admission:
             shapes[row.batch][1] += row.num_rows * row.num_tokens
         return batch_row_fits(PassShape(*shapes[False]), PassShape(*shapes[True]),
                               head.num_rows, head.num_rows * head.num_tokens, self.cost_model,
-                              self.batch_slack_s)
+                              self.batch_slack_fraction, self.batch_slack_s)
 
     def _soft_hold(self, gate: int) -> None:
         self.state.soft_held[gate] += 1
@@ -279,6 +280,8 @@ class Admission:
             "batch_tokens_recomputed": self.state.batch_tokens_recomputed,
             "batch_itl_held": self.state.batch_itl_held,
             "batch_itl_slack_ms": self.state.config.batch_itl_slack_ms,
+            "batch_itl_slack_fraction": self.state.config.batch_itl_slack_fraction,
+            "batch_decode_waits": self.state.batch_decode_waits,
         }
 
     def preemptible_rows(self) -> dict[str, int] | None:

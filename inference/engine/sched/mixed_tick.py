@@ -32,6 +32,8 @@ from inference.engine.sched.state import SchedulerState
 from inference.engine.sched.tick_budget import (
     PassCostModel,
     PassShape,
+    batch_ceiling,
+    batch_decode_rows,
     calibrate,
     chunk_attention,
     plan_batch_prefill,
@@ -111,9 +113,10 @@ class MixedPass:
         # A row whose grammar forced tokens after its last sampled one (jump-forward) feeds them
         # all in this pass, as a prompt-like chunk of its own; the others feed one token.
         forced_rows = [r for r in state.active if r.num_tokens - r.num_computed_tokens > 1]
-        decode_rows = [r for r in state.active if r.num_tokens - r.num_computed_tokens <= 1]
+        decode_rows = self._decode_rows(
+            [r for r in state.active if r.num_tokens - r.num_computed_tokens <= 1])
         decode_shape = PassShape(len(decode_rows) + len(forced_rows),
-                                 sum(r.num_tokens for r in state.active), 0, 0)
+                                 sum(r.num_tokens for r in (*decode_rows, *forced_rows)), 0, 0)
         prefilling = [r for r in state.prefilling if not r.batch]
         take = plan_prefill(_spans(prefilling), decode_shape, self.cost_model,
                             self.target_itl_s, state.chunk_size)
@@ -162,12 +165,32 @@ class MixedPass:
         rows.apply_prefill(prefill_rows, chunks[:n_prefill], logits[:n_prefill])
         rows.apply_decode(forced_rows + decode_rows, logits[n_prefill:])
 
+    def _decode_rows(self, rows: list[Request]) -> list[Request]:
+        """The decode rows of this pass (``docs/design.md``, "The batch service class"): every
+        interactive one, and the batch ones (oldest admitted first) while the predicted pass
+        stays within :func:`batch_ceiling` of the interactive rows' own; the other batch rows
+        wait, their KV blocks kept. Every row when no interactive row decodes (or no cost
+        model)."""
+        state, model = self.state, self.cost_model
+        batch = [r for r in rows if r.batch]
+        interactive = [r for r in state.active if not r.batch]
+        if model is None or not batch or not interactive:
+            return rows
+        alone = PassShape(len(interactive), sum(r.num_tokens for r in interactive))
+        ceiling = batch_ceiling(model, alone, state.config.batch_itl_slack_fraction,
+                                state.config.batch_itl_slack_ms / 1000.0)
+        batch.sort(key=lambda r: r.admit_seq)
+        n = batch_decode_rows(alone, [r.num_tokens for r in batch], model, ceiling)
+        state.batch_decode_waits += len(batch) - n
+        running = {id(r) for r in batch[:n]}
+        return [r for r in rows if not r.batch or id(r) in running]
+
     def _batch_take(self, batch: list[Request], prefilling: list[Request], take: list[int],
                     decode: PassShape) -> list[int]:
         """Prompt tokens of the batch prefilling rows (``docs/design.md``, "The batch service
         class"): as any row's when no interactive row is in the pass (or no cost model);
         else the most that keep the predicted pass within the interactive rows' own
-        (their decode rows, ``prefilling`` with ``take``) plus ``BATCH_ITL_SLACK_MS``."""
+        (their decode rows, ``prefilling`` with ``take``) within :func:`batch_ceiling`."""
         state, model = self.state, self.cost_model
         interactive = [r for r in state.active if not r.batch]
         if model is None or not (interactive or prefilling):
@@ -178,7 +201,8 @@ class MixedPass:
         alone = PassShape(len(interactive), sum(r.num_tokens for r in interactive), sum(take),
                           attention)
         base = PassShape(decode.decode_rows, decode.decode_context, sum(take), attention)
-        ceiling = model.predict(alone) + state.config.batch_itl_slack_ms / 1000.0
+        ceiling = batch_ceiling(model, alone, state.config.batch_itl_slack_fraction,
+                                state.config.batch_itl_slack_ms / 1000.0)
         return plan_batch_prefill(_spans(batch), base, model, ceiling, state.chunk_size)
 
     def tick_budget_stats(self) -> dict[str, Any]:

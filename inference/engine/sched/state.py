@@ -65,7 +65,8 @@ class SchedulerState:
     ``admissions`` (each row's ``admit_seq``), ``preemptions``, ``preempted_tokens_recomputed``
     (prompt tokens computed again for resumed rows, charged to nobody), ``batch_preemptions``
     and ``batch_tokens_recomputed`` (the part of both of batch rows), ``batch_itl_held``
-    (admissions of a batch head held back by the ITL rule), ``forked_requests``
+    (admissions of a batch head held back by the ITL rule), ``batch_decode_waits`` (batch
+    decode rows left out of a pass by the same rule), ``forked_requests``
     (requests of ``n`` > 1 choices forked after their one prefill) and ``forked_choices`` (the
     decode rows those forks made, choice 0 included). ``left_pending`` counts
     the requests that left ``pending`` (admitted or ended) since the engine last took it.
@@ -106,6 +107,7 @@ class SchedulerState:
     batch_preemptions: int = 0
     batch_tokens_recomputed: int = 0
     batch_itl_held: int = 0
+    batch_decode_waits: int = 0
     left_pending: int = 0
     forked_requests: int = 0
     forked_choices: int = 0

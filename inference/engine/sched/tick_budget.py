@@ -179,11 +179,19 @@ def plan_prefill(prefilling: Sequence[tuple[int, int]], decode: PassShape,
     return _split(prefilling, budget, cap)
 
 
+def batch_ceiling(model: PassCostModel, interactive: PassShape, slack_fraction: float,
+                  slack_s: float) -> float:
+    """The longest pass batch rows may make (``docs/design.md``, "The batch service class"):
+    the interactive rows' own predicted pass (``interactive``), times ``1 + slack_fraction``
+    (``BATCH_ITL_SLACK_FRACTION``), plus ``slack_s`` seconds (``BATCH_ITL_SLACK_MS``)."""
+    return model.predict(interactive) * (1.0 + slack_fraction) + slack_s
+
+
 def batch_row_fits(interactive: PassShape, batch: PassShape, rows: int, context: int,
-                   model: PassCostModel | None, slack_s: float) -> bool:
+                   model: PassCostModel | None, slack_fraction: float, slack_s: float) -> bool:
     """Whether a batch request may be admitted (``docs/design.md``, "The batch service class"):
     the predicted pass of every row, its ``rows`` (attending to ``context`` tokens in all) added
-    as decode rows, stays within the interactive rows' own pass plus ``slack_s`` seconds.
+    as decode rows, stays within :func:`batch_ceiling` of the interactive rows.
 
     Args:
         interactive, batch: the admitted rows of each class as the decode rows they are or
@@ -197,7 +205,20 @@ def batch_row_fits(interactive: PassShape, batch: PassShape, rows: int, context:
         return True
     with_row = PassShape(interactive.decode_rows + batch.decode_rows + rows,
                          interactive.decode_context + batch.decode_context + context)
-    return model.predict(with_row) <= model.predict(interactive) + slack_s
+    return model.predict(with_row) <= batch_ceiling(model, interactive, slack_fraction, slack_s)
+
+
+def batch_decode_rows(interactive: PassShape, contexts: Sequence[int], model: PassCostModel,
+                      ceiling_s: float) -> int:
+    """How many batch decode rows (their context tokens ``contexts``, in the order they run)
+    join a pass beside the interactive rows (``interactive``): the most whose predicted pass
+    stays within ``ceiling_s``; the others wait for a later pass, their KV blocks kept."""
+    rows, context = interactive.decode_rows, interactive.decode_context
+    for n, tokens in enumerate(contexts):
+        if model.predict(PassShape(rows + 1, context + tokens)) > ceiling_s:
+            return n
+        rows, context = rows + 1, context + tokens
+    return len(contexts)
 
 
 def plan_batch_prefill(prefilling: Sequence[tuple[int, int]], base: PassShape,

@@ -287,12 +287,15 @@ MODEL = FixedModel([0.010, 0.005, 0.0, 0.001, 0.0])
 def test_batch_rows_are_admitted_only_within_the_interactive_pass_plus_the_slack():
     # One interactive decode row: 15 ms. 12 ms of slack: 2 batch rows (25 ms), not 3 (30 ms).
     interactive = PassShape(1, 10)
-    assert batch_row_fits(interactive, PassShape(1, 10), 1, 10, MODEL, 0.012)
-    assert not batch_row_fits(interactive, PassShape(2, 20), 1, 10, MODEL, 0.012)
-    assert batch_row_fits(PassShape(), PassShape(30, 300), 1, 10, MODEL, 0.0)  # fills it
-    assert batch_row_fits(interactive, PassShape(30, 300), 1, 10, None, 0.0)
+    assert batch_row_fits(interactive, PassShape(1, 10), 1, 10, MODEL, 0.0, 0.012)
+    assert not batch_row_fits(interactive, PassShape(2, 20), 1, 10, MODEL, 0.0, 0.012)
+    # As a share of the interactive pass: 10 % of 15 ms fits no 5 ms row, 40 % fits one.
+    assert not batch_row_fits(interactive, PassShape(), 1, 10, MODEL, 0.1, 0.0)
+    assert batch_row_fits(interactive, PassShape(), 1, 10, MODEL, 0.4, 0.0)
+    assert batch_row_fits(PassShape(), PassShape(30, 300), 1, 10, MODEL, 0.0, 0.0)  # fills it
+    assert batch_row_fits(interactive, PassShape(30, 300), 1, 10, None, 0.0, 0.0)
 
-    engine = make_engine(max_batch_size=8, batch_itl_slack_ms=12)
+    engine = make_engine(max_batch_size=8, batch_itl_slack_ms=12, batch_itl_slack_fraction=0)
     engine.scheduler.admission.cost_model = engine.scheduler.mixed.cost_model = MODEL
     log = EventLog()
     submit(engine, "stream", max_tokens=60, ignore_eos=True)
@@ -321,7 +324,8 @@ def test_a_batch_prompt_beside_interactive_rows_gets_what_fits_the_slack():
     assert plan_batch_prefill([(0, 40)], base, MODEL, ceiling, 8) == [8]
     assert plan_batch_prefill([(0, 40)], PassShape(4, 40), MODEL, ceiling, 32) == [0]
 
-    engine = make_engine(max_batch_size=4, prefill_chunk_size=32, batch_itl_slack_ms=12)
+    engine = make_engine(max_batch_size=4, prefill_chunk_size=32, batch_itl_slack_ms=12,
+                         batch_itl_slack_fraction=0)
     engine.scheduler.admission.cost_model = engine.scheduler.mixed.cost_model = MODEL
     log = EventLog()
     submit(engine, "stream", max_tokens=60, ignore_eos=True)
@@ -330,6 +334,29 @@ def test_a_batch_prompt_beside_interactive_rows_gets_what_fits_the_slack():
     log.add(engine.step())
     last = engine.stats()["tick_budget"]["last_pass"]
     assert last["decode_rows"] == 1 and last["prefill_tokens"] == 12
+
+
+def test_batch_rows_decoding_when_a_stream_starts_wait_for_what_fits_beside_it():
+    # Three batch rows decode alone (25 ms passes). A stream starts decoding: its pass alone is
+    # 15 ms, and 40 % of it (6 ms) fits one batch row: the others wait, keeping their blocks.
+    engine = make_engine(max_batch_size=8, batch_itl_slack_fraction=0.4)
+    engine.scheduler.admission.cost_model = engine.scheduler.mixed.cost_model = MODEL
+    log = EventLog()
+    for i in range(3):
+        submit(engine, f"bulk{i}", batch=True, key=f"k{i}:batch", max_tokens=40, ignore_eos=True)
+    step_until(engine, log, lambda: all(decoding(engine, f"bulk{i}") for i in range(3)))
+    submit(engine, "stream", max_tokens=12, ignore_eos=True)
+    step_until(engine, log, lambda: decoding(engine, "stream"))
+    before = {i: len(log.tokens(f"bulk{i}")) for i in range(3)}
+    for _ in range(5):
+        log.add(engine.step())
+        assert engine.stats()["tick_budget"]["last_pass"]["decode_rows"] == 2
+    grown = [len(log.tokens(f"bulk{i}")) - before[i] for i in range(3)]
+    assert grown == [5, 0, 0]  # the oldest admitted decodes; the others wait
+    assert engine.stats()["batch_decode_waits"] >= 10
+    run_until_idle(engine, log)
+    assert all(log.final(f"bulk{i}").finish_reason is FinishReason.LENGTH for i in range(3))
+    assert [len(log.tokens(f"bulk{i}")) for i in range(3)] == [40, 40, 40]
 
 
 BATCH_REQUESTS = st.fixed_dictionaries({
