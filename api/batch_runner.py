@@ -33,7 +33,9 @@ is sent again under its next attempt, up to ``BATCH_MAX_ATTEMPTS``.
 **Billing.** A batch line has no web process: its usage is recorded as its worker counted it
 (its client gets the whole answer, in the output file). A line that failed is billed nothing,
 and one aborted by a cancel or its window's end is billed its prompt only (its client got none
-of it), as an interactive request whose client left.
+of it), as an interactive request whose client left. Its tokens are charged
+``BATCH_TOKEN_PRICE`` of a token in the token budget and the record's ``billed_tokens``
+(:mod:`gateway.pricing`).
 """
 
 from __future__ import annotations
@@ -238,13 +240,24 @@ class _Step:
 
     def collect(self, aborted: bool = False) -> int:
         """Read the answers of the running lines that ended; returns how many are left
-        running."""
+        running. One Redis round trip asks every running line's last event, and one query
+        which of those without any event were recorded."""
         client = sync_redis()
         epoch = self._epoch(client)
+        running = list(self.lines.filter(state=BatchLine.State.RUNNING).order_by("index"))
+        if not running:
+            return 0
+        with client.pipeline(transaction=False) as pipe:
+            for line in running:
+                pipe.xrevrange(redis_keys().events(line.request_id), count=1)
+            lasts = pipe.execute()
+        # A line with no event yet waits in the queue, or its answer's stream expired unread.
+        recorded = set(UsageRecord.objects.filter(
+            request_id__in=[line.request_id for line, last in zip(running, lasts, strict=True)
+                            if not last]).values_list("request_id", flat=True))
         left = 0
-        for line in self.lines.filter(state=BatchLine.State.RUNNING).order_by("index"):
+        for line, last in zip(running, lasts, strict=True):
             # The whole stream is read only once its last entry is the final event.
-            last = client.xrevrange(redis_keys().events(line.request_id), count=1)
             ended = bool(last) and isinstance(decode_event(last[0][1]), FinalEvent)
             events = grace.stream_events(line.request_id, client) if ended else []
             final = events[-1] if events and isinstance(events[-1], FinalEvent) else None
@@ -255,9 +268,7 @@ class _Step:
                     line.state = BatchLine.State.FAILED
                     line.result = output_line(line, exc.status, exc.body())
                     line.save(update_fields=["state", "result"])
-            elif (line.epoch and epoch and epoch != line.epoch) or (
-                    not last and UsageRecord.objects.filter(
-                        request_id=line.request_id).exists()):
+            elif (line.epoch and epoch and epoch != line.epoch) or line.request_id in recorded:
                 # Redis lost the request, or its answer's stream expired unread.
                 self.again(line, "the request was lost")
             else:

@@ -182,16 +182,23 @@ class PlatformCollector(Collector):
         }
         requests = CounterMetricFamily("llm_requests", "Finished requests per tenant and status.",
                                        labels=["tenant", "status"])
+        billed = CounterMetricFamily(
+            "llm_billed_tokens", "Tokens charged to each tenant (its token budget counts these), "
+            "by service class: batch work at BATCH_TOKEN_PRICE per token.",
+            labels=["tenant", "service_class"])
         for field, value in sorted(raw.items()):
             tenant, _, rest = field.partition("|")
             if rest.startswith("requests|"):
                 requests.add_metric([tenant, rest.split("|", 1)[1]], value)
+            elif rest.startswith("billed_tokens|"):
+                billed.add_metric([tenant, rest.split("|", 1)[1]], value)
             elif rest == "completion_tokens":
                 tokens["generation_tokens"].add_metric([tenant], value)
             elif rest in tokens:
                 tokens[rest].add_metric([tenant], value)
         yield from tokens.values()
         yield requests
+        yield billed
         histograms = recorder.read_histograms(client)
         for spec in recorder.HISTOGRAMS:
             family = HistogramMetricFamily(spec.name, spec.documentation, labels=["tenant"])

@@ -7,7 +7,8 @@ families.
 
 Keys, under the platform's Redis prefix ``{p}``:
 
-- ``{p}:metrics:usage``: ``{tenant}|{counter}`` -> count (tokens, requests by status)
+- ``{p}:metrics:usage``: ``{tenant}|{counter}`` -> count (tokens, requests by status; tokens
+  charged by service class: ``{tenant}|billed_tokens|{interactive or batch}``)
 - ``{p}:metrics:hist:{name}``: ``{tenant}|{bucket index}`` -> count, ``{tenant}|sum``,
   ``{tenant}|count``
 - ``{p}:metrics:refused``: ``{code}`` -> requests refused before reaching a worker
@@ -73,13 +74,21 @@ def refused_key() -> str:
 
 def record_request(client: redis.Redis, *, tenant: str, status: int, prompt_tokens: int,
                    cached_prompt_tokens: int, completion_tokens: int, ttft_s: float | None,
-                   duration_s: float | None) -> None:
-    """Count one finished request of ``tenant`` and observe its latencies (seconds)."""
+                   duration_s: float | None, billed_tokens: int | None = None,
+                   batch: bool = False) -> None:
+    """Count one finished request of ``tenant`` and observe its latencies (seconds).
+
+    ``billed_tokens``: the tokens it was charged (None: prompt + completion); ``batch``: it was
+    batch work (a Batch API line), counted apart from interactive requests.
+    """
     pipe = client.pipeline(transaction=False)
     counters = usage_key()
     pipe.hincrby(counters, f"{tenant}|prompt_tokens", prompt_tokens)
     pipe.hincrby(counters, f"{tenant}|cached_prompt_tokens", cached_prompt_tokens)
     pipe.hincrby(counters, f"{tenant}|completion_tokens", completion_tokens)
+    charged = prompt_tokens + completion_tokens if billed_tokens is None else billed_tokens
+    service_class = "batch" if batch else "interactive"
+    pipe.hincrby(counters, f"{tenant}|billed_tokens|{service_class}", charged)
     pipe.hincrby(counters, f"{tenant}|requests|{status}", 1)
     observations: list[tuple[HistogramSpec, float]] = []
     if ttft_s is not None:

@@ -25,6 +25,7 @@ def count_usage(sender, instance: UsageRecord, created: bool, **kwargs) -> None:
                        status=instance.status, prompt_tokens=instance.prompt_tokens,
                        cached_prompt_tokens=instance.cached_prompt_tokens,
                        completion_tokens=instance.completion_tokens, ttft_s=instance.ttft_s,
-                       duration_s=instance.duration_s)
+                       duration_s=instance.duration_s, billed_tokens=instance.billed_tokens,
+                       batch=instance.is_batch)
     except Exception:  # noqa: BLE001 - metrics are best effort
         log.exception("could not count usage of %s in the metrics", instance.request_id)

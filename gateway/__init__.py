@@ -11,6 +11,7 @@ never import each other:
 - :mod:`gateway.admission`: rate limits, concurrency, token budgets and gate 1, checked and
   recorded all-or-nothing by one Lua script (``inference/protocol/lua/``) that also dispatches the
   request to the workers; the settlement of token reservations and the release of leases.
+- :mod:`gateway.pricing`: what a token costs a tenant (batch work ``BATCH_TOKEN_PRICE`` of one).
 - :mod:`gateway.events`: a request's event stream.
 - :mod:`gateway.aborts`: aborts (a request withdrawn from the queue, or stopped in its
   worker); one that fails while Redis is unreachable is retried by the web process's monitor

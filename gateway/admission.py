@@ -16,6 +16,10 @@ windows plus the global queue counter is why this is one script.
   the response ends; the expiry (``REQUEST_IDLE_TIMEOUT_S`` and a minute) is the last resort.
 - token budget per period: a counter per tenant and period, reserved and settled like tokens;
   a counter Redis has lost is first rebuilt from the usage records (:mod:`gateway.budgets`).
+  Batch work (a Batch API line) is charged there at the price of a batch token
+  (``BATCH_TOKEN_PRICE``, :mod:`gateway.pricing`): it reserves ``ceil(price * (prompt +
+  max_tokens))`` and settles to ``ceil(price * tokens used)``; the price is kept with what it
+  reserved. Rate windows count its tokens in full.
 - gate 1: requests waiting in the queue plus those workers hold not yet admitted (see
   :mod:`inference.protocol`).
 
@@ -33,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway import budgets as token_budgets
-from gateway import ratelimits
+from gateway import pricing, ratelimits
 from gateway.clients import aredis
 from gateway.conf import platform_settings, redis_keys
 from gateway.errors import APIError
@@ -79,22 +83,30 @@ class Principal:
 
 @dataclass(frozen=True)
 class Admission:
-    """What a request reserved; travels in the request message's ``meta`` for settlement."""
+    """What a request reserved; travels in the request message's ``meta`` for settlement.
+
+    ``token_price``: the share of a token each of its tokens is charged in budgets and its usage
+    record (1 for interactive work, ``BATCH_TOKEN_PRICE`` for batch work when it was admitted).
+    """
 
     member: str
     token_windows: list[dict[str, Any]]
     budgets: list[dict[str, Any]]
     concurrency_keys: list[str]
+    token_price: float = pricing.FULL_PRICE
 
     def to_meta(self) -> dict[str, Any]:
         return {"member": self.member, "token_windows": self.token_windows,
-                "budgets": self.budgets, "concurrency_keys": self.concurrency_keys}
+                "budgets": self.budgets, "concurrency_keys": self.concurrency_keys,
+                pricing.META_KEY: self.token_price}
 
 
 def build_limits(
-    principal: Principal, request_id: str, token_cost: int, now: float | None = None
+    principal: Principal, request_id: str, token_cost: int, now: float | None = None, *,
+    token_price: float = pricing.FULL_PRICE,
 ) -> tuple[dict[str, Any], list[str], Admission]:
-    """The admission spec and keys for one request of ``principal`` reserving ``token_cost``.
+    """The admission spec and keys for one request of ``principal`` reserving ``token_cost``
+    tokens: in full in token windows, at ``token_price`` (a share of a token) in budgets.
 
     Returns:
         (spec for ``admit.lua``, limit keys in spec order, the :class:`Admission`).
@@ -121,10 +133,11 @@ def build_limits(
                             "cost": token_cost, "what": f"tokens per minute ({scope})",
                             "kind": "tokens"})
             token_windows.append({"key": name, "cost": token_cost})
+    budget_cost = pricing.priced(token_cost, token_price)
     if tenant.token_budget:
         period = token_budgets.budget_period(tenant, p, now)
         budgets.append({"key": slot(period.key), "limit": tenant.token_budget,
-                        "cost": token_cost, "ttl_s": period.seconds,
+                        "cost": budget_cost, "ttl_s": period.seconds,
                         "ends_at": (period.index + 1) * period.seconds,  # unix seconds
                         "what": f"token budget per {tenant.budget_period}"})
     concurrency_keys = []
@@ -147,15 +160,17 @@ def build_limits(
     admission = Admission(
         member=request_id,
         token_windows=token_windows,
-        budgets=[{"key": limit_keys[b["key"] - FIXED_KEYS - 1], "cost": token_cost}
+        budgets=[{"key": limit_keys[b["key"] - FIXED_KEYS - 1], "cost": budget_cost}
                  for b in budgets],
         concurrency_keys=concurrency_keys,
+        token_price=token_price,
     )
     return spec, limit_keys, admission
 
 
-def refusal(verdict: dict[str, Any]) -> APIError:
-    """The 429 for a refused admission verdict of ``admit.lua``."""
+def refusal(verdict: dict[str, Any], token_price: float = pricing.FULL_PRICE) -> APIError:
+    """The 429 for a refused admission verdict of ``admit.lua`` (of a request charged
+    ``token_price`` of a token in budgets: batch work)."""
     code = verdict["code"]
     what, limit, used, cost = verdict["what"], verdict["limit"], verdict["used"], verdict["cost"]
     retryable = bool(verdict["retryable"])
@@ -165,8 +180,12 @@ def refusal(verdict: dict[str, Any]) -> APIError:
         message = (f"The server's queue is full ({used} of {limit} requests waiting); "
                    "retry shortly.")
     elif code == "token_budget_exhausted":
+        priced = ("" if token_price == pricing.FULL_PRICE
+                  else f" at the batch price of {token_price:g} per token")
         message = (f"Token budget exhausted: {used} of {limit} {what} used, this request "
-                   f"reserves {cost} (prompt + max_tokens).")
+                   f"reserves {cost} (prompt + max_tokens{priced}).")
+        if priced:
+            details["token_price"] = token_price
         if verdict.get("retry_after_ms"):  # when the period ends: not retryable before
             retry_after_s = details["resets_in_s"] = math.ceil(verdict["retry_after_ms"] / 1000)
             message += f" The budget starts again in {retry_after_s} s."
@@ -192,15 +211,20 @@ async def admit(principal: Principal, message: RequestMessage, token_cost: int) 
     Args:
         principal: the sender.
         message: the request; it joins the shared queue under its ``priority`` and fairness key.
-        token_cost: tokens to reserve in token windows and budgets (prompt + max_tokens).
+        token_cost: tokens to reserve in token windows and budgets (prompt + max_tokens); a
+            batch request (``message.batch``) is charged ``BATCH_TOKEN_PRICE`` of each in
+            budgets (:mod:`gateway.pricing`).
 
     Returns:
-        The message as dispatched: ``meta["admission"]`` holds what it reserved, and (in this
-        copy only) ``meta["rate_limits"]`` the use of its rate windows (:mod:`gateway.ratelimits`).
+        The message as dispatched: ``meta["admission"]`` holds what it reserved and at what
+        price per token (``token_price``, what its settlement and usage record charge), and
+        (in this copy only) ``meta["rate_limits"]`` the use of its rate windows
+        (:mod:`gateway.ratelimits`).
 
     Raises:
         APIError: 503 ``no_worker_available`` when no worker is alive; 429 naming the limit
             that refused, with the ``x-ratelimit-*`` headers of the windows as they are.
+        ImproperlyConfigured: ``BATCH_TOKEN_PRICE`` is not a valid price (a batch request).
     """
     try:
         return await _admit(principal, message, token_cost)
@@ -215,7 +239,10 @@ async def _admit(principal: Principal, message: RequestMessage,
         raise APIError(503, "No inference worker is running; retry later.",
                        code="no_worker_available", retry_after_s=5)
     now = time.time()
-    spec, limit_keys, admission = build_limits(principal, message.request_id, token_cost, now)
+    # The price in force now is the one it is charged at, to the end (kept in its meta).
+    price = pricing.batch_token_price() if message.batch else pricing.FULL_PRICE
+    spec, limit_keys, admission = build_limits(principal, message.request_id, token_cost, now,
+                                               token_price=price)
     if principal.tenant.token_budget:
         # A counter Redis lost (restart, flush) is rebuilt from the usage records first.
         period = token_budgets.budget_period(principal.tenant, redis_keys().prefix, now)
@@ -230,7 +257,7 @@ async def _admit(principal: Principal, message: RequestMessage,
     verdict = json.loads(raw)
     uses = ratelimits.window_uses(spec["windows"], verdict.get("windows"))
     if not verdict["ok"]:
-        exc = refusal(verdict)
+        exc = refusal(verdict, price)
         exc.extra_headers.update(ratelimits.headers(uses))
         raise exc
     # Kept in the web tier's copy only (the worker's was sent above): the response's headers and

@@ -1,16 +1,18 @@
 """Token budgets: the counter of a tenant's period, and its rebuild after Redis lost it.
 
 A tenant's budget counter (``{prefix}:budget:{tenant_pk}:{period_index}``) holds the tokens
-reserved and used in the current period, where the period index is ``int(unix_time // period)``
-(:attr:`tenants.models.Tenant.budget_period_seconds`). ``inference/protocol/lua/admit.lua`` reads
-it, reserves into it and sets its expiry; ``inference/protocol/lua/settle.lua`` settles it to the
-real usage.
+charged for the reservations and the usage of the current period (batch work at its price per
+token, :mod:`gateway.pricing`; interactive work in full), where the period index is
+``int(unix_time // period)`` (:attr:`tenants.models.Tenant.budget_period_seconds`).
+``inference/protocol/lua/admit.lua`` reads it, reserves into it and sets its expiry;
+``inference/protocol/lua/settle.lua`` settles it to the real usage.
 
 Redis is not persistent, but the usage records in the database are billing's source of truth: a
 counter that is missing (a Redis restart, a flush, or simply the period's first request) is
-rebuilt by :func:`ensure_counter` from the tenant's usage records of the period, before admission
-reads it. Where the counter exists this costs one ``EXISTS``; the database is asked once per
-tenant and period, and once after each loss of Redis.
+rebuilt by :func:`ensure_counter` from the tenant's usage records of the period (the sum of their
+``billed_tokens``: each charged as its settlement charged it), before admission reads it.
+Where the counter exists this costs one ``EXISTS``; the database is asked once per tenant and
+period, and once after each loss of Redis.
 
 A rebuilt counter holds the records it counted and the reservations made since; the requests
 admitted before Redis lost its data still run, and their reservations went with it. So the
@@ -32,8 +34,9 @@ from typing import Any
 import redis
 from asgiref.sync import sync_to_async
 from django.db import connections
-from django.db.models import F, Max, Sum
+from django.db.models import Max, Sum
 
+from gateway import pricing
 from gateway.clients import sync_redis
 from gateway.conf import redis_keys
 from inference.protocol.keys import lua_script
@@ -76,8 +79,7 @@ def _tokens_used(period: BudgetPeriod) -> tuple[int, int]:
     connection = connections[records.db]
     opened_here = connection.connection is None
     try:
-        totals = records.aggregate(tokens=Sum(F("prompt_tokens") + F("completion_tokens")),
-                                   upto=Max("pk"))
+        totals = records.aggregate(tokens=Sum("billed_tokens"), upto=Max("pk"))
         return int(totals["tokens"] or 0), int(totals["upto"] or 0)
     finally:
         # Leave the thread's connection as found: outside a request (the chat, tests) the
@@ -87,7 +89,8 @@ def _tokens_used(period: BudgetPeriod) -> tuple[int, int]:
 
 
 async def used_in_period(period: BudgetPeriod) -> int:
-    """Tokens (prompt + completion) of the tenant's usage records created within ``period``.
+    """Tokens charged (``billed_tokens``: prompt + completion, batch work at its price) of the
+    tenant's usage records created within ``period``.
 
     The query runs off the event loop (``sync_to_async``).
     """
@@ -132,8 +135,12 @@ def settle(meta: dict[str, Any], actual_tokens: int, client: redis.Redis | None 
            record: int | None = None) -> bool:
     """Replace the tokens reserved at admission by ``actual_tokens`` (prompt + completion).
 
+    Token windows are settled to ``actual_tokens``; budgets to what they cost at the price the
+    request was admitted at (:func:`gateway.pricing.priced`, the ``billed_tokens`` of its usage
+    record), as they were reserved.
+
     Args:
-        meta: the request's ``meta`` (``meta["admission"]``: what it reserved).
+        meta: the request's ``meta`` (``meta["admission"]``: what it reserved, at what price).
         ledger: (the usage ledger's key, the request id): settle only if this call removes the
             request's ledger entry, in the same atomic step (:mod:`gateway.usage`), so that a
             request is settled exactly once.
@@ -154,6 +161,7 @@ def settle(meta: dict[str, Any], actual_tokens: int, client: redis.Redis | None 
         return True
     spec: dict[str, Any] = {
         "member": admission.get("member", ""), "actual": int(actual_tokens),
+        "billed": pricing.priced(int(actual_tokens), pricing.price_of(meta)),
         "windows": [{"cost": w["cost"]} for w in windows],
         "budgets": [{"cost": b["cost"]} for b in budgets]}
     if ledger is not None:

@@ -17,7 +17,9 @@ A record bills what its client received (:func:`bill`): the worker's counts as i
 says the client got them (:mod:`gateway.delivery`). The recording of a request relayed by a web
 process waits for that process's end note, or for its death; that process records it itself
 when its note comes after a recorder waited (:func:`record_if_ended`), and the reconciliation
-records the requests of web processes that died.
+records the requests of web processes that died. Its ``billed_tokens`` are the tokens it bills
+at the price the request was admitted at (batch work: ``BATCH_TOKEN_PRICE``,
+:mod:`gateway.pricing`), the figure its settlement charges the token budget.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from asgiref.sync import sync_to_async
 from celery import current_app
 from django.db import IntegrityError, transaction
 
-from gateway import admission, budgets, delivery
+from gateway import admission, budgets, delivery, pricing
 from gateway.clients import aredis, sync_redis
 from gateway.conf import redis_keys
 from gateway.delivery import Delivery
@@ -170,6 +172,9 @@ def _save(report: UsageReport, figures: Bill | None) -> tuple[bool, int | None]:
         "prompt_tokens": usage.prompt_tokens,
         "cached_prompt_tokens": usage.cached_prompt_tokens,
         "completion_tokens": usage.completion_tokens,
+        # Charged at the price the request was admitted at, as its settlement charges it.
+        "billed_tokens": pricing.priced(usage.prompt_tokens + usage.completion_tokens,
+                                        pricing.price_of(meta)),
         "ttft_s": report.ttft_s,
         "duration_s": report.duration_s,
         "finish_reason": figures.finish_reason,

@@ -14,6 +14,7 @@ from pathlib import Path
 import environ
 
 from dashboard.conf import beat_schedule
+from gateway.pricing import DEFAULT_BATCH_TOKEN_PRICE, parse_token_price
 from inference.protocol.settings import PlatformSettings
 from llm_platform import private_files
 from llm_platform.secret_key import load_secret_key
@@ -248,6 +249,11 @@ LLM_PLATFORM = {
     "BATCH_STEP_BUDGET_S": env.float("BATCH_STEP_BUDGET_S", default=0.5),
     "BATCH_VALIDATE_LINES": env.int("BATCH_VALIDATE_LINES", default=5_000),
     "BATCH_MAX_ATTEMPTS": env.int("BATCH_MAX_ATTEMPTS", default=3),
+    # The share of a token one token of batch work is charged (0 < x <= 1; OpenAI's half): a
+    # line's token budget reservation, settlement and usage record's billed_tokens
+    # (gateway.pricing). Anything else stops the process here, naming the setting.
+    "BATCH_TOKEN_PRICE": parse_token_price(env.str("BATCH_TOKEN_PRICE",
+                                                   default=str(DEFAULT_BATCH_TOKEN_PRICE))),
     # Connections per web process: each request in flight holds one while it waits for events.
     "REDIS_MAX_CONNECTIONS": env.int("REDIS_MAX_CONNECTIONS", default=4096),
     # The one served model; requests naming another get 404 model_not_found.

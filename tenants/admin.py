@@ -110,13 +110,33 @@ class ApiKeyAdmin(admin.ModelAdmin):
         self.message_user(request, f"Revoked {queryset.count()} key(s).")
 
 
+class ServiceClassFilter(admin.SimpleListFilter):
+    """Usage of batch work (Batch API lines, ``batch_id`` set) or of interactive requests."""
+
+    title = "service class"
+    parameter_name = "service_class"
+
+    def lookups(self, request: HttpRequest, model_admin) -> list[tuple[str, str]]:
+        return [("batch", "Batch"), ("interactive", "Interactive")]
+
+    def queryset(self, request: HttpRequest, queryset):
+        if self.value() == "batch":
+            return queryset.exclude(batch_id="")
+        if self.value() == "interactive":
+            return queryset.filter(batch_id="")
+        return queryset
+
+
 @admin.register(UsageRecord)
 class UsageRecordAdmin(admin.ModelAdmin):
+    """Usage records: the tokens processed, and the tokens charged (``billed_tokens``: batch
+    work at its price per token) beside the batch a line belongs to."""
+
     list_display = ["request_id", "tenant", "api_key", "prompt_tokens", "cached_prompt_tokens",
-                    "completion_tokens", "ttft_s", "duration_s", "finish_reason", "status",
-                    "created_at"]
-    list_filter = ["tenant", "finish_reason", "status"]
-    search_fields = ["request_id"]
+                    "completion_tokens", "billed_tokens", "batch_id", "ttft_s", "duration_s",
+                    "finish_reason", "status", "created_at"]
+    list_filter = ["tenant", ServiceClassFilter, "finish_reason", "status"]
+    search_fields = ["request_id", "batch_id"]
     date_hierarchy = "created_at"
 
     def has_add_permission(self, request: HttpRequest) -> bool:

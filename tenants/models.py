@@ -113,7 +113,14 @@ class ApiKey(models.Model):
 
 
 class UsageRecord(models.Model):
-    """What one request cost and how it ended; written by a Celery task from its final event."""
+    """What one request cost and how it ended; written by a Celery task from its final event.
+
+    ``prompt_tokens`` and ``completion_tokens`` are the tokens processed; ``billed_tokens`` the
+    tokens the tenant is charged for them (its token budget counts these): their sum for
+    interactive work, that sum at the price of a batch token for a Batch API line
+    (``batch_id`` set; ``gateway.pricing``). A record saved without ``billed_tokens`` is
+    charged in full.
+    """
 
     request_id = models.CharField(max_length=64, unique=True)
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="usage_records")
@@ -124,6 +131,9 @@ class UsageRecord(models.Model):
     prompt_tokens = models.PositiveIntegerField(default=0)
     cached_prompt_tokens = models.PositiveIntegerField(default=0)
     completion_tokens = models.PositiveIntegerField(default=0)
+    billed_tokens = models.PositiveIntegerField(
+        blank=True, help_text="Tokens charged (the budget counts these): prompt + completion, "
+                              "batch work at its price per token.")
     ttft_s = models.FloatField(null=True, blank=True, help_text="Time to first token (seconds).")
     duration_s = models.FloatField(null=True, blank=True)
     finish_reason = models.CharField(max_length=16, blank=True)
@@ -139,6 +149,18 @@ class UsageRecord(models.Model):
     def __str__(self) -> str:
         return f"{self.request_id} ({self.tenant})"
 
+    def save(self, *args, **kwargs) -> None:
+        """Save the record; one given no ``billed_tokens`` is charged its :attr:`total_tokens`."""
+        if self.billed_tokens is None:
+            self.billed_tokens = self.total_tokens
+        super().save(*args, **kwargs)
+
     @property
     def total_tokens(self) -> int:
+        """Tokens processed: prompt + completion (not what is charged: :attr:`billed_tokens`)."""
         return self.prompt_tokens + self.completion_tokens
+
+    @property
+    def is_batch(self) -> bool:
+        """Whether the request ran a Batch API line (batch work)."""
+        return bool(self.batch_id)

@@ -198,3 +198,46 @@ def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True)))
     for row in cells:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)))
+
+
+def cpu_seconds(processes: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds so far of each named process id (0 for one that is gone)."""
+    import psutil
+
+    out = {}
+    for name, pid in processes.items():
+        try:
+            times = psutil.Process(pid).cpu_times()
+        except psutil.Error:
+            out[name] = 0.0
+        else:
+            out[name] = times.user + times.system
+    return out
+
+
+def redis_server_pid() -> int | None:
+    """The local ``redis-server``'s process id, if it runs on this machine and is visible."""
+    import psutil
+
+    for proc in psutil.process_iter(["name"]):
+        if proc.info["name"] == "redis-server":
+            return proc.pid
+    return None
+
+
+def cpu_counters() -> tuple[int, int]:
+    """``(steal, total)`` jiffies of all CPUs so far (``/proc/stat``; (0, 0) where it cannot be
+    read): the share of a span's CPU time the hypervisor gave to other guests is the steal
+    difference over the total difference."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(v) for v in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
+def steal_share(before: tuple[int, int], after: tuple[int, int]) -> float | None:
+    """The share (0-1) of CPU time stolen between two :func:`cpu_counters` readings."""
+    total = after[1] - before[1]
+    return round((after[0] - before[0]) / total, 3) if total > 0 else None

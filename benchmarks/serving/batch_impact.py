@@ -15,7 +15,10 @@ runs; the real model on the default backend):
 
 The verdict (printed, not asserted): interactive TTFT p99 and ITL p99 with the batch within
 15 % of those without it, and the batch's output tokens/s on the idle platform (from its
-``in_progress_at`` to its ``completed_at``) at least 0.9x the offline engine's.
+``in_progress_at`` to its ``completed_at``) at least 0.9x the offline engine's. Beside them, for
+each run: the CPU seconds each platform process spent (psutil), the engine's ticks, the tokens a
+tick generated and its mean wall time, and the share of CPU time the hypervisor stole
+(``/proc/stat``), which on a shared virtual machine moves every figure.
 
 Usage::
 
@@ -33,8 +36,19 @@ import random
 import time
 from typing import Any
 
+import httpx
+
 from benchmarks.harness.cli import HelpFormatter, add_out_dir_flag, name_list
-from benchmarks.harness.common import machine, print_table, reference_tokenizer, write_json
+from benchmarks.harness.common import (
+    cpu_counters,
+    cpu_seconds,
+    machine,
+    print_table,
+    redis_server_pid,
+    reference_tokenizer,
+    steal_share,
+    write_json,
+)
 from benchmarks.harness.metrics import summarize
 from benchmarks.harness.servers import Platform, TenantSpec
 from benchmarks.harness.targets import RestTarget, run_load
@@ -67,7 +81,7 @@ def interactive_specs(args: argparse.Namespace) -> list:
 def platform_env(args: argparse.Namespace, files_root: str) -> dict[str, Any]:
     # The real model (the harness's stack defaults to the model-free reference backend).
     return {"BACKEND": "transformers", "MAX_BATCH_SIZE": args.batch, "FILES_ROOT": files_root,
-            "BATCH_LINES_IN_FLIGHT": args.in_flight, "BATCH_STEP_INTERVAL_S": 0.5}
+            "BATCH_LINES_IN_FLIGHT": args.in_flight}
 
 
 async def start_batch(url: str, key: str, lines: list[dict[str, Any]]) -> tuple[Any, Any]:
@@ -86,6 +100,14 @@ async def platform_run(name: str, args: argparse.Namespace, tmp: str) -> dict[st
     tenants = [TenantSpec("chat", "standard"), TenantSpec("bulk", "standard")]
     with Platform(tenants, beat=True, **platform_env(args, f"{tmp}/{name}-files")) as platform:
         out: dict[str, Any] = {"name": name}
+        processes = {n: p.pid for n, p in platform.stack.processes.items()}
+        redis_pid = redis_server_pid()
+        if redis_pid is not None:
+            processes["redis"] = redis_pid
+        before = cpu_seconds(processes)
+        passes_before = pass_counts(engine_totals(platform))
+        counters = cpu_counters()
+        started = time.monotonic()
         client = batch = None
         if with_batch:
             client, batch = await start_batch(platform.url, platform.keys["bulk"],
@@ -117,7 +139,40 @@ async def platform_run(name: str, args: argparse.Namespace, tmp: str) -> dict[st
                 out["batch"]["tokens_per_s"] = (out["batch"]["output_tokens"] / seconds
                                                 if seconds > 0 else None)
             await client.close()
+        # CPU seconds each process spent over the run, beside its wall time.
+        after = cpu_seconds(processes)
+        out["wall_s"] = round(time.monotonic() - started, 1)
+        out["passes"] = pass_figures(passes_before, pass_counts(engine_totals(platform)),
+                                     out["wall_s"])
+        out["cpu_s"] = {k: round(after[k] - before[k], 2) for k in processes}
+        out["steal"] = steal_share(counters, cpu_counters())
     return out
+
+
+def engine_totals(platform: Platform) -> dict[str, Any]:
+    """The workers' summed stats (``/scheduler/stats``), asked up to 3 times (a web tier busy
+    with the load may answer late); empty if it never answered."""
+    for _ in range(3):
+        try:
+            return platform.stats()["total"]
+        except httpx.HTTPError:
+            time.sleep(1.0)
+    return {}
+
+
+def pass_counts(stats: dict[str, Any]) -> tuple[int, int]:
+    """``(ticks, tokens generated)`` so far in engine stats (a worker's, their sum, or an
+    in-process engine's)."""
+    return int(stats.get("tick_count") or 0), int(stats.get("tokens_generated") or 0)
+
+
+def pass_figures(before: tuple[int, int], after: tuple[int, int],
+                 seconds: float) -> dict[str, Any]:
+    """The engine's ticks over a run, the tokens each generated on average (the decode rows
+    a pass carried, about) and the mean wall time of one (ms)."""
+    ticks, tokens = after[0] - before[0], after[1] - before[1]
+    return {"ticks": ticks, "tokens_per_tick": round(tokens / ticks, 2) if ticks else None,
+            "ms_per_tick": round(1000 * seconds / ticks, 1) if ticks else None}
 
 
 async def output_tokens(client: Any, batch: Any) -> int:
@@ -155,6 +210,8 @@ def offline_run(args: argparse.Namespace) -> dict[str, Any]:
                   sampling=SamplingParams(max_tokens=4, ignore_eos=True))
     while not any(isinstance(e, FinalEvent) for e in engine.step()):
         pass
+    passes_before = pass_counts(engine.stats())
+    counters = cpu_counters()
     started = time.perf_counter()
     for line in lines:
         body = line["body"]
@@ -168,9 +225,11 @@ def offline_run(args: argparse.Namespace) -> dict[str, Any]:
                 tokens += event.usage.completion_tokens
     seconds = time.perf_counter() - started
     stats = engine.stats()
+    passes = pass_figures(passes_before, pass_counts(stats), seconds)
     engine.shutdown()
     return {"name": "offline", "batch": {"output_tokens": tokens, "seconds": seconds,
                                          "tokens_per_s": tokens / seconds},
+            "passes": passes, "steal": steal_share(counters, cpu_counters()),
             "engine": {"dtype": stats.get("dtype"), "prefill_mode": stats.get("prefill_mode"),
                        "max_batch_size": config.max_batch_size}}
 
@@ -226,6 +285,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {machine()}")
     print_table(rows, ["run", "TTFT p99 ms", "ITL p99 ms", "batch lines meanwhile",
                        "batch tok/s"])
+    for name, run in runs.items():
+        if run.get("cpu_s"):
+            shares = ", ".join(f"{k} {v:.1f}" for k, v in run["cpu_s"].items())
+            print(f"{name}: CPU s over {run['wall_s']} s of wall time: {shares}")
+        if run.get("passes"):
+            print(f"{name}: engine ticks: {json.dumps(run['passes'])}; CPU time stolen by the "
+                  f"hypervisor: {run.get('steal')}")
     judged = verdict(runs)
     print("verdict:", json.dumps(judged, indent=1))
     write_json("batch_impact", {"args": vars(args), "runs": runs, "verdict": judged},

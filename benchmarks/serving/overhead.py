@@ -38,12 +38,14 @@ from typing import Any
 from benchmarks.harness.cli import HelpFormatter, add_out_dir_flag, non_negative_int, positive_int
 from benchmarks.harness.common import (
     annotate_bars,
+    cpu_seconds,
     exit_status,
     headroom,
     machine,
     make_engine,
     model_tokenizer,
     print_table,
+    redis_server_pid,
     save_figure,
     warn_if_all_failed,
     write_json,
@@ -59,31 +61,6 @@ def workload(args: argparse.Namespace, maker: PromptMaker,
     rng = random.Random(seed)
     return random_requests(maker, [0.0] * count, tuple(args.input_len),
                            (args.output_len, args.output_len), rng, tenant="bench")
-
-
-def cpu_seconds(processes: dict[str, int]) -> dict[str, float]:
-    """User + system CPU seconds so far of each named process id (0 for one that is gone)."""
-    import psutil
-
-    out = {}
-    for name, pid in processes.items():
-        try:
-            times = psutil.Process(pid).cpu_times()
-        except psutil.Error:
-            out[name] = 0.0
-        else:
-            out[name] = times.user + times.system
-    return out
-
-
-def redis_server_pid() -> int | None:
-    """The local ``redis-server``'s process id, if it runs on this machine and is visible."""
-    import psutil
-
-    for proc in psutil.process_iter(["name"]):
-        if proc.info["name"] == "redis-server":
-            return proc.pid
-    return None
 
 
 async def drive(target: Any, args: argparse.Namespace, maker: PromptMaker,

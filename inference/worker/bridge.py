@@ -74,6 +74,8 @@ class WorkerBridge:
         prefetch: requests this worker takes beyond its free rows (``WORKER_PREFETCH``): it takes
             only what it can start soon, so the shared queue, not the worker that read first,
             decides each request's place.
+        batch_prefetch: batch requests it may hold beyond its free rows
+            (``WORKER_BATCH_PREFETCH``; None: ``prefetch``).
         usage_sink: called on the main thread with the id of each request this worker ended
             (its usage entry is in the ledger; the sink has it recorded).
         web_ttl_s: a web process whose heartbeat is older than this is gone, with the clients
@@ -87,7 +89,8 @@ class WorkerBridge:
     """
 
     def __init__(self, engine: LLMEngine, client: redis.Redis, keys: Keys, worker_id: str, *,
-                 prefetch: int, usage_sink: UsageSink | None = None, web_ttl_s: float = 10.0,
+                 prefetch: int, batch_prefetch: int | None = None,
+                 usage_sink: UsageSink | None = None, web_ttl_s: float = 10.0,
                  heartbeat_ttl_s: float = 10.0):
         self.engine = engine
         self.client = client
@@ -98,7 +101,8 @@ class WorkerBridge:
         self.origins = WebOrigins(self.state, client, keys, web_ttl_s)
         self.publisher = EventPublisher(self.state, engine, self.queue, client, keys)
         self.intake = Intake(self.state, engine, self.queue, client, keys,
-                             publisher=self.publisher, origins=self.origins, prefetch=prefetch)
+                             publisher=self.publisher, origins=self.origins, prefetch=prefetch,
+                             batch_prefetch=batch_prefetch)
         self.recovery = Recovery(self.state, engine, self.queue, client, keys, worker_id,
                                  publisher=self.publisher, intake=self.intake,
                                  origins=self.origins)

@@ -113,20 +113,26 @@ class FairQueue:
     def _run(self, name: str, *args: Any) -> Any:
         return self._scripts[name](args=[self.keys.prefix, *args])
 
-    def take(self, n: int, above: int | None = None) -> list[QueuedRequest]:
+    def take(self, n: int, above: int | None = None, *,
+             batch_extra: int = 0) -> list[QueuedRequest]:
         """Take up to ``n`` requests in the fair order; they are this worker's until handed back.
 
         With ``above``, only requests of a higher tier than it are taken (the fair order's
-        head first, so none when the head's tier is not higher). Each interactive one counts as
+        head first, so none when the head's tier is not higher). With ``batch_extra``, up to that
+        many batch requests more once ``n`` are taken (batch work sorts after every interactive
+        request, so the extra ones are the order's next ones). Each interactive one counts as
         held (gate 1) until :meth:`release_held` says its engine admitted it; each carries its
         take token.
 
         Raises:
             Reclaimed: this worker was reclaimed while silent; nothing was taken.
         """
-        if n <= 0:
+        n, batch_extra = max(0, n), max(0, batch_extra)
+        if n + batch_extra <= 0:
             return []
         extra = [] if above is None else [int(above)]
+        if batch_extra:
+            extra = [extra[0] if extra else "", batch_extra]
         raw = self._run("take", self.worker_id, n, self.policy, *extra)
         if not isinstance(raw, list):
             raise Reclaimed(self.worker_id)

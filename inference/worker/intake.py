@@ -27,11 +27,8 @@ requests its engine preempted going back (:class:`Intake`, owned by
 
 from __future__ import annotations
 
-import base64
-import dataclasses
 import logging
 import threading
-import time
 
 import redis
 
@@ -41,7 +38,7 @@ from inference.engine.llm_engine import (
     LLMEngine,
     QueueFullError,
 )
-from inference.engine.request import BATCH_TIER, ChoiceState, ResumeState, SamplingParams
+from inference.engine.request import BATCH_TIER, ResumeState
 from inference.protocol.events import (
     ErrorCode,
     ErrorInfo,
@@ -51,54 +48,14 @@ from inference.protocol.events import (
     whole_request_choices,
 )
 from inference.protocol.keys import EVENTS_TTL_S, Keys
-from inference.protocol.messages import RequestMessage, Resume, ResumeChoice
+from inference.protocol.messages import RequestMessage
 from inference.worker.fair_queue import FairQueue, QueuedRequest
 from inference.worker.live import LiveRequest, WorkerState
 from inference.worker.origins import WebOrigins
-from inference.worker.preparation import queue_timeout, submit_args
+from inference.worker.preparation import from_wire, queue_timeout, submit_args, to_wire
 from inference.worker.publisher import EventPublisher
 
 log = logging.getLogger(__name__)
-
-
-def _b64(state: bytes | None) -> str | None:
-    return None if state is None else base64.b64encode(state).decode()
-
-
-def _bytes(state: str | None) -> bytes | None:
-    return None if state is None else base64.b64decode(state)
-
-
-def to_wire(state: ResumeState) -> Resume:
-    """The resume state a preempted request's message carries to the next worker (each
-    choice's of a request of ``n`` > 1 choices)."""
-    return Resume(
-        prompt_tokens=state.prompt_len, max_tokens=state.sampling.max_tokens,
-        generated=state.generated, next_seq=state.next_seq, preemptions=state.preemptions,
-        cached_prompt_tokens=state.cached_prompt_tokens, arrived_at=state.arrived_at,
-        admitted_at=state.admitted_at, first_token_at=state.first_token_at,
-        requeued_at=time.time(), sampler_state=_b64(state.sampler_state),
-        choices=tuple(ResumeChoice(index=c.index, generated=c.generated, end=c.end,
-                                   sampler_state=_b64(c.sampler_state))
-                      for c in state.choices))
-
-
-def from_wire(message: RequestMessage, sampling: SamplingParams) -> ResumeState:
-    """The engine's resume state of a message that carries one (``sampling``: the message's,
-    as :func:`inference.worker.preparation.submit_args` resolved it; ``max_tokens`` is the
-    state's)."""
-    resume = message.resume
-    assert resume is not None
-    return ResumeState(
-        request_id=message.request_id, prompt_len=resume.prompt_tokens,
-        sampling=dataclasses.replace(sampling, max_tokens=resume.max_tokens),
-        generated=tuple(resume.generated), next_seq=resume.next_seq,
-        preemptions=resume.preemptions, cached_prompt_tokens=resume.cached_prompt_tokens,
-        arrived_at=resume.arrived_at, admitted_at=resume.admitted_at,
-        first_token_at=resume.first_token_at, sampler_state=_bytes(resume.sampler_state),
-        choices=tuple(ChoiceState(c.index, generated=tuple(c.generated), end=c.end,
-                                  sampler_state=_bytes(c.sampler_state))
-                      for c in resume.choices))
 
 
 class Intake:
@@ -116,11 +73,15 @@ class Intake:
         prefetch: requests this worker takes beyond its free rows (``WORKER_PREFETCH``): it takes
             only what it can start soon, so the shared queue, not the worker that read first,
             decides each request's place.
+        batch_prefetch: batch requests it may hold beyond its free rows
+            (``WORKER_BATCH_PREFETCH``; None: ``prefetch``): batch work has no one waiting on a
+            stream, so a freed row is refilled from the engine at its next tick rather than
+            after a take from Redis.
     """
 
     def __init__(self, state: WorkerState, engine: LLMEngine, queue: FairQueue,
                  client: redis.Redis, keys: Keys, *, publisher: EventPublisher,
-                 origins: WebOrigins, prefetch: int):
+                 origins: WebOrigins, prefetch: int, batch_prefetch: int | None = None):
         self.state = state
         self.engine = engine
         self.queue = queue
@@ -129,6 +90,7 @@ class Intake:
         self.publisher = publisher
         self.origins = origins
         self.prefetch = max(0, prefetch)
+        self.batch_prefetch = self.prefetch if batch_prefetch is None else max(0, batch_prefetch)
         # Preempted requests (engine thread) with the take token of the take preempted.
         self._preempted: list[tuple[ResumeState, str]] = []
         self._preempted_lock = threading.Lock()
@@ -140,13 +102,14 @@ class Intake:
         """Requests taken again that wait for an earlier take of theirs to leave the engine."""
         return len(self._waiting)
 
-    def room(self) -> int:
-        """Requests this worker may take now: its free rows and ``prefetch`` more, less those
-        already waiting in its engine or beside it (taken again, :meth:`num_waiting`)."""
+    def room(self, prefetch: int | None = None) -> int:
+        """Requests this worker may take now: its free rows and ``prefetch`` (None: its own)
+        more, less those already waiting in its engine or beside it (taken again,
+        :meth:`num_waiting`)."""
         stats = self.engine.stats()
         free = stats["max_batch_size"] - stats["num_active"] - stats["num_prefilling"]
-        return (max(0, free) + self.prefetch - self.engine.num_queued()
-                - len(self._waiting))
+        return (max(0, free) + (self.prefetch if prefetch is None else prefetch)
+                - self.engine.num_queued() - len(self._waiting))
 
     def preempt_room(self) -> tuple[int, int] | None:
         """``(n, tier)``: with its rows full, this worker may take ``n`` requests of a higher
@@ -176,14 +139,15 @@ class Intake:
         self.hand_back_preempted()
         self._start_waiting()
         room = self._room_now()
-        if room is None:
-            # Until a row frees up (a request's end wakes it) or the poll interval passes.
+        n, above, batch = room if room is not None else (0, None, 0)
+        taken = self.queue.take(n, above, batch_extra=batch)
+        if not taken and n <= 0:
+            # Until a row frees up (a request's end wakes it) or the poll interval passes (only
+            # batch work to prefetch: no enqueue's wake-up is this worker's).
             self.state.row_freed.wait(block_ms / 1000)
             self.state.row_freed.clear()
             return 0
-        taken = self.queue.take(*room)
         if not taken:
-            above = room[1]
             self.state.waiting_full = above is not None  # then a row of ours ending nudges it
             try:
                 woken = self.queue.wait(block_ms / 1000, above=above)
@@ -191,8 +155,9 @@ class Intake:
                 self.state.waiting_full = False
             if woken:
                 self.hand_back_preempted()
-                room = self._room_now()
-                taken = self.queue.take(*room) if room is not None else []
+                again = self._room_now()
+                taken = (self.queue.take(again[0], again[1], batch_extra=again[2])
+                         if again is not None else [])
         for request in taken:
             self._take(request)
         return len(taken)
@@ -204,20 +169,24 @@ class Intake:
         stats = self.engine.stats()
         return self.room() + stats.get("num_pending_batch", 0)
 
-    def _room_now(self) -> tuple[int, int | None] | None:
-        """``(n, None)``: take up to ``n`` (:meth:`room`); ``(n, tier)``: up to ``n`` of a higher
-        tier than ``tier`` (:meth:`interactive_room`, :meth:`preempt_room`); None: nothing."""
+    def _room_now(self) -> tuple[int, int | None, int] | None:
+        """``(n, None, b)``: take up to ``n`` (:meth:`room`); ``(n, tier, b)``: up to ``n`` of a
+        higher tier than ``tier`` (:meth:`interactive_room`, :meth:`preempt_room`); then up to
+        ``b`` batch requests more (``batch_prefetch``); None: nothing."""
         if not self.state.accepting:
             return None
         room = self.room()
+        batch = max(0, self.room(self.batch_prefetch) - max(0, room))
         if room > 0:
-            return room, None
+            return room, None, batch
         beside_batch = self.interactive_room()
         preempt = self.preempt_room()
         if beside_batch > 0:  # batch rows to preempt as well: the larger room of the two
             batch_rows = preempt[0] if preempt is not None and preempt[1] == BATCH_TIER else 0
-            return max(beside_batch, batch_rows), BATCH_TIER
-        return preempt
+            return max(beside_batch, batch_rows), BATCH_TIER, batch
+        if preempt is not None:
+            return preempt[0], preempt[1], batch
+        return (0, None, batch) if batch else None
 
     def _take(self, queued: QueuedRequest) -> None:
         self.state.held += int(not queued.batch)  # in gate 1 until its engine admits it

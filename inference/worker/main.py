@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     usage_sink = None if settings.broker_url == "none" else celery_usage_sink(
         settings.broker_url, settings.celery_queue)
     bridge = WorkerBridge(engine, client, settings.keys, worker_id,
-                          prefetch=settings.worker_prefetch, usage_sink=usage_sink,
+                          prefetch=settings.worker_prefetch,
+                          batch_prefetch=settings.batch_prefetch(), usage_sink=usage_sink,
                           web_ttl_s=settings.web_heartbeat_ttl_s,
                           heartbeat_ttl_s=settings.worker_heartbeat_ttl_s)
     pubsub = client.pubsub(ignore_subscribe_messages=True)

@@ -1,4 +1,6 @@
-"""Turning a request message into an engine submission: the prompt's tokens and the sampling.
+"""Turning a request message into an engine submission: the prompt's tokens and the sampling,
+and a preempted request's resume state to and from its message (:func:`to_wire`,
+:func:`from_wire`).
 
 The worker is the authority on a request's prompt tokens and context length: a chat is rendered
 with the model's chat template (:mod:`inference.tokenization`, as the web tier counts it), a
@@ -8,14 +10,22 @@ refused here, before it reaches the engine, with a code and the numbers.
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import time
 from typing import Any
 
 from inference.engine.backends.base import Tokenizer
 from inference.engine.llm_engine import InvalidRequestError
-from inference.engine.request import ErrorCode, ErrorInfo, SamplingParams
+from inference.engine.request import (
+    ChoiceState,
+    ErrorCode,
+    ErrorInfo,
+    ResumeState,
+    SamplingParams,
+)
 from inference.engine.sched.outputs import batch_expired
-from inference.protocol.messages import RequestMessage
+from inference.protocol.messages import RequestMessage, Resume, ResumeChoice
 
 
 def queue_timeout(message: RequestMessage, now: float | None = None) -> ErrorInfo | None:
@@ -83,3 +93,43 @@ def submit_args(message: RequestMessage, tokenizer: Tokenizer,
             "fairness_weight": message.fairness_weight, "request_id": message.request_id,
             "queue_wait_s": None if message.batch else left, "batch": message.batch,
             "deadline_s": left if message.batch else None}
+
+
+def _b64(state: bytes | None) -> str | None:
+    return None if state is None else base64.b64encode(state).decode()
+
+
+def _bytes(state: str | None) -> bytes | None:
+    return None if state is None else base64.b64decode(state)
+
+
+def to_wire(state: ResumeState) -> Resume:
+    """The resume state a preempted request's message carries to the next worker (each
+    choice's of a request of ``n`` > 1 choices)."""
+    return Resume(
+        prompt_tokens=state.prompt_len, max_tokens=state.sampling.max_tokens,
+        generated=state.generated, next_seq=state.next_seq, preemptions=state.preemptions,
+        cached_prompt_tokens=state.cached_prompt_tokens, arrived_at=state.arrived_at,
+        admitted_at=state.admitted_at, first_token_at=state.first_token_at,
+        requeued_at=time.time(), sampler_state=_b64(state.sampler_state),
+        choices=tuple(ResumeChoice(index=c.index, generated=c.generated, end=c.end,
+                                   sampler_state=_b64(c.sampler_state))
+                      for c in state.choices))
+
+
+def from_wire(message: RequestMessage, sampling: SamplingParams) -> ResumeState:
+    """The engine's resume state of a message that carries one (``sampling``: the message's,
+    as :func:`inference.worker.preparation.submit_args` resolved it; ``max_tokens`` is the
+    state's)."""
+    resume = message.resume
+    assert resume is not None
+    return ResumeState(
+        request_id=message.request_id, prompt_len=resume.prompt_tokens,
+        sampling=dataclasses.replace(sampling, max_tokens=resume.max_tokens),
+        generated=tuple(resume.generated), next_seq=resume.next_seq,
+        preemptions=resume.preemptions, cached_prompt_tokens=resume.cached_prompt_tokens,
+        arrived_at=resume.arrived_at, admitted_at=resume.admitted_at,
+        first_token_at=resume.first_token_at, sampler_state=_bytes(resume.sampler_state),
+        choices=tuple(ChoiceState(c.index, generated=tuple(c.generated), end=c.end,
+                                  sampler_state=_bytes(c.sampler_state))
+                      for c in resume.choices))

@@ -41,15 +41,26 @@ class WorkerSettings(PlatformSettings, EngineConfig):
     # Requests this worker takes from the shared queue beyond its free rows: it takes only what
     # it can start soon, so each request's place is decided by the queue's fair order.
     worker_prefetch: int = Field(1, ge=0)
+    # Batch requests (the Batch API's lines) it may hold beyond its free rows; None: a batch
+    # (MAX_BATCH_SIZE). No one waits on a batch line's stream and every interactive request
+    # sorts before them, so a deeper prefetch only refills a freed row at the next tick instead
+    # of after a take from Redis.
+    worker_batch_prefetch: int | None = Field(None, ge=0)
     heartbeat_interval_s: float = Field(1.0, gt=0)
     # How long a stopping worker lets its engine finish a tick before ending what is in flight.
     shutdown_timeout_s: float = Field(10.0, ge=0)
     poll_block_ms: int = Field(50, ge=1)
+
+    def batch_prefetch(self) -> int:
+        """``WORKER_BATCH_PREFETCH``, or ``MAX_BATCH_SIZE`` when it is not set."""
+        return (self.max_batch_size if self.worker_batch_prefetch is None
+                else self.worker_batch_prefetch)
 
     def engine_config(self) -> EngineConfig:
         """The engine's configuration: its fields as read here; its pending queue holds at most
         a batch and the prefetch of each service class (the worker's own bound, beside the
         global gate 1): interactive requests are taken beside batch ones that wait."""
         fields = {name: getattr(self, name) for name in EngineConfig.model_fields}
-        fields["max_pending"] = 2 * (self.max_batch_size + self.worker_prefetch)
+        fields["max_pending"] = (2 * self.max_batch_size + self.worker_prefetch
+                                 + self.batch_prefetch())
         return EngineConfig(**fields)

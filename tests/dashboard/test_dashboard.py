@@ -152,6 +152,24 @@ def test_metrics_expose_queues_gates_tokens_and_latencies(admin_client, publishe
         pytest.approx(0.1)
 
 
+def test_metrics_count_the_tokens_charged_batch_work_apart(admin_client, tenant_key):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    tenant, key, _ = tenant_key
+    UsageRecord.objects.create(request_id="i1", tenant=tenant, api_key=key, model="m",
+                               prompt_tokens=10, completion_tokens=5)  # charged in full
+    UsageRecord.objects.create(request_id="b1", tenant=tenant, api_key=key, model="m",
+                               prompt_tokens=10, completion_tokens=5, billed_tokens=8,
+                               batch_id="batch_1")
+    samples = {(s.name, s.labels["service_class"]): s.value
+               for family in text_string_to_metric_families(
+                   admin_client.get("/metrics").content.decode())
+               for s in family.samples if s.name == "llm_billed_tokens_total"
+               and s.labels["tenant"] == tenant.slug}
+    assert samples == {("llm_billed_tokens_total", "interactive"): 15,
+                       ("llm_billed_tokens_total", "batch"): 8}
+
+
 def test_a_refused_rest_request_is_counted_in_the_metrics(admin_client, client, tenant_key):
     from prometheus_client.parser import text_string_to_metric_families
 

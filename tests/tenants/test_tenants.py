@@ -103,6 +103,25 @@ def test_admin_lists_every_model(admin_client, tenant_key, model):
     assert response.status_code == 200
 
 
+def test_admin_usage_shows_the_tokens_charged_and_tells_batch_work_apart(admin_client,
+                                                                         tenant_key):
+    tenant, key, _ = tenant_key
+    UsageRecord.objects.create(request_id="interactive-1", tenant=tenant, api_key=key,
+                               model="m", prompt_tokens=30, completion_tokens=11)
+    UsageRecord.objects.create(request_id="line-1", tenant=tenant, api_key=key, model="m",
+                               prompt_tokens=30, completion_tokens=11, billed_tokens=21,
+                               batch_id="batch_abc")
+    page = reverse("admin:tenants_usagerecord_changelist")
+    shown = admin_client.get(page).content.decode()
+    assert "Billed tokens" in shown and "Batch id" in shown
+    assert '<td class="field-billed_tokens">41</td>' in shown
+    assert '<td class="field-billed_tokens">21</td>' in shown
+    batch = admin_client.get(page, {"service_class": "batch"}).content.decode()
+    assert "line-1" in batch and "batch_abc" in batch and "interactive-1" not in batch
+    interactive = admin_client.get(page, {"service_class": "interactive"}).content.decode()
+    assert "interactive-1" in interactive and "line-1" not in interactive
+
+
 def test_admin_shows_a_new_key_once(admin_client, tenant_key):
     tenant, _, _ = tenant_key
     response = admin_client.post(reverse("admin:tenants_apikey_add"), {

@@ -212,3 +212,53 @@ def test_a_batch_message_reaches_the_engine_with_its_own_deadline_and_no_queue_o
     interactive = submit_args(message("a", queue_deadline_s=5), engine.tokenizer, 512)
     assert interactive["batch"] is False and interactive["deadline_s"] is None
     assert 4 < interactive["queue_wait_s"] <= 5
+
+
+def test_a_take_adds_batch_requests_only_once_no_interactive_one_waits(rclient, keys):
+    queue = FairQueue(rclient, keys, "w", "vtc")
+    first, second = message("a"), message("b")
+    lines = [message("c", batch=True) for _ in range(5)]
+    for m in (first, second, *lines):
+        queue.enqueue(m)
+    # One interactive request and up to 3 batch ones more: the order's next is interactive.
+    assert ids(queue.take(1, batch_extra=3)) == [first.request_id]
+    assert ids(queue.take(1, batch_extra=3)) == [second.request_id, *ids_of(lines[:3])]
+    # With room for interactive requests only (above the batch tier), still the extra lines.
+    assert ids(queue.take(2, BATCH_TIER, batch_extra=1)) == ids_of(lines[3:4])
+    assert queue.gate1() == 2  # the two interactive ones taken; no batch line counts
+
+
+def ids_of(messages) -> list[str]:
+    return [m.request_id for m in messages]
+
+
+def test_a_worker_holds_a_batch_of_lines_beyond_its_free_rows_and_interactive_ones_first(
+        rclient, keys):
+    from inference.worker.bridge import WorkerBridge
+
+    engine = LLMEngine(EngineConfig(backend="reference", max_model_len=256, max_batch_size=2,
+                                    max_pending=32))
+    submitted: list[str] = []
+    submit = engine.submit
+
+    def record(**kwargs):
+        submitted.append(kwargs["request_id"])
+        return submit(**kwargs)
+
+    engine.submit = record  # the engine never ticks: what it was given waits in it
+    try:
+        bridge = WorkerBridge(engine, rclient, keys, "w-batch", prefetch=1, batch_prefetch=4)
+        queue = FairQueue(rclient, keys, "tool", "vtc")
+        interactive = [message("a"), message("b")]
+        lines = [message(f"line{i}", batch=True) for i in range(10)]
+        for m in (*lines, *interactive):
+            queue.enqueue(m)
+        # 2 free rows and 1 more interactive (prefetch), or 2 and 4 more batch lines: both
+        # interactive requests first, then batch lines up to 2 + 4 in all.
+        assert bridge.poll() == 6
+        assert submitted[:2] == ids_of(interactive)
+        assert len(set(submitted[2:]) & set(ids_of(lines))) == 4
+        assert bridge.poll() == 0  # the batch's worth is held: the other lines stay queued
+        assert queue.gate1() == 2
+    finally:
+        engine.shutdown(1)
