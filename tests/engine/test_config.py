@@ -40,14 +40,17 @@ def test_max_queue_size_is_gate_one_only_and_the_worker_bound_is_worker_prefetch
     monkeypatch.setenv("MAX_QUEUE_SIZE", "4")
     monkeypatch.setenv("MAX_BATCH_SIZE", "6")
     monkeypatch.delenv("WORKER_PREFETCH", raising=False)
+    monkeypatch.delenv("WORKER_BATCH_PREFETCH", raising=False)
     settings = WorkerSettings()
     assert settings.max_queue_size == 4  # gate 1, read by the web tier too; not the engine's
-    # The engine holds a batch's worth and the prefetch (1 by default) taken beyond free rows,
-    # for each service class (interactive requests are taken beside batch ones that wait).
+    # The engine holds a batch's worth and the prefetch taken beyond free rows for each service
+    # class: 1 interactive request by default, a batch's worth of batch lines.
     assert settings.worker_prefetch == 1
-    assert settings.engine_config().max_pending == 2 * (6 + 1)
+    assert settings.batch_prefetch() == 6
+    assert settings.engine_config().max_pending == (6 + 1) + (6 + 6)
     monkeypatch.setenv("WORKER_PREFETCH", "3")
-    assert WorkerSettings().engine_config().max_pending == 2 * (6 + 3)
+    monkeypatch.setenv("WORKER_BATCH_PREFETCH", "2")
+    assert WorkerSettings().engine_config().max_pending == (6 + 3) + (6 + 2)
 
 
 def test_a_misspelt_engine_setting_is_refused():
