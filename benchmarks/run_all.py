@@ -76,7 +76,8 @@ class Step:
 _SMALL_PREFILL = ("--long-lens", "96,160", "--long-every", "2", "--warmup", "1", "--streams", "2",
                   "--stream-tokens", "100")
 _SHORT_CHAOS = ("--duration-s", "20", "--concurrency", "6", "--warmup-s", "3",
-                "--kill-interval-s", "2,4", "--settle-s", "25")
+                "--kill-interval-s", "2,4", "--settle-s", "25", "--batch-jobs", "1",
+                "--batch-lines", "30")
 _SMALL_OVERHEAD = ("--requests", "3", "--warmup", "1", "--input-len", "16", "32",
                    "--output-len", "4", "--concurrency", "2")
 

@@ -1,6 +1,7 @@
 """The chaos harness, short: the platform under load while its processes and Redis are killed,
 paused and drained at random loses no request, no token, no usage record, bills no client more
-than it received, declares no live process dead and leaks nothing (``benchmarks/serving/chaos/``;
+than it received, declares no live process dead, answers every line of its Batch API jobs
+exactly once and as expected, and leaks nothing (``benchmarks/serving/chaos/``;
 ``python -m benchmarks.serving.chaos`` is the long run)."""
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from benchmarks.serving import chaos
 
 # About 1.5 minutes in all, at most 2.5: 60 s of load and faults (a round of every kind takes
 # about 45 s: two pauses of 1.5-2 heartbeat TTLs, a drain, daphne's restarts), the platform's
-# start-up, at most 60 s draining a request that hangs and 25 s settling, the checks.
+# start-up, at most 60 s draining a request that hangs and 25 s settling, the checks; 2 batches of
+# 30 lines beside the load (they end within it when nothing is lost; waited for 60 s at most).
 SHORT_RUN = chaos.Options(duration_s=60, concurrency=6, workers=2, seed=7, warmup_s=3,
-                          kill_interval_s=(1.5, 3.0), pause_ttls=(1.5, 2.0), settle_s=25)
+                          kill_interval_s=(1.5, 3.0), pause_ttls=(1.5, 2.0), settle_s=25,
+                          batch_jobs=2, batch_lines=30, batch_wait_s=60)
 
 
 @pytest.mark.e2e
@@ -31,6 +34,9 @@ def test_killing_workers_daphne_celery_beat_and_redis_loses_and_leaks_nothing(tm
     assert not report.get("harness_errors"), text
     assert set(report["kills_by_kind"]) == set(chaos.KINDS), text
     assert report["requests"]["by_outcome"].get("complete", 0) > 0, text
+    jobs = report["batches"]["jobs"]
+    assert len(jobs) == SHORT_RUN.batch_jobs, text
+    assert all(job["status"] == "completed" and job["output_lines"] > 0 for job in jobs), text
     failing = {name: n for name, n in report["counts"].items() if n}
     assert not failing, text
     assert report["verdict"] == "PASS", text
@@ -115,9 +121,10 @@ def fault(kind: str, t: float = 1.5, name: str = "", signal: str = "SIGKILL", **
 
 
 def run_checks(results, streams, records, leaks=None, timeline=None, persistence="aof",
-               death_lines=None):
+               death_lines=None, batch_jobs=None, batch_state=None):
     """The counts that are not 0 after classifying ``results`` (beside one clean request) and
-    checking them."""
+    checking them (with the Batch API jobs ``batch_jobs`` and what the platform kept of them,
+    ``batch_state``, when given)."""
     timeline = timeline or chaos.Timeline()
     clean = streamed("clean", ANSWERS[1][0][:20], 20, prompt=1)
     results, streams = [*results, clean], {**streams, "clean": events_stream(clean.text)}
@@ -128,7 +135,8 @@ def run_checks(results, streams, records, leaks=None, timeline=None, persistence
     all_leaks.update(leaks or {})
     findings, _ = chaos.check(results, streams, records, all_leaks, {}, ANSWERS, timeline,
                               chaos.Options(redis_persistence=persistence), collected_at=10.0,
-                              death_lines=death_lines)
+                              death_lines=death_lines, batch_jobs=batch_jobs,
+                              batch_state=batch_state)
     return {name: n for name, n in findings.counts.items() if n}
 
 
@@ -436,3 +444,384 @@ def test_the_log_clock_dates_each_line_by_the_samples_around_it(tmp_path):
     assert [(x.after, x.by) for x in lines] == [(1.0, 2.0), (2.0, float("inf"))]
     clock.sample()  # at 3.0
     assert [x.by for x in clock.lines(chaos.deaths.DEATH_LINE)] == [2.0, 3.0]
+
+
+# The Batch API jobs: every line answered exactly once, as expected, counted and billed once,
+# nothing left behind.
+
+BATCH = "batch_0123456789abcdef01234567"
+PROMPT_TOKENS = 5
+
+
+def batch_answer(rid: str, cid: str, text: str, finish: str = "length",
+                 prompt_tokens: int = PROMPT_TOKENS) -> dict:
+    """An output-file line, as the platform writes it."""
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(text),
+             "total_tokens": prompt_tokens + len(text)}
+    return {"id": "batch_req_1", "custom_id": cid, "error": None,
+            "response": {"status_code": 200, "request_id": rid,
+                         "body": {"id": f"cmpl-{rid}", "object": "text_completion",
+                                  "choices": [{"index": 0, "text": text,
+                                               "finish_reason": finish}], "usage": usage}}}
+
+
+def batch_error(cid: str, status: int, code: str, message: str = "m",
+                rid: str | None = None) -> dict:
+    """An error-file line with the endpoint's error."""
+    return {"id": "batch_req_2", "custom_id": cid, "error": None,
+            "response": {"status_code": status, "request_id": rid,
+                         "body": {"error": {"code": code, "message": message}}}}
+
+
+def batch_record(rid: str, tokens: int, prompt: int | None = None, code: str = "",
+                 at: float = 5.0, timeline: chaos.Timeline | None = None) -> dict:
+    """A batch line's usage record, written ``at`` seconds into the run."""
+    status = 503 if code else 200
+    row = usage(rid, tokens, PROMPT_TOKENS if prompt is None and tokens else prompt or 0,
+                status=status, code=code, tenant="delta")
+    t0 = timeline.t0_unix if timeline else 0.0
+    return {**row, "batch_id": rid.rsplit("-", 2)[0], "created_at": t0 + at}
+
+
+def batch_run(lines: int = 4, invalid: tuple[int, ...] = (3,), timeline=None):
+    """A batch that went right: (job, state, records, streams) whose lines ``invalid`` are
+    planted invalid (in the error file with a 400), the others answered as expected, each by
+    its attempt 0, billed once."""
+    job = chaos.BatchJob(index=0, at_s=1.0, file_id="file-1", batch_id=BATCH, created_s=1.0,
+                         ended_s=20.0, status="completed", lines=[
+                             {"custom_id": f"job0-line{n}", "prompt": n % 2,
+                              "max_tokens": 10 + n, "body": {},
+                              "invalid": "no body.prompt" if n in invalid else ""}
+                             for n in range(lines)])
+    records, streams, db = [], {}, []
+    for n, line in enumerate(job.lines):
+        cid, rid = line["custom_id"], f"{BATCH}-{n}-0"
+        if line["invalid"]:
+            job.error.append(batch_error(cid, 400, "invalid_value"))
+            db.append({"batch_id": BATCH, "index": n, "custom_id": cid, "state": "failed",
+                       "attempt": 0, "request_id": ""})
+            continue
+        text, finish = chaos.expected_for(ANSWERS[line["prompt"]], line["max_tokens"])
+        job.output.append(batch_answer(rid, cid, text, finish))
+        records.append(batch_record(rid, len(text), timeline=timeline))
+        streams[rid] = events_stream(text)
+        db.append({"batch_id": BATCH, "index": n, "custom_id": cid, "state": "done",
+                   "attempt": 0, "request_id": rid})
+    counted(job)
+    state = chaos.BatchState(batches=[{"id": BATCH, "input_file_id": "file-1",
+                                       "status": "completed"}], lines=db)
+    return job, state, records, streams
+
+
+def counted(job: chaos.BatchJob) -> chaos.BatchJob:
+    """``request_counts`` as the files say."""
+    job.request_counts = {"total": len(job.lines), "completed": len(job.output),
+                          "failed": len(job.error)}
+    return job
+
+
+def batch_checks(job, state, records, streams, timeline=None):
+    return run_checks([], streams, records, timeline=timeline, batch_jobs=[job],
+                      batch_state=state)
+
+
+def test_a_clean_batch_has_no_finding_and_its_records_are_not_the_clients():
+    # Its records are no interactive client's (none knows their ids), nor its lines' streams.
+    job, state, records, streams = batch_run()
+    assert batch_checks(job, state, records, streams) == {}
+    assert run_checks([], streams, records) == {}
+
+
+def _lost(job, state, records):
+    del job.output[0]
+    counted(job)
+
+
+def _doubled(job, state, records):
+    job.output.append(job.output[0])
+    counted(job)
+
+
+def _in_both_files(job, state, records):
+    job.error.append(batch_error(job.lines[0]["custom_id"], 503, "service_unavailable"))
+    counted(job)
+
+
+def _unknown(job, state, records):
+    job.output.append(batch_answer(f"{BATCH}-9-0", "job0-line9", "abc"))
+    counted(job)
+
+
+def _answer(n: int, **changes):
+    """Change the answer of line ``n``: its choice's fields, its usage's, or the entry's."""
+    def change(job, state, records):
+        entry = job.output[n]
+        body = entry["response"]["body"]
+        for key, value in changes.items():
+            if key in body["choices"][0]:
+                body["choices"][0][key] = value
+            elif key in body["usage"]:
+                body["usage"][key] = value
+            else:
+                entry["response"][key] = value
+    return change
+
+
+def _invalid_answered(job, state, records):
+    cid = job.lines[3]["custom_id"]
+    job.error.clear()
+    job.output.append(batch_answer(f"{BATCH}-3-0", cid, "abc"))
+    counted(job)
+
+
+def _invalid_not_400(job, state, records):
+    job.error[0] = batch_error(job.lines[3]["custom_id"], 503, "service_unavailable")
+
+
+def _valid_failed(job, state, records):
+    job.output.pop(1)
+    job.error.append(batch_error(job.lines[1]["custom_id"], 503, "service_unavailable",
+                                 "The request failed 3 times (worker_lost: gone).",
+                                 f"{BATCH}-1-2"))
+    records[:] = [r for r in records if r["request_id"] != f"{BATCH}-1-0"]
+    counted(job)
+
+
+def _counts_off(job, state, records):
+    job.request_counts["completed"] -= 1
+
+
+def _record_dropped(job, state, records):
+    del records[0]
+
+
+def _record_off(job, state, records):
+    records[0]["completion_tokens"] += 1
+
+
+def _attempt_billed(job, state, records):
+    # Line 0 was answered by attempt 1; its attempt 0 (worker lost) bills tokens too.
+    first = job.output[0]["response"]
+    rid = f"{BATCH}-0-1"
+    first["request_id"] = rid
+    records[0]["request_id"] = rid
+    records.append(batch_record(f"{BATCH}-0-0", 4, code="worker_lost"))
+
+
+def _failed_line_billed(job, state, records):
+    _valid_failed(job, state, records)
+    records.append(batch_record(f"{BATCH}-1-2", 3, code="worker_lost"))
+
+
+def _invalid_billed(job, state, records):
+    records.append(batch_record(f"{BATCH}-3-0", 0))
+
+
+def _record_of_no_line(job, state, records):
+    records.append(batch_record(f"{BATCH}-7-0", 3))
+
+
+def _other_batch(job, state, records):
+    records[0]["batch_id"] = "batch_ffffffffffffffffffffffff"
+
+
+def _line_running(job, state, records):
+    state.lines[0]["state"] = "running"
+
+
+def _redis_left(job, state, records):
+    state.redis_left.append({"key": "p:fq:wait", "why": "an entry of a hash",
+                             "member": f"{BATCH}-0-0"})
+
+
+def _prompt_tokens_differ(job, state, records):
+    # Line 2 (prompt 0, as line 0) counts 6 prompt tokens, and so does its record.
+    usage_ = job.output[2]["response"]["body"]["usage"]
+    usage_["prompt_tokens"], usage_["total_tokens"] = 6, 6 + usage_["completion_tokens"]
+    records[2]["prompt_tokens"] = 6
+
+
+def _status(status):
+    def change(job, state, records):
+        job.status = status
+    return change
+
+
+def _not_created(job, state, records):
+    job.batch_id, job.failure = "", "not created: HTTP 400"
+    state.batches.clear()
+    records.clear()
+
+
+def _created_twice(job, state, records):
+    state.batches.append({"id": "batch_eeeeeeeeeeeeeeeeeeeeeeee", "input_file_id": "file-1",
+                          "status": "completed"})
+
+
+def _unreadable(job, state, records):
+    job.unreadable.append("{not json")
+
+
+@pytest.mark.parametrize("change, found", [
+    (_lost, {"batch_lines_lost": 1}),
+    (_doubled, {"batch_lines_duplicated": 1}),
+    (_in_both_files, {"batch_lines_duplicated": 1}),
+    (_unknown, {"batch_lines_unknown": 1}),
+    (_answer(0, text=ANSWERS[0][0][:9] + "X"), {"batch_output_mismatch": 1,
+                                                "batch_usage_mismatch": 0}),
+    (_answer(1, finish_reason="stop"), {"batch_output_mismatch": 1}),
+    (_answer(0, completion_tokens=11), {"batch_output_mismatch": 1,
+                                        "batch_usage_mismatch": 1}),
+    (_answer(0, total_tokens=3), {"batch_output_mismatch": 1}),
+    (_answer(0, status_code=201), {"batch_output_mismatch": 1}),
+    (_answer(0, request_id=f"{BATCH}-1-0"), {"batch_output_mismatch": 1,
+                                             "batch_usage_missing": 1,
+                                             "batch_billed_twice": 1}),
+    (_prompt_tokens_differ, {"batch_output_mismatch": 1}),
+    (_invalid_answered, {"batch_invalid_not_refused": 1}),
+    (_invalid_not_400, {"batch_invalid_not_refused": 1}),
+    (_valid_failed, {"batch_error_unexplained": 1}),  # no fault during the batch
+    (_counts_off, {"batch_counts_mismatch": 1}),
+    (_record_dropped, {"batch_usage_missing": 1}),
+    (_record_off, {"batch_usage_mismatch": 1}),
+    (_other_batch, {"batch_usage_mismatch": 1}),
+    (_attempt_billed, {"batch_billed_twice": 1, "batch_retry_without_cause": 1}),
+    (_failed_line_billed, {"batch_billed_failed_line": 1, "batch_error_unexplained": 1,
+                           "batch_retry_without_cause": 1}),
+    (_invalid_billed, {"batch_billed_failed_line": 1}),
+    (_record_of_no_line, {"batch_usage_extra": 1}),
+    (_line_running, {"batch_leak_lines": 1}),
+    (_redis_left, {"batch_leak_redis": 1}),
+    (_status("in_progress"), {"batch_not_ended": 1}),
+    (_status("expired"), {"batch_ended_not_completed": 1}),
+    (_status("failed"), {"batch_ended_not_completed": 1}),
+    (_not_created, {"batch_not_created": 1}),
+    (_created_twice, {"batch_created_twice": 1}),
+    (_unreadable, {"batch_files_unreadable": 1}),
+])
+def test_each_batch_line_lost_doubled_wrong_unexplained_misbilled_or_left_is_counted(
+        change, found):
+    job, state, records, streams = batch_run()
+    change(job, state, records)
+    assert batch_checks(job, state, records, streams) == {k: v for k, v in found.items() if v}
+
+
+@pytest.mark.parametrize("kills, finding", [(3, None), (2, "batch_error_unexplained")])
+def test_a_line_that_failed_every_attempt_is_explained_by_as_many_worker_faults(kills,
+                                                                               finding):
+    timeline = chaos.Timeline(kills=[fault("worker", t=2.0 + i, name="worker0")
+                                     for i in range(kills)])
+    job, state, records, streams = batch_run(timeline=timeline)
+    _valid_failed(job, state, records)
+    for attempt in range(3):  # each attempt lost its worker: billed nothing
+        records.append(batch_record(f"{BATCH}-1-{attempt}", 0, code="worker_lost", at=6.0,
+                                    timeline=timeline))
+    found = batch_checks(job, state, records, streams, timeline=timeline)
+    assert found == ({finding: 1} if finding else {}), found
+
+
+@pytest.mark.parametrize("faults, finding", [
+    ([], "batch_retry_without_cause"),
+    ([fault("worker", t=3.0, name="worker1")], None),
+    ([fault("worker", t=9.0, name="worker1")], "batch_retry_without_cause"),  # after it
+    ([fault("drain-daphne", t=3.0, name="daphne", signal="SIGTERM")],
+     "batch_retry_without_cause"),  # a line has no web process
+])
+def test_a_line_sent_again_after_an_error_no_fault_explains_is_counted(faults, finding):
+    timeline = chaos.Timeline(kills=faults)
+    job, state, records, streams = batch_run(timeline=timeline)
+    _attempt_billed(job, state, records)
+    records[-1] = batch_record(f"{BATCH}-0-0", 0, code="worker_lost", at=5.0,
+                               timeline=timeline)
+    found = batch_checks(job, state, records, streams, timeline=timeline)
+    assert found == ({finding: 1} if finding else {}), found
+
+
+def test_a_batch_record_redis_took_with_it_is_counted_apart():
+    redis_restarted = chaos.Timeline(redis_kills=[5.0])
+    job, state, records, streams = batch_run()
+    del records[0]
+    assert run_checks([], streams, records, timeline=redis_restarted, persistence="none",
+                      batch_jobs=[job], batch_state=state) == {}
+    assert run_checks([], streams, records, timeline=redis_restarted, persistence="aof",
+                      batch_jobs=[job], batch_state=state) == {"batch_usage_missing": 1}
+
+
+def test_the_batch_jobs_plant_their_invalid_lines_and_fall_within_the_load():
+    options = dataclasses.replace(SHORT_RUN, batch_jobs=3, batch_lines=30)
+    jobs = chaos.make_jobs(options)
+    assert [len(job.lines) for job in jobs] == [30, 30, 30]
+    assert all(options.warmup_s <= job.at_s <= options.duration_s * 2 / 3 for job in jobs)
+    for job in jobs:
+        lines = [json.loads(raw) for raw in chaos.batches.jsonl(job).splitlines()]
+        assert len({line["custom_id"] for line in lines}) == 30
+        planted = [line for line in lines if "prompt" not in line["body"]]
+        assert len(planted) == chaos.settings.BATCH_INVALID_LINES
+        assert all(options.max_tokens[0] <= line["body"]["max_tokens"] <= options.max_tokens[1]
+                   for line in lines)
+    assert chaos.make_jobs(options)[1].lines == jobs[1].lines
+
+
+def test_a_create_whose_reply_was_lost_is_resolved_not_sent_twice():
+    import httpx
+    import openai
+
+    request = httpx.Request("POST", "http://x/v1/batches")
+    job = chaos.BatchJob(index=0, at_s=0.0, lines=[])
+
+    def failing(*errors):
+        sent = []
+
+        def fn():
+            sent.append(1)
+            if len(sent) <= len(errors):
+                raise errors[len(sent) - 1]
+            return "made"
+        return fn, sent
+
+    def lost(cause):
+        try:
+            raise openai.APIConnectionError(request=request) from cause
+        except openai.APIConnectionError as exc:
+            return exc
+
+    refused = lost(httpx.ConnectError("refused"))
+    cut_off = lost(httpx.RemoteProtocolError("Server disconnected without sending a response."))
+    fn, sent = failing(refused, refused)  # never reached the platform: sent again
+    assert chaos.batches.call(job, "create", fn, lambda: 0.0, resolve=lambda: None) == "made"
+    assert len(sent) == 3
+    fn, sent = failing(cut_off)  # it may have been made: found, not sent again
+    assert chaos.batches.call(job, "create", fn, lambda: 0.0, resolve=lambda: "found") == "found"
+    assert len(sent) == 1
+    fn, sent = failing(cut_off)  # not found: sent again
+    assert chaos.batches.call(job, "create", fn, lambda: 0.0, resolve=lambda: None) == "made"
+    assert len(sent) == 2
+    bad = openai.BadRequestError("no", response=httpx.Response(400, request=request), body={})
+    fn, sent = failing(bad)
+    with pytest.raises(chaos.batches.CallFailed):
+        chaos.batches.call(job, "create", fn, lambda: 0.0)
+    assert len(sent) == 1
+
+
+def test_what_redis_keeps_of_an_ended_batch_is_found():
+    import uuid
+
+    import redis
+
+    prefix = f"chaos-test-{uuid.uuid4().hex[:8]}"
+    client = redis.Redis.from_url("redis://127.0.0.1:6379/0")
+    try:
+        client.hset(f"{prefix}:fq:wait", f"{BATCH}-0-0", "1")  # a queue entry
+        client.hset(f"{prefix}:batch:active", BATCH, "{}")  # its figures
+        client.xadd(f"{prefix}:events:{BATCH}-1-0", {"t": "x"})  # a stream never ended
+        client.xadd(f"{prefix}:events:{BATCH}-2-0", {"t": "x"})
+        client.expire(f"{prefix}:events:{BATCH}-2-0", 600)  # ended: within its TTL
+        client.set(f"{prefix}:admitted:{BATCH}-2-0", "1", ex=600)  # a marker that expires
+        client.hset(f"{prefix}:fq:wait", "other-request", "1")
+        left = chaos.batches.redis_left(client, prefix, [BATCH])
+    finally:
+        stale = list(client.scan_iter(f"{prefix}:*"))
+        if stale:
+            client.delete(*stale)
+    assert sorted((item["key"].removeprefix(prefix), item.get("member")) for item in left) == [
+        (":batch:active", BATCH), (f":events:{BATCH}-1-0", None), (":fq:wait", f"{BATCH}-0-0")]

@@ -1,7 +1,8 @@
 """The checks of a run, each count's target 0: what every client received against the reference
 backend's own output, every events stream, requests generated twice, the errors and deaths the
 faults explain (:mod:`.deaths`), what was billed against what each client received
-(:mod:`.billing`), and the leaks; each failure with its evidence (:mod:`.findings`)."""
+(:mod:`.billing`), the leaks, and the Batch API jobs' lines, counts, usage and leftovers
+(:mod:`.batch_checks`); each failure with its evidence (:mod:`.findings`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from benchmarks.serving.chaos.batch_checks import (
+    check_batches,
+    is_batch_record,
+    is_batch_request,
+)
+from benchmarks.serving.chaos.batches import BatchJob, BatchState
 from benchmarks.serving.chaos.billing import check_usage
 from benchmarks.serving.chaos.deaths import (
     check_deaths,
@@ -17,6 +24,7 @@ from benchmarks.serving.chaos.deaths import (
     check_paused_takes,
     check_refusals,
 )
+from benchmarks.serving.chaos.expected import expected_for
 from benchmarks.serving.chaos.findings import Evidence, Findings
 from benchmarks.serving.chaos.load import Result
 from benchmarks.serving.chaos.logclock import LogLine
@@ -26,48 +34,24 @@ from benchmarks.serving.chaos.timeline import Timeline
 from inference.protocol.keys import EVENTS_TTL_S
 
 
-def expected_outputs(prompts: tuple[str, ...], max_tokens: int) -> list[tuple[str, int | None]]:
-    """The reference backend's greedy answer to each prompt, computed in-process as the workers
-    compute it (same backend, same context length): (text of up to ``max_tokens`` tokens, the
-    number of tokens after which it stops on EOS, or None if it did not)."""
-    from inference.engine.config import EngineConfig
-    from inference.engine.llm_engine import LLMEngine
-    from inference.engine.request import SamplingParams
-
-    engine = LLMEngine(EngineConfig(backend="reference", max_batch_size=len(prompts)))
-    handles = [engine.submit(prompt=p, sampling=SamplingParams(max_tokens=max_tokens,
-                                                               temperature=0.0))
-               for p in prompts]
-    while engine.has_work():
-        engine.step()
-    answers = []
-    for handle in handles:
-        text, tokens, final = handle.result(timeout=5)
-        assert len(text) == len(tokens), "the reference backend writes one character a token"
-        answers.append((text, len(tokens) if final.finish_reason.value == "stop" else None))
-    return answers
-
-
-def expected_for(answer: tuple[str, int | None], max_tokens: int) -> tuple[str, str]:
-    """The expected (text, finish reason) of a complete request of ``max_tokens``."""
-    text, stops_after = answer
-    if stops_after is not None and stops_after < max_tokens:
-        return text[:stops_after], "stop"
-    return text[:max_tokens], "length"
-
-
 def check(results: list[Result], streams: dict[str, StreamSummary],
           records: list[dict[str, Any]], leaks: dict[str, int], leak_details: dict[str, Any],
           answers: list[tuple[str, int | None]], timeline: Timeline, options: Options,
           collected_at: float, death_lines: list[LogLine] | None = None,
+          batch_jobs: list[BatchJob] | None = None, batch_state: BatchState | None = None,
           ) -> tuple[Findings, dict[str, int]]:
     """The checks: (findings whose target is 0, informational counts).
 
     ``death_lines`` are the logs' lines that declare a death, dated
-    (:data:`.deaths.DEATH_LINE`). With ``options.redis_persistence == "none"`` a Redis restart
-    loses what it held: a stream missing, or holding only part of its request's events, when
-    Redis restarted while the request was open is counted apart (informational), not as a
-    failure, and so is a usage record it took with it.
+    (:data:`.deaths.DEATH_LINE`). ``batch_jobs`` are the run's Batch API jobs as their client
+    saw them and ``batch_state`` what the platform kept of them (:mod:`.batch_checks`); their
+    lines' events streams are checked as every stream is, their usage records apart from the
+    interactive clients' (:mod:`.billing`).
+
+    With ``options.redis_persistence == "none"`` a Redis restart loses what it held: a stream
+    missing, or holding only part of its request's events, when Redis restarted while the
+    request was open is counted apart (informational), not as a failure, and so is a usage
+    record it took with it.
     """
     findings = Findings()
     info: Counter[str] = Counter()
@@ -151,7 +135,14 @@ def check(results: list[Result], streams: dict[str, StreamSummary],
     check_deaths(findings, info, death_lines or [], timeline)
     check_refusals(findings, results, timeline, evidence)
     check_paused_takes(findings, results, usage, timeline, evidence)
-    check_usage(findings, info, results, streams, usage, timeline, evidence, redis_lost_data)
+    interactive = {rid: rows for rid, rows in usage.items()
+                   if not any(is_batch_record(row) for row in rows)}
+    check_usage(findings, info, results,
+                {rid: s for rid, s in streams.items() if not is_batch_request(rid)},
+                interactive, timeline, evidence, redis_lost_data)
+    if batch_jobs:
+        check_batches(findings, info, batch_jobs, batch_state or BatchState(), records,
+                      answers, timeline, lossy_redis=options.redis_persistence == "none")
 
     # Leaks once the platform settled.
     for name, count in leaks.items():

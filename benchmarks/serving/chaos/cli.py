@@ -9,6 +9,7 @@ import dataclasses
 from benchmarks.harness.cli import (
     HelpFormatter,
     non_negative_float,
+    non_negative_int,
     positive_float,
     positive_int,
 )
@@ -57,7 +58,10 @@ def parse_args(argv: list[str] | None = None) -> Options:
                     "once with its full output or a clear error that a fault explains, that no "
                     "token was lost or doubled, that no live process was declared dead, that "
                     "nothing leaked and that usage was recorded once per request, billing what "
-                    "its client received. Prints every count (target 0) and PASS or FAIL (exit "
+                    "its client received; and that every line of the Batch API jobs run beside "
+                    "the load was answered exactly once, as the reference backend answers it "
+                    "or with an error that a fault explains, counted and billed once, leaving "
+                    "nothing behind. Prints every count (target 0) and PASS or FAIL (exit "
                     "status 1).")
     d = Options()
     parser.add_argument("--duration-s", type=positive_float, default=d.duration_s,
@@ -102,6 +106,14 @@ def parse_args(argv: list[str] | None = None) -> Options:
     parser.add_argument("--fresh-worker-ids", action="store_true",
                         help="a restarted inference worker gets a new WORKER_ID (as with the "
                              "default host-pid ids) instead of keeping its own")
+    parser.add_argument("--batch-jobs", type=non_negative_int, default=d.batch_jobs,
+                        help="Batch API jobs (tenant delta, /v1/completions), created evenly "
+                             "over the first two thirds of the load")
+    parser.add_argument("--batch-lines", type=positive_int, default=d.batch_lines,
+                        help="lines of each batch job (2 of them, in a job of 4 or more, "
+                             "planted invalid: no prompt)")
+    parser.add_argument("--batch-wait-s", type=positive_float, default=d.batch_wait_s,
+                        help="at most this long after the load for every batch to end")
     parser.add_argument("--log-dir", default=None, metavar="DIR",
                         help="folder for the processes' logs (default: a new temporary "
                              "folder, kept and printed)")

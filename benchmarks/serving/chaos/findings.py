@@ -1,6 +1,6 @@
 """The counts of a run's checks, each with a few examples, and the evidence an example carries:
 what the client saw, the events stream, the usage records (and, added after the checks, the log
-lines naming the request)."""
+lines naming the request); a batch line's evidence is :mod:`.batch_checks`'."""
 
 from __future__ import annotations
 
@@ -29,6 +29,13 @@ class Findings:
         "billed_more_than_received", "billed_less_than_received",
         "billed_below_checkpoint_bound", "billed_unreceived_non_streamed",
         "no_request_completed",
+        "batch_not_created", "batch_created_twice", "batch_not_ended",
+        "batch_ended_not_completed", "batch_files_unreadable", "batch_lines_lost",
+        "batch_lines_duplicated", "batch_lines_unknown", "batch_output_mismatch",
+        "batch_invalid_not_refused", "batch_error_unexplained", "batch_retry_without_cause",
+        "batch_counts_mismatch", "batch_usage_missing", "batch_usage_mismatch",
+        "batch_billed_twice", "batch_billed_failed_line", "batch_usage_extra",
+        "batch_leak_lines", "batch_leak_redis",
     )
 
     def __init__(self) -> None:

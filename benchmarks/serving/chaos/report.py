@@ -1,5 +1,5 @@
 """The run's report: its figures (requests by outcome, faults, what each fault did to the
-clients, every count and its examples) as a dict, and as text."""
+clients, the Batch API jobs, every count and its examples) as a dict, and as text."""
 
 from __future__ import annotations
 
@@ -14,8 +14,11 @@ from benchmarks.serving.chaos.timeline import Timeline
 
 def summarize(results: list[Result], timeline: Timeline, findings: Findings,
               info: dict[str, int], settled: dict[str, Any], all_up: bool, load_s: float,
-              leak_details: dict[str, Any]) -> dict[str, Any]:
-    """The report's figures (everything but the options and the wall time)."""
+              leak_details: dict[str, Any], batches: dict[str, Any] | None = None,
+              ) -> dict[str, Any]:
+    """The report's figures (everything but the options and the wall time); ``batches``: the
+    Batch API jobs (``jobs``, each :meth:`.batches.BatchJob.brief`) and how long their ends
+    were waited for (``ended``)."""
     codes = Counter()
     hints = Counter()
     for r in results:
@@ -49,6 +52,7 @@ def summarize(results: list[Result], timeline: Timeline, findings: Findings,
             "not_streamed": round(quiet_plain.max_silence_s, 2) if quiet_plain else None,
             "not_streamed_request": quiet_plain.request_id if quiet_plain else None},
         "impact": impact(results, timeline),
+        "batches": batches or {},
         "load_s": round(load_s, 1),
         "all_up_after_load": all_up,
         "settle": settled,
@@ -149,6 +153,19 @@ def format_report(report: dict[str, Any], examples: bool = True) -> str:
         lines.append(f"  {name:20} x{row['kills']}: in flight {row['in_flight']}, not "
                      f"streamed {row.get('in_flight_not_streamed')}; cut short ended after "
                      f"{row['cut_short_ended_after_s']}; after {row['after']}")
+    batches = report.get("batches") or {}
+    lines.append(f"batch jobs: {len(batches.get('jobs') or [])}, their ends waited for "
+                 f"{batches.get('ended')}")
+    for job in batches.get("jobs") or []:
+        lines.append(f"  job {job['job']} {job['batch_id'] or '(not created)'} created at "
+                     f"{job['created_s']} s, in progress at {job['started_s']} s, "
+                     f"{job['status'] or '?'} at {job['ended_s']} s: "
+                     f"{job['lines']} lines ({job['invalid_lines']} invalid), "
+                     f"{job['output_lines']} in the output file, {job['error_lines']} in the "
+                     f"error file, request_counts {job['request_counts']}"
+                     + (f"; {job['failure']}" if job["failure"] else "")
+                     + (f"; calls that failed: {job['failed_calls']}" if job["calls"] else "")
+                     + f"; faults meanwhile: {job.get('faults_during')}")
     lines.append(f"settle: {report.get('settle')}")
     lines.append(f"informational: {report.get('info')}")
     if report.get("harness_errors"):

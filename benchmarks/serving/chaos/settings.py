@@ -68,6 +68,14 @@ CHECKPOINT_LAG_S = 0.5
 # whose sight of Redis broke declares none for a TTL, then within two): the log lines declaring a
 # death from the pause to then are checked against the processes that were alive.
 DEATH_WINDOW_TTLS = 2.0
+# The tenant that runs the Batch API jobs (no limits; the interactive load never uses it), and
+# the invalid lines planted in each job (a body without its prompt: each must end in the error
+# file with a 400).
+BATCH_TENANT, BATCH_INVALID_LINES = "delta", 2
+# The kinds of fault after which a batch line is sent again (its request ended with a retryable
+# error or Redis lost it): a line that failed BATCH_MAX_ATTEMPTS times needs that many of them
+# during its batch. A batch line has no web process: a drain or a kill of daphne explains none.
+BATCH_RETRY_FAULTS = frozenset({"worker", "pause-worker", "redis"})
 
 # The platform's settings for the run. A request waits at most MAX_QUEUE_WAIT_S for admission and
 # at most REQUEST_IDLE_TIMEOUT_S between events, so every request that the platform does not lose
@@ -84,6 +92,12 @@ PLATFORM_ENV = {
     # A drain shorter than the longest answers (120 tokens, 2.4 s at 20 ms a step): those in
     # flight at a drain that are not done within it end with `interrupted`.
     "WEB_DRAIN_S": 1,
+    # A batch line goes to the error file (503) after this many requests ended with retryable
+    # errors (the platform's default, stated: the checks judge such a line by it).
+    "BATCH_MAX_ATTEMPTS": 3,
+    # A few lines of a batch at once (default 64): its lines run over several faults, and its
+    # steps feed and collect many times.
+    "BATCH_LINES_IN_FLIGHT": 8,
     "LOG_LEVEL": "INFO",
 }
 
@@ -91,7 +105,9 @@ PLATFORM_ENV = {
 @dataclass
 class Options:
     """One chaos run (times in seconds; ``kill_interval_s`` is (min, max) between faults;
-    ``pause_ttls`` is (min, max) of a pause, in heartbeat TTLs)."""
+    ``pause_ttls`` is (min, max) of a pause, in heartbeat TTLs; ``batch_jobs`` Batch API jobs
+    of ``batch_lines`` lines each are created over the first two thirds of the load, and waited
+    for at most ``batch_wait_s`` after it)."""
 
     duration_s: float = 420.0
     concurrency: int = 10
@@ -107,5 +123,8 @@ class Options:
     stream_fraction: float = 0.8
     max_tokens: tuple[int, int] = (10, 120)
     fresh_worker_ids: bool = False
+    batch_jobs: int = 4
+    batch_lines: int = 60
+    batch_wait_s: float = 120.0
     log_dir: str | None = None
     out: str | None = None

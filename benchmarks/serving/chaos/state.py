@@ -230,7 +230,8 @@ import json
 from tenants.models import UsageRecord
 rows = list(UsageRecord.objects.values("request_id", "completion_tokens", "prompt_tokens",
                                        "finish_reason", "status", "error_code", "tenant__slug",
-                                       "duration_s", "created_at"))
+                                       "duration_s", "created_at", "batch_id",
+                                       "billed_tokens"))
 for row in rows:
     row["created_at"] = row["created_at"].timestamp()
 print("USAGE " + json.dumps(rows))
