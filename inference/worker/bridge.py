@@ -234,5 +234,10 @@ class WorkerBridge:
             pipe.delete(self.keys.fq("reclaimed", self.worker_id))
         still_registered = pipe.execute()[0]
         if state.registered and not still_registered:
+            # Gone from the heartbeats: reclaimed, or Redis lost its data after the epoch was
+            # read above (then what it holds is billed as computed, and it registers afresh at
+            # the next heartbeat).
+            if self.recovery.check_data_loss():
+                return
             self.recovery.on_reclaimed()
         state.registered = True

@@ -70,7 +70,7 @@ class EventPublisher:
         self.queue = queue
         self.client = client
         self.keys = keys
-        self.lost_sink: Callable[[], None] | None = None
+        self.lost_sink: Callable[[], object] | None = None
         # Events not yet written, in order, each with its take token (guarded by _unsent_lock);
         # _send_lock serializes the writes (the engine or publisher thread, and the main
         # thread's flushes).

@@ -17,7 +17,8 @@
   with ``worker_lost``), and registers afresh; only then does it take again.
 - Redis lost its data (the deployment's epoch changed, :meth:`Recovery.check_epoch` at each
   heartbeat, :meth:`Recovery.check_data_loss` when a write finds requests no longer this
-  worker's): it stops what it ran and bills each request for what was computed (the final event
+  worker's, or when a heartbeat finds it gone from the heartbeats: a loss after that heartbeat's
+  epoch read looks like a reclaim, and is told apart by the epoch): it stops what it ran and bills each request for what was computed (the final event
   and usage entry written without ownership, by the event publisher).
 - :meth:`Recovery.begin_drain` then :meth:`Recovery.shutdown` (SIGTERM): no new work, unadmitted
   requests back to the queue, the running ones finish within the grace period.
@@ -196,11 +197,18 @@ class Recovery:
                 self._on_wiped()
             self.state.epoch = self._read_epoch()
 
-    def check_data_loss(self) -> None:
-        """A write found requests no longer this worker's (the writing thread): if the epoch
-        changed, Redis lost its data (:meth:`_on_wiped`); else another worker reclaimed them."""
+    def check_data_loss(self) -> bool:
+        """A write found requests no longer this worker's (the writing thread), or a heartbeat
+        found this worker gone from the heartbeats: if the epoch changed, Redis lost its data
+        (:meth:`_on_wiped`; returns True); else another worker reclaimed them (False).
+
+        Raises:
+            redis.RedisError: Redis is unreachable.
+        """
         if self._epoch_changed():
             self._on_wiped()
+            return True
+        return False
 
     def _read_epoch(self) -> str:
         self.client.set(self.keys.epoch, uuid.uuid4().hex, nx=True)

@@ -154,3 +154,34 @@ def test_a_charge_whose_reply_was_lost_adds_its_service_once(worker_queue, dropp
     worker_queue.charge({"acme": 5.0})
     assert dropper.dropped == 1
     assert float(rclient.hget(keys.fq("counter"), "acme")) == pytest.approx(15.0)
+
+
+def test_a_heartbeat_that_finds_redis_wiped_after_it_read_the_epoch_bills_what_was_computed(
+        rclient, keys, monkeypatch):
+    """Redis lost its data between a heartbeat's epoch read and its registration: the worker is
+    gone from the heartbeats as if reclaimed, but no one reclaimed its requests. They end as
+    requests Redis lost (billed for what was computed, their finals written), not as stale
+    takes another worker serves."""
+    from inference.engine.config import EngineConfig
+    from inference.engine.llm_engine import LLMEngine
+    from inference.worker.bridge import WorkerBridge
+
+    engine = LLMEngine(EngineConfig(backend="reference", max_model_len=256))
+    try:
+        bridge = WorkerBridge(engine, rclient, keys, "w-wiped", prefetch=1)
+        message = RequestMessage(request_id=uuid.uuid4().hex, tenant="t", fairness_key="t",
+                                 prompt="hi", sampling={"max_tokens": 4})
+        FairQueue(rclient, keys, "tool", "vtc").enqueue(message)
+        bridge.publish_stats(10)  # registered, the epoch read
+        assert bridge.poll() == 1
+        for key in rclient.scan_iter(f"{keys.prefix}:*"):  # Redis restarted empty
+            rclient.delete(key)
+        # The heartbeat's epoch read came just before the loss.
+        monkeypatch.setattr(bridge.recovery, "check_epoch", lambda: None)
+        bridge.publish_stats(10)
+        assert message.request_id in bridge.state.wiped  # billed as computed, final written
+        monkeypatch.undo()
+        bridge.publish_stats(10)  # afresh: registered again, under the new epoch
+        assert rclient.zscore(keys.workers, "w-wiped") is not None
+    finally:
+        engine.shutdown(1)
