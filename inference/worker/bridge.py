@@ -227,12 +227,16 @@ class WorkerBridge:
         snapshot["events_unsent"] = self.publisher.num_unsent()
         snapshot["published_at"] = time.time()
         pipe = self.client.pipeline(transaction=False)
-        pipe.zadd(self.keys.workers, {self.worker_id: time.time()}, xx=state.registered, ch=True)
+        pipe.zadd(self.keys.workers, {self.worker_id: time.time()}, xx=state.registered)
         pipe.set(self.keys.stats(self.worker_id), json.dumps(snapshot, default=str),
                  px=max(1, int(ttl_s * 1000)))
         if not state.registered:  # afresh: what a reclaim of its id marked is over
             pipe.delete(self.keys.fq("reclaimed", self.worker_id))
-        still_registered = pipe.execute()[0]
+        # Registered is whether its heartbeat is there after the update, not whether the update
+        # changed it: the client sends a round again after a lost reply, and the same score
+        # again changes nothing.
+        pipe.zscore(self.keys.workers, self.worker_id)
+        still_registered = pipe.execute()[-1] is not None
         if state.registered and not still_registered:
             # Gone from the heartbeats: reclaimed, or Redis lost its data after the epoch was
             # read above (then what it holds is billed as computed, and it registers afresh at

@@ -18,8 +18,9 @@
 - Redis lost its data (the deployment's epoch changed, :meth:`Recovery.check_epoch` at each
   heartbeat, :meth:`Recovery.check_data_loss` when a write finds requests no longer this
   worker's, or when a heartbeat finds it gone from the heartbeats: a loss after that heartbeat's
-  epoch read looks like a reclaim, and is told apart by the epoch): it stops what it ran and bills each request for what was computed (the final event
-  and usage entry written without ownership, by the event publisher).
+  epoch read looks like a reclaim, and is told apart by the epoch): it stops what it ran and
+  bills each request for what was computed (the final event and usage entry written without
+  ownership, by the event publisher).
 - :meth:`Recovery.begin_drain` then :meth:`Recovery.shutdown` (SIGTERM): no new work, unadmitted
   requests back to the queue, the running ones finish within the grace period.
 """

@@ -25,17 +25,20 @@ from inference.worker.fair_queue import FairQueue
 
 class ReplyDropper:
     """A TCP proxy to Redis; :meth:`arm` makes it drop the reply to the next script call
-    (``EVALSHA``) that Redis ran, closing that connection."""
+    (``EVALSHA``, or the next round holding ``command``) that Redis ran, closing that
+    connection."""
 
     def __init__(self, host: str, port: int):
         self.target = (host, port)
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.armed = threading.Event()
+        self.command = b"EVALSHA"
         self.dropped = 0
         threading.Thread(target=self._accept, daemon=True).start()
 
-    def arm(self) -> None:
+    def arm(self, command: bytes = b"EVALSHA") -> None:
+        self.command = command
         self.armed.set()
 
     def _accept(self) -> None:
@@ -52,7 +55,7 @@ class ReplyDropper:
 
     def _up(self, client: socket.socket, upstream: socket.socket, state: dict) -> None:
         while data := _recv(client):
-            state["script"] = b"EVALSHA" in data.upper()
+            state["script"] = self.command in data.upper()
             upstream.sendall(data)
         _close(client, upstream)
 
@@ -185,3 +188,29 @@ def test_a_heartbeat_that_finds_redis_wiped_after_it_read_the_epoch_bills_what_w
         assert rclient.zscore(keys.workers, "w-wiped") is not None
     finally:
         engine.shutdown(1)
+
+
+def test_a_heartbeat_whose_reply_was_lost_is_not_taken_for_a_reclaim(dropper, redis_prefix):
+    """The client sends a heartbeat round again after a lost reply; the same score again changes
+    nothing in Redis, which is no sign that the worker was reclaimed: it keeps serving."""
+    from inference.engine.config import EngineConfig
+    from inference.engine.llm_engine import LLMEngine
+    from inference.worker.bridge import WorkerBridge
+
+    keys = Keys(redis_prefix)
+    client = redis.Redis(host="127.0.0.1", port=dropper.port, db=_db(), **redis_retry_options())
+    engine = LLMEngine(EngineConfig(backend="reference", max_model_len=256))
+    try:
+        bridge = WorkerBridge(engine, client, keys, "w-beat", prefetch=1)
+        queued = message("t")
+        FairQueue(client, keys, "tool", "vtc").enqueue(queued)
+        bridge.publish_stats(10)  # registered
+        assert bridge.poll() == 1
+        dropper.arm(b"ZADD")
+        bridge.publish_stats(10)  # Redis ran it; the reply is lost; the client sends it again
+        assert dropper.dropped == 1
+        assert bridge.state.holds_any()  # not stopped as a reclaimed worker's stale take
+        assert bridge.state.registered
+    finally:
+        engine.shutdown(1)
+        client.close()
