@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.common import redis_server_pid
+
 
 def cpu() -> dict[str, Any]:
     """``model`` (``/proc/cpuinfo``'s model name), ``cores`` (os.cpu_count), ``avx512_bf16``
@@ -53,16 +55,6 @@ def _process_s(pids: list[int]) -> float:
     return total
 
 
-def redis_pid() -> int | None:
-    """The local ``redis-server``'s process id (the platform's Redis), if visible."""
-    import psutil
-
-    for proc in psutil.process_iter(["name"]):
-        if proc.info["name"] == "redis-server":
-            return proc.pid
-    return None
-
-
 class CpuMeter:
     """Cores other processes kept busy during a run: call it with the run's own process ids
     before the run and again after it; :attr:`foreign_cores` is then set (cores, 0 = quiet)."""
@@ -72,7 +64,7 @@ class CpuMeter:
         self._start: tuple[float, float, float] | None = None
 
     def __call__(self, pids: list[int]) -> None:
-        pids = [*pids, *([p] if (p := redis_pid()) is not None else [])]
+        pids = [*pids, *([p] if (p := redis_server_pid()) is not None else [])]
         now = (time.perf_counter(), _machine_busy_s(), _process_s(pids))
         if self._start is None:
             self._start = now
