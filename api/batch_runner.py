@@ -31,9 +31,10 @@ retryable error (its worker died, the server interrupted it) or that Redis lost 
 is sent again under its next attempt, up to ``BATCH_MAX_ATTEMPTS``.
 
 **Billing.** A batch line has no web process: its usage is recorded as its worker counted it
-(its client gets the whole answer, in the output file). A line that failed is billed nothing,
-and one aborted by a cancel or its window's end is billed its prompt only (its client got none
-of it), as an interactive request whose client left. Its tokens are charged
+(its client gets the whole answer, in the output file), by the step that read its answer,
+with the step's other lines in one go (:func:`gateway.usage.record_many`). A line that failed
+is billed nothing, and one aborted by a cancel or its window's end is billed its prompt only
+(its client got none of it), as an interactive request whose client left. Its tokens are charged
 ``BATCH_TOKEN_PRICE`` of a token in the token budget and the record's ``billed_tokens``
 (:mod:`gateway.pricing`).
 """
@@ -48,7 +49,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import redis
-from django.db import transaction
+from django.db import DatabaseError, transaction
 from django.db.models import Count
 from django.utils import timezone
 
@@ -56,7 +57,7 @@ from api import batch_lines, batch_store, file_store, responses, views
 from api.batch_lines import error_line, output_line
 from api.models import Batch, BatchLine
 from api.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, validate
-from gateway import admission, batch_metrics, delivery, grace, lifecycle
+from gateway import admission, batch_metrics, delivery, grace, lifecycle, usage
 from gateway.admission import Principal
 from gateway.clients import sync_redis
 from gateway.conf import platform_settings, redis_keys
@@ -64,7 +65,7 @@ from gateway.errors import APIError
 from gateway.tokens import measure_here
 from inference.protocol.events import ErrorInfo, Event, FinalEvent, decode_event
 from inference.protocol.messages import Sampling
-from tenants.models import ApiKey, Tenant, UsageRecord
+from tenants.models import Tenant, UsageRecord
 
 log = logging.getLogger(__name__)
 
@@ -111,11 +112,21 @@ def advance(batch_id: str, until: float) -> None:
     """One step of the batch ``batch_id`` (see the module docstring); nothing when another step
     holds it or it has ended. ``until``: the ``time.monotonic()`` by which it stops taking on
     more work."""
+    step = None
     with transaction.atomic():
         row = (Batch.objects.select_for_update(skip_locked=True)
                .filter(pk=batch_id, status__in=batch_store.ACTIVE).first())
         if row is not None:
-            _Step(row, until).run()
+            step = _Step(row, until)
+            step.run()
+    if step is not None and step.ended:
+        # Once the lines' results are committed: their usage, all in one go (the worker sends
+        # no usage task for a batch line). What this misses, the reconciliation records.
+        try:
+            usage.record_many(step.ended)
+        except (redis.RedisError, DatabaseError) as exc:
+            log.warning("batch %s: the usage of %d line(s) waits for the reconciliation: %s",
+                        batch_id, len(step.ended), exc)
 
 
 class _Step:
@@ -126,12 +137,17 @@ class _Step:
         self.until = until
         self.conf = platform_settings()
         self.lines = BatchLine.objects.filter(batch=row)
+        # The request ids of the lines whose final event this step read (their usage next).
+        self.ended: list[str] = []
 
     def run(self) -> None:
         status = self.row.status
         if status == Batch.Status.VALIDATING:
             batch_lines.read_some(self.row, self.conf["BATCH_VALIDATE_LINES"])
-        elif status == Batch.Status.IN_PROGRESS:
+        # A step goes on to the next phase while its time lasts: the first lines are fed, and
+        # the files written, without waiting for the next step.
+        if self.row.status == Batch.Status.IN_PROGRESS and (
+                status == Batch.Status.IN_PROGRESS or time.monotonic() < self.until):
             if timezone.now() >= self.row.expires_at:
                 self.stop(Batch.Status.EXPIRED, "batch_expired",
                           "This request could not be executed before the completion window "
@@ -149,7 +165,8 @@ class _Step:
                       "This request was not executed: its batch was cancelled.",
                       "This request was stopped before it finished: its batch was cancelled "
                       "(billed its prompt only).")
-        elif status == Batch.Status.FINALIZING:
+        if self.row.status == Batch.Status.FINALIZING and (
+                status == Batch.Status.FINALIZING or time.monotonic() < self.until):
             self.finalize()
         self.count()
 
@@ -170,14 +187,6 @@ class _Step:
                            code="invalid_value")
         return req
 
-    def _principal(self) -> Principal:
-        key = (ApiKey.objects.select_related("tenant__tier").filter(pk=self.row.api_key_id)
-               .first() if self.row.api_key_id else None)
-        if key is not None:
-            return Principal.for_api_key(key)
-        tenant = Tenant.objects.select_related("tier").get(pk=self.row.tenant_id)
-        return Principal(tenant=tenant, scope=f"batch-{self.row.pk}")
-
     def feed(self) -> None:
         running = self.lines.filter(state=BatchLine.State.RUNNING).count()
         room = self.conf["BATCH_LINES_IN_FLIGHT"] - running
@@ -186,7 +195,7 @@ class _Step:
         waiting = list(self.lines.filter(state=BatchLine.State.WAITING).order_by("index")[:room])
         if not waiting:
             return
-        principal = self._principal()
+        principal = batch_store.principal(self.row)
         context = _run(lifecycle.served_context())
         for line in waiting:
             if time.monotonic() > self.until or not self.send(line, principal, context):
@@ -234,16 +243,13 @@ class _Step:
         line.save(update_fields=["state", "request_id", "epoch", "sent_at"])
         return True
 
-    def _epoch(self, client: redis.Redis) -> str:
-        epoch = client.get(redis_keys().epoch)
-        return epoch.decode() if isinstance(epoch, bytes) else (epoch or "")
-
     def collect(self, aborted: bool = False) -> int:
         """Read the answers of the running lines that ended; returns how many are left
         running. One Redis round trip asks every running line's last event, and one query
         which of those without any event were recorded."""
         client = sync_redis()
-        epoch = self._epoch(client)
+        epoch = client.get(redis_keys().epoch)
+        epoch = epoch.decode() if isinstance(epoch, bytes) else (epoch or "")
         running = list(self.lines.filter(state=BatchLine.State.RUNNING).order_by("index"))
         if not running:
             return 0
@@ -262,6 +268,7 @@ class _Step:
             events = grace.stream_events(line.request_id, client) if ended else []
             final = events[-1] if events and isinstance(events[-1], FinalEvent) else None
             if final is not None:
+                self.ended.append(line.request_id)
                 try:
                     self.settle(line, events, final, aborted)
                 except APIError as exc:  # its body no longer passes (the settings changed)

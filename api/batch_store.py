@@ -21,8 +21,10 @@ from api.bodies import parse_model
 from api.fields import BodyObject, Text
 from api.models import Batch, StoredFile
 from api.schemas import metadata_bounds
+from gateway.admission import Principal
 from gateway.errors import APIError
 from gateway.storable import holds_nul
+from tenants.models import ApiKey, Tenant
 
 # The endpoints a batch may run (each line's ``url`` must be its batch's).
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
@@ -158,3 +160,14 @@ def cancel(tenant_id: int, batch_id: str) -> Batch:
             raise APIError(409, f"Cannot cancel a batch whose status is '{row.status}'.",
                            code="conflict", type="invalid_request_error")
     return row
+
+
+def principal(batch: Batch) -> Principal:
+    """Whom ``batch``'s lines are admitted as: the key that created it (its limits), or its
+    tenant when that key is gone."""
+    key = (ApiKey.objects.select_related("tenant__tier").filter(pk=batch.api_key_id).first()
+           if batch.api_key_id else None)
+    if key is not None:
+        return Principal.for_api_key(key)
+    tenant = Tenant.objects.select_related("tier").get(pk=batch.tenant_id)
+    return Principal(tenant=tenant, scope=f"batch-{batch.pk}")

@@ -33,6 +33,7 @@ from api.views import api_view, authenticate
 from gateway.clients import aredis
 from gateway.conf import platform_settings
 from gateway.errors import APIError
+from gateway.scripts import LuaScript
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ UPLOAD_LEASE_HEADER = "X-Platform-Upload-Lease"
 # Takes a lease of one of a tenant's upload slots: KEYS[1] the tenant's leases (a sorted set,
 # member: upload id, score: when the lease ends), ARGV: now, the lease's end, the most leases
 # (0: any number), the upload id. Drops the ended leases first; 1 when taken, else 0.
-TAKE_LEASE = """
+TAKE_LEASE = LuaScript("""
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
 local most = tonumber(ARGV[3])
 if most > 0 and redis.call('ZCARD', KEYS[1]) >= most then
@@ -53,7 +54,7 @@ end
 redis.call('ZADD', KEYS[1], ARGV[2], ARGV[4])
 redis.call('EXPIREAT', KEYS[1], math.ceil(tonumber(ARGV[2])) + 1)
 return 1
-"""
+""")
 
 
 def _leases_key(tenant_id: int) -> str:
@@ -71,7 +72,7 @@ async def take_upload_lease(tenant_id: int) -> str:
     lease_id = uuid.uuid4().hex
     now = time.time()
     most = conf["FILES_MAX_CONCURRENT_UPLOADS"]
-    taken = await aredis().eval(TAKE_LEASE, 1, _leases_key(tenant_id), now,
+    taken = await TAKE_LEASE.arun(aredis(), 1, _leases_key(tenant_id), now,
                                 now + conf["FILES_UPLOAD_LEASE_S"], most, lease_id)
     if not taken:
         raise APIError(429, f"Too many uploads in progress: this tenant may upload {most} files "

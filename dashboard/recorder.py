@@ -75,13 +75,15 @@ def refused_key() -> str:
 def record_request(client: redis.Redis, *, tenant: str, status: int, prompt_tokens: int,
                    cached_prompt_tokens: int, completion_tokens: int, ttft_s: float | None,
                    duration_s: float | None, billed_tokens: int | None = None,
-                   batch: bool = False) -> None:
+                   batch: bool = False, pipe: redis.client.Pipeline | None = None) -> None:
     """Count one finished request of ``tenant`` and observe its latencies (seconds).
 
     ``billed_tokens``: the tokens it was charged (None: prompt + completion); ``batch``: it was
-    batch work (a Batch API line), counted apart from interactive requests.
+    batch work (a Batch API line), counted apart from interactive requests; ``pipe``: queue the
+    counts on this pipeline (its caller executes it) instead of sending them now.
     """
-    pipe = client.pipeline(transaction=False)
+    queued = pipe is not None
+    pipe = pipe if pipe is not None else client.pipeline(transaction=False)
     counters = usage_key()
     pipe.hincrby(counters, f"{tenant}|prompt_tokens", prompt_tokens)
     pipe.hincrby(counters, f"{tenant}|cached_prompt_tokens", cached_prompt_tokens)
@@ -104,7 +106,8 @@ def record_request(client: redis.Redis, *, tenant: str, status: int, prompt_toke
         pipe.hincrby(key, f"{tenant}|{spec.bucket_index(value)}", 1)
         pipe.hincrbyfloat(key, f"{tenant}|sum", value)
         pipe.hincrby(key, f"{tenant}|count", 1)
-    pipe.execute()
+    if not queued:
+        pipe.execute()
 
 
 def read_histograms(client: redis.Redis) -> dict[str, dict[str, tuple[list[int], float, int]]]:

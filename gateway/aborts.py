@@ -25,12 +25,13 @@ from asgiref.sync import sync_to_async
 from gateway import usage
 from gateway.clients import aredis
 from gateway.conf import redis_keys
+from gateway.scripts import LuaScript
 from inference.protocol.keys import ABORT_MARK_TTL_S, EVENTS_TTL_S, queue_script
 from inference.protocol.messages import ControlMessage
 
 log = logging.getLogger(__name__)
 
-WITHDRAW_LUA = queue_script("withdraw")
+WITHDRAW_LUA = LuaScript(queue_script("withdraw"))
 # Aborts that could not be sent are retried for this long (seconds).
 ABORT_RETRY_S = 600.0
 
@@ -52,7 +53,7 @@ async def abort(request_id: str) -> None:
     """
     keys = redis_keys()
     client = aredis()
-    withdrawn = await client.eval(WITHDRAW_LUA, 0, keys.prefix, EVENTS_TTL_S, "ids", request_id)
+    withdrawn = await WITHDRAW_LUA.arun(client, 0, keys.prefix, EVENTS_TTL_S, "ids", request_id)
     if withdrawn:
         await sync_to_async(usage.record)(request_id)
         return
@@ -69,7 +70,7 @@ def abort_sync(request_id: str, client: redis.Redis) -> None:
         redis.RedisError: Redis is unreachable.
     """
     keys = redis_keys()
-    if client.eval(WITHDRAW_LUA, 0, keys.prefix, EVENTS_TTL_S, "ids", request_id):
+    if WITHDRAW_LUA.run(client, 0, keys.prefix, EVENTS_TTL_S, "ids", request_id):
         usage.record(request_id, client)
         return
     pipe = client.pipeline(transaction=False)

@@ -41,13 +41,14 @@ from gateway import pricing, ratelimits
 from gateway.clients import aredis
 from gateway.conf import platform_settings, redis_keys
 from gateway.errors import APIError
+from gateway.scripts import LuaScript
 from gateway.workers import alive_workers
 from inference.protocol.keys import queue_script
 from inference.protocol.messages import RequestMessage
 from tenants.models import ApiKey, Tenant
 
 RATE_WINDOW_MS = 60_000
-ADMIT_LUA = queue_script("admit")
+ADMIT_LUA = LuaScript(queue_script("admit"))
 # An admission retried after its reply was lost gets its first verdict for this long (s).
 ADMITTED_MARKER_TTL_S = 600
 # Where the web tier's copy of a request message keeps the Redis epoch it was queued in.
@@ -252,7 +253,7 @@ async def _admit(principal: Principal, message: RequestMessage,
     spec.update(fairness_key=message.fairness_key, priority=int(message.priority),
                 deadline=message.deadline() or 0, epoch=uuid.uuid4().hex,
                 marker_ttl_s=ADMITTED_MARKER_TTL_S)
-    raw = await aredis().eval(ADMIT_LUA, len(limit_keys), *limit_keys, json.dumps(spec),
+    raw = await ADMIT_LUA.arun(aredis(), len(limit_keys), *limit_keys, json.dumps(spec),
                               message.to_json())
     verdict = json.loads(raw)
     uses = ratelimits.window_uses(spec["windows"], verdict.get("windows"))

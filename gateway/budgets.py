@@ -39,11 +39,12 @@ from django.db.models import Max, Sum
 from gateway import pricing
 from gateway.clients import sync_redis
 from gateway.conf import redis_keys
+from gateway.scripts import LuaScript
 from inference.protocol.keys import lua_script
 from tenants.models import Tenant, UsageRecord
 
-REBUILD_LUA = lua_script("rebuild")
-SETTLE_LUA = lua_script("settle")
+REBUILD_LUA = LuaScript(lua_script("rebuild"))
+SETTLE_LUA = LuaScript(lua_script("settle"))
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ async def ensure_counter(client, period: BudgetPeriod) -> bool:
     if await client.exists(period.key):
         return False
     used, upto = await sync_to_async(_tokens_used)(period)
-    return bool(await client.eval(REBUILD_LUA, 3, period.key, marker_key(period.key),
+    return bool(await REBUILD_LUA.arun(client, 3, period.key, marker_key(period.key),
                                   redis_keys().epoch, used, period.seconds, upto,
                                   uuid.uuid4().hex))
 
@@ -154,11 +155,48 @@ def settle(meta: dict[str, Any], actual_tokens: int, client: redis.Redis | None 
     Raises:
         redis.RedisError: Redis is unreachable.
     """
+    call = _settle_call(meta, actual_tokens, ledger, epoch, record)
+    if call is None:
+        return True
+    return int(SETTLE_LUA.run(client or sync_redis(), *call)) >= 0
+
+
+def settle_many(settlements: list[tuple[dict[str, Any], int, str, int | None, str | None]],
+                ledger: str, client: redis.Redis | None = None) -> list[bool]:
+    """:func:`settle` of many requests, each against its usage ledger entry, in one round trip.
+
+    Args:
+        settlements: per request: its ``meta``, its actual tokens, its request id, its usage
+            record's primary key (None: not known) and its epoch (None: not known).
+        ledger: the usage ledger's key.
+
+    Returns:
+        For each, whether this call settled it.
+
+    Raises:
+        redis.RedisError: Redis is unreachable.
+    """
+    if not settlements:
+        return []
+    client = client or sync_redis()
+    pipe = client.pipeline(transaction=False)
+    calls = []
+    for meta, actual, request_id, record, epoch in settlements:
+        call = _settle_call(meta, actual, (ledger, request_id), epoch, record)
+        assert call is not None  # against a ledger entry: always a call
+        calls.append(SETTLE_LUA.queue(pipe, *call))
+    replies = SETTLE_LUA.finish(client, calls, pipe.execute(raise_on_error=False))
+    return [int(reply) >= 0 for reply in replies]
+
+
+def _settle_call(meta: dict[str, Any], actual_tokens: int, ledger: tuple[str, str] | None,
+                 epoch: str | None, record: int | None) -> tuple | None:
+    """The arguments of ``settle.lua`` after the script (None: nothing to settle)."""
     admission = meta.get("admission") or {}
     windows = admission.get("token_windows") or []
     budgets = admission.get("budgets") or []
     if ledger is None and not windows and not budgets:
-        return True
+        return None
     spec: dict[str, Any] = {
         "member": admission.get("member", ""), "actual": int(actual_tokens),
         "billed": pricing.priced(int(actual_tokens), pricing.price_of(meta)),
@@ -172,5 +210,4 @@ def settle(meta: dict[str, Any], actual_tokens: int, client: redis.Redis | None 
         spec["record"] = record
     names = ([w["key"] for w in windows] + [b["key"] for b in budgets]
              + [marker_key(b["key"]) for b in budgets])
-    return int((client or sync_redis()).eval(SETTLE_LUA, len(names), *names,
-                                             json.dumps(spec))) >= 0
+    return (len(names), *names, json.dumps(spec))

@@ -298,3 +298,32 @@ def forget(client: redis.Redis, request_id: str, origin: str) -> None:
     if origin:
         pipe.hdel(checkpoint_key(origin), request_id)
     pipe.execute()
+
+
+def read_notes(client: redis.Redis, request_ids: list[str]) -> list[Delivery | None]:
+    """The end note of each of ``request_ids`` (None: none, or not a note), in one round trip:
+    :func:`read` of requests no web process relays (``origin`` empty).
+
+    Raises:
+        redis.RedisError: Redis is unreachable.
+    """
+    pipe = client.pipeline(transaction=False)
+    for request_id in request_ids:
+        pipe.hget(note_key(request_id), "note")
+    out: list[Delivery | None] = []
+    for raw in pipe.execute():
+        try:
+            out.append(None if raw is None else Delivery.from_json(raw))
+        except (ValueError, KeyError, TypeError):
+            out.append(None)
+    return out
+
+
+def forget_many(client: redis.Redis, request_ids: list[str]) -> None:
+    """:func:`forget` of requests no web process relays, in one round trip.
+
+    Raises:
+        redis.RedisError: Redis is unreachable (the notes expire on their own).
+    """
+    if request_ids:
+        client.delete(*(note_key(request_id) for request_id in request_ids))

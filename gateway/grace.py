@@ -41,6 +41,7 @@ import redis
 from gateway.aborts import abort_sync
 from gateway.clients import aredis, sync_redis
 from gateway.conf import redis_keys
+from gateway.scripts import LuaScript
 from inference.protocol.events import Event, FinalEvent, decode_event
 from inference.protocol.keys import EVENTS_TTL_S
 
@@ -66,7 +67,7 @@ unattended_end = django.dispatch.Signal()
 # KEYS: grace, info, ending. ARGV: now, recheck_at, limit.
 # Returns [id, info, ending_since, first, ...] for each due entry, rescheduled to recheck_at;
 # ``first`` is 1 for an entry whose grace period runs out in this call.
-CLAIM_LUA = """
+CLAIM_LUA = LuaScript("""
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))
 local out = {}
 for _, id in ipairs(due) do
@@ -90,17 +91,17 @@ for _, id in ipairs(due) do
   end
 end
 return out
-"""
+""")
 
 # KEYS: grace, info, ending. ARGV: id, deadline. Push the deadline of a live entry to ARGV[2].
 # Returns nil (no entry), or [info, 'live' | 'ending'] (an ending entry is left as it is).
-ATTACH_LUA = """
+ATTACH_LUA = LuaScript("""
 local info = redis.call('HGET', KEYS[2], ARGV[1])
 if not info then return nil end
 if redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 then return {info, 'ending'} end
 redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
 return {info, 'live'}
-"""
+""")
 
 
 def _keys() -> list[str]:
@@ -146,7 +147,7 @@ async def attach(request_id: str, deadline: float) -> tuple[dict[str, Any], bool
         None when the request is not held (ended and forgotten, or never held); else its info
         and whether it is still live (False: its grace period ran out and it is being ended).
     """
-    reply = await aredis().eval(ATTACH_LUA, 3, *_keys(), request_id, deadline)
+    reply = await ATTACH_LUA.arun(aredis(), 3, *_keys(), request_id, deadline)
     if reply is None:
         return None
     return json.loads(reply[0]), _text(reply[1]) == "live"
@@ -225,7 +226,7 @@ def sweep(client: redis.Redis | None = None, now: float | None = None) -> int:
     """
     client = client or sync_redis()
     now = time.time() if now is None else now
-    reply = client.eval(CLAIM_LUA, 3, *_keys(), now, now + SWEEP_RECHECK_S, SWEEP_BATCH)
+    reply = CLAIM_LUA.run(client, 3, *_keys(), now, now + SWEEP_RECHECK_S, SWEEP_BATCH)
     finished = 0
     for i in range(0, len(reply), 4):
         request_id, raw, since, first = (_text(reply[i]), reply[i + 1], float(reply[i + 2]),

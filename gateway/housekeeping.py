@@ -26,13 +26,14 @@ from asgiref.sync import sync_to_async
 from gateway import grace
 from gateway.clients import sync_redis
 from gateway.conf import platform_settings, redis_keys
+from gateway.scripts import LuaScript
 from inference.protocol.keys import EVENTS_TTL_S, queue_script
 from inference.protocol.liveness import RedisSight
 
 log = logging.getLogger(__name__)
 
-RECLAIM_LUA = queue_script("reclaim")
-WITHDRAW_LUA = queue_script("withdraw")
+RECLAIM_LUA = LuaScript(queue_script("reclaim"))
+WITHDRAW_LUA = LuaScript(queue_script("withdraw"))
 # Requests expired per sweep (the rest go in the next one).
 EXPIRE_BATCH = 256
 
@@ -60,19 +61,19 @@ def sweep(client: redis.Redis | None = None, *, sight: RedisSight) -> list[str]:
     """
     client = client or sync_redis()
     prefix, ttl = redis_keys().prefix, platform_settings()["WORKER_HEARTBEAT_TTL_S"]
-    expired = _ids(client.eval(WITHDRAW_LUA, 0, prefix, EVENTS_TTL_S, "expired", EXPIRE_BATCH))
+    expired = _ids(WITHDRAW_LUA.run(client, 0, prefix, EVENTS_TTL_S, "expired", EXPIRE_BATCH))
     sight.answered()
-    return _reclaimed(client.eval(RECLAIM_LUA, 0, prefix, ttl, EVENTS_TTL_S,
+    return _reclaimed(RECLAIM_LUA.run(client, 0, prefix, ttl, EVENTS_TTL_S,
                                   sight.seconds())) + expired
 
 
 async def asweep(client: aioredis.Redis, *, sight: RedisSight) -> list[str]:
     """:func:`sweep` on an async client; then :func:`end_unattended`."""
     prefix, ttl = redis_keys().prefix, platform_settings()["WORKER_HEARTBEAT_TTL_S"]
-    expired = _ids(await client.eval(WITHDRAW_LUA, 0, prefix, EVENTS_TTL_S, "expired",
+    expired = _ids(await WITHDRAW_LUA.arun(client, 0, prefix, EVENTS_TTL_S, "expired",
                                      EXPIRE_BATCH))
     sight.answered()
-    ended = _reclaimed(await client.eval(RECLAIM_LUA, 0, prefix, ttl, EVENTS_TTL_S,
+    ended = _reclaimed(await RECLAIM_LUA.arun(client, 0, prefix, ttl, EVENTS_TTL_S,
                                          sight.seconds())) + expired
     await end_unattended(client)
     return ended

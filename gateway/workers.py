@@ -20,6 +20,7 @@ import redis
 
 from gateway.clients import aredis, sight, sync_redis
 from gateway.conf import platform_settings, redis_keys
+from gateway.scripts import LuaScript
 from inference.protocol.keys import queue_script
 from inference.protocol.liveness import declares_dead
 
@@ -39,6 +40,7 @@ FIELD_RULES: dict[str, Rule] = {
         "held_in_gate1",
         "events_unsent",
         "active_kv_reserved", "active_kv_budget", "kv_admit_blocked", "tick_count",
+        "tick_seconds_total",
         "tokens_generated", "prompt_tokens_computed", "kv_blocks_total", "kv_blocks_held",
         "kv_blocks_free", "kv_blocks_evictable", "kv_blocks_reserved", "prefix_hit_tokens",
         "prefix_queried_tokens", "kv_block_evictions", "admissions_soft_held",
@@ -165,17 +167,17 @@ def worker_snapshots_sync(client: redis.Redis | None = None) -> dict[str, dict[s
     return {w: json.loads(r) for w, r in zip(workers, raw, strict=True) if r}
 
 
-GATE1_LUA = queue_script("gate1")
+GATE1_LUA = LuaScript(queue_script("gate1"))
 
 
 def gate1_queued_sync(client: redis.Redis | None = None) -> int:
     """Requests accepted by the web tier and not yet admitted by any worker (gate 1)."""
-    return int((client or sync_redis()).eval(GATE1_LUA, 0, redis_keys().prefix))
+    return int(GATE1_LUA.run(client or sync_redis(), 0, redis_keys().prefix))
 
 
 async def gate1_queued() -> int:
     """:func:`gate1_queued_sync` for async callers."""
-    return int(await aredis().eval(GATE1_LUA, 0, redis_keys().prefix))
+    return int(await GATE1_LUA.arun(aredis(), 0, redis_keys().prefix))
 
 
 async def queue_state() -> dict[str, Any]:

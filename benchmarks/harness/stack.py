@@ -157,12 +157,28 @@ class Stack:
             try:
                 ready = httpx.get(f"{self.url}/readyz", timeout=2)
                 if (ready.status_code == 200 and ready.json()["checks"]["workers"] >= workers
-                        and self.celery_ready()):
+                        and self.celery_ready() and self.workers_serving() >= workers):
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.3)
         raise TimeoutError(f"the stack was not ready within {timeout_s} s; see {self.log_dir}")
+
+    def workers_serving(self) -> int:
+        """How many of the workers have published their stats: they have loaded their model and
+        take work (a loading worker already beats, so ``/readyz`` counts it earlier, and a
+        request sent then waits for it in the queue)."""
+        import redis
+
+        from inference.protocol.keys import Keys
+
+        keys = Keys(self.prefix)
+        client = redis.Redis.from_url(self.env["REDIS_URL"])
+        try:
+            return sum(bool(client.exists(keys.stats(f"{self.prefix}-w{n}")))
+                       for n in range(len(self.workers)))
+        finally:
+            client.close()
 
     def celery_ready(self) -> bool:
         """Whether the Celery worker consumes its queue (usage records are written by it)."""

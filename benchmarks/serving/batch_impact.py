@@ -160,19 +160,23 @@ def engine_totals(platform: Platform) -> dict[str, Any]:
     return {}
 
 
-def pass_counts(stats: dict[str, Any]) -> tuple[int, int]:
-    """``(ticks, tokens generated)`` so far in engine stats (a worker's, their sum, or an
-    in-process engine's)."""
-    return int(stats.get("tick_count") or 0), int(stats.get("tokens_generated") or 0)
+def pass_counts(stats: dict[str, Any]) -> tuple[int, int, float]:
+    """``(ticks, tokens generated, seconds in ticks)`` so far in engine stats (a worker's, their
+    sum, or an in-process engine's)."""
+    return (int(stats.get("tick_count") or 0), int(stats.get("tokens_generated") or 0),
+            float(stats.get("tick_seconds_total") or 0.0))
 
 
-def pass_figures(before: tuple[int, int], after: tuple[int, int],
+def pass_figures(before: tuple[int, int, float], after: tuple[int, int, float],
                  seconds: float) -> dict[str, Any]:
     """The engine's ticks over a run, the tokens each generated on average (the decode rows
-    a pass carried, about) and the mean wall time of one (ms)."""
+    a pass carried, about), the mean time of one (ms, the engine's own clock) and the share of
+    the run's ``seconds`` the engine spent in ticks (the rest it waited for work)."""
     ticks, tokens = after[0] - before[0], after[1] - before[1]
+    busy = after[2] - before[2]
     return {"ticks": ticks, "tokens_per_tick": round(tokens / ticks, 2) if ticks else None,
-            "ms_per_tick": round(1000 * seconds / ticks, 1) if ticks else None}
+            "ms_per_tick": round(1000 * busy / ticks, 1) if ticks else None,
+            "busy_share": round(busy / seconds, 3) if seconds > 0 else None}
 
 
 async def output_tokens(client: Any, batch: Any) -> int:

@@ -101,7 +101,7 @@ class LLMEngine:
         self._stopping = False
         self._loop_done: threading.Event | None = None
         self._started_at = time.time()
-        self._tick_seconds = 0.0
+        self._tick_seconds = self._tick_seconds_total = 0.0  # the last tick's; all ticks' (s)
         self._stats = self._build_stats()
 
     @property
@@ -240,6 +240,7 @@ class LLMEngine:
 
         events = self.scheduler.step(emit_early)
         self._tick_seconds = time.perf_counter() - started
+        self._tick_seconds_total += self._tick_seconds
         self._after_tick(events)
         return early + events
 
@@ -393,6 +394,7 @@ class LLMEngine:
     def _build_stats(self) -> dict[str, Any]:
         snapshot = self.scheduler.stats()
         snapshot["last_tick_s"] = self._tick_seconds
+        snapshot["tick_seconds_total"] = round(self._tick_seconds_total, 4)
         snapshot["max_model_len"] = self.max_model_len
         snapshot["structured"] = self.grammars.stats()
         return snapshot

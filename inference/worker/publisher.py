@@ -180,8 +180,12 @@ class EventPublisher:
                 live = self.state.get(event.request_id)
                 if live is not None and live.take == take:  # what its stream holds
                     live.streamed = max(live.streamed, event.seq + 1)
-            elif self.state.forget(event.request_id, take) is not None:
-                self.state.record_ended(event.request_id)
+            else:
+                ended = self.state.forget(event.request_id, take)
+                # A batch line's usage is recorded by its batch's step, with the other lines
+                # it collects (api.batch_runner); the reconciliation records what it misses.
+                if ended is not None and not ended.message.batch:
+                    self.state.record_ended(event.request_id)
         for request_id, take in lost:
             wiped = self.state.wiped.get(request_id)
             if wiped is not None and wiped.take == take:

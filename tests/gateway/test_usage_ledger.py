@@ -184,3 +184,24 @@ def test_a_stop_before_the_first_token_has_no_ttft(metered, rclient, keys):
         usage=Usage(prompt_tokens=12, completion_tokens=1)))
     record_usage(other.request_id)
     assert UsageRecord.objects.get(request_id=other.request_id).ttft_s is not None
+
+
+def test_a_batch_steps_lines_are_recorded_in_one_go_each_once(metered, rclient, keys):
+    from dashboard.recorder import usage_key
+
+    lines = [admitted(metered, 100, stream=False, batch_id="batch_1") for _ in range(4)]
+    for i, line in enumerate(lines):
+        run_to_end(rclient, keys, line, prompt=2, completion=3 + i)
+    ids = [line.request_id for line in lines]
+    assert usage.record(ids[0]) is True  # recorded before the step came (the reconciliation)
+    assert usage.record_many([*ids, ids[1]]) == 3  # a line named twice is recorded once
+    assert usage.record_many(ids) == 0  # a step that runs again: nothing more
+    rows = UsageRecord.objects.filter(request_id__in=ids)
+    assert sorted((r.completion_tokens, r.billed_tokens, r.batch_id) for r in rows) == [
+        (3 + i, 5 + i, "batch_1") for i in range(4)]
+    assert budget_used(rclient, lines[0]) == 5 + 6 + 7 + 8  # each settled once, to its use
+    assert usage.pending() == 0
+    slug = metered.tenant.slug
+    counted = rclient.hgetall(usage_key())
+    assert int(counted[f"{slug}|requests|200".encode()]) == 4  # in the metrics once each
+    assert int(counted[f"{slug}|completion_tokens".encode()]) == 3 + 4 + 5 + 6

@@ -22,6 +22,19 @@ from tests.support.e2e import wait_for
 from tests.support.engine import run_until_idle
 from tests.worker.test_preemption import stream, tokens_streamed, workers  # noqa: F401
 
+
+def ended(rclient, keys, request_id: str) -> bool:
+    """Whether the request's final event is in its stream."""
+    events = stream(rclient, keys, request_id)
+    return bool(events) and isinstance(events[-1][1], FinalEvent)
+
+
+def left_to_its_step(worker, rclient, keys, request_id: str) -> bool:
+    """A batch line's end: its usage entry waits in the ledger for its batch's step (the worker
+    sends it no usage task)."""
+    return (rclient.hexists(keys.usage_pending, request_id)
+            and all(u.request_id != request_id for u in worker.usage))
+
 PROMPT = "a batch line's prompt"
 SAMPLING = {"max_tokens": 60, "temperature": 1.3, "seed": 7, "stop": ["zq"], "ignore_eos": True}
 
@@ -125,7 +138,9 @@ def test_a_batch_row_preempted_by_a_lower_tier_goes_back_to_the_queue_and_answer
     assert wait_for(lambda: tokens_streamed(rclient, keys, bulk.request_id) >= 5)
     vip = message("vip", 0, prompt="urgent", sampling={"max_tokens": 30, "ignore_eos": True})
     queue.enqueue(vip)  # tier 0, below the batch request's 9: it preempts it all the same
-    assert wait_for(lambda: len(first.usage) == 2, timeout_s=20)
+    assert wait_for(lambda: ended(rclient, keys, bulk.request_id), timeout_s=20)
+    assert [u.request_id for u in first.usage] == [vip.request_id]
+    assert left_to_its_step(first, rclient, keys, bulk.request_id)
 
     events = stream(rclient, keys, bulk.request_id)
     final_id, final = events[-1]
@@ -154,7 +169,7 @@ def test_a_batch_row_preempted_while_it_prefills_starts_again_from_its_message(
     queue.enqueue(vip)
     assert wait_for(lambda: first.engine.stats()["batch_preemptions"] == 1)
     assert tokens_streamed(rclient, keys, bulk.request_id) == 0  # nothing streamed yet
-    assert wait_for(lambda: len(first.usage) == 2, timeout_s=30)
+    assert wait_for(lambda: ended(rclient, keys, bulk.request_id), timeout_s=30)
 
     engine = LLMEngine(EngineConfig(backend="reference", max_model_len=512, max_batch_size=1))
     handle = engine.submit(prompt=prompt, sampling=SamplingParams(**sampling), batch=True)
@@ -167,7 +182,9 @@ def test_a_batch_row_preempted_while_it_prefills_starts_again_from_its_message(
     assert "".join(e.text for _, e in events) == text
     assert final.usage.completion_tokens == len(tokens) == 20
     assert final.usage.prompt_tokens == 400
-    assert [u.request_id for u in first.usage] == [vip.request_id, bulk.request_id]
+    assert stream(rclient, keys, vip.request_id)[-1][0] < events[-1][0]  # the vip ended first
+    assert [u.request_id for u in first.usage] == [vip.request_id]
+    assert left_to_its_step(first, rclient, keys, bulk.request_id)
     assert rclient.hlen(keys.fq("wait")) == 0 and not rclient.hgetall(keys.fq("inflight"))
 
 
@@ -193,7 +210,11 @@ def test_batch_lines_held_back_in_an_engine_leave_its_free_rows_to_interactive_r
     assert tokens_streamed(rclient, keys, stream_a.request_id) < 200  # while "a" still runs
     assert all(tokens_streamed(rclient, keys, m.request_id) == 0 for m in lines)
     assert queue.gate1() == 0  # the lines it took and holds back count in gate 1 neither
-    assert wait_for(lambda: len(first.usage) == 5, timeout_s=30)  # the lines after "a"
+    # The lines after "a".
+    assert wait_for(lambda: all(ended(rclient, keys, m.request_id) for m in lines), timeout_s=30)
+    assert stream(rclient, keys, stream_a.request_id)[-1][0] < min(
+        stream(rclient, keys, m.request_id)[-1][0] for m in lines)
+    assert {u.request_id for u in first.usage} == {stream_a.request_id, stream_b.request_id}
 
 
 def test_a_batch_message_reaches_the_engine_with_its_own_deadline_and_no_queue_one():
