@@ -15,12 +15,12 @@ from benchmarks.serving import chaos
 
 # About 1.5 minutes in all, at most 2.5: 60 s of load and faults (a round of every kind takes
 # about 45 s: two pauses of 1.5-2 heartbeat TTLs, a drain, daphne's restarts), the platform's
-# start-up, at most 60 s draining a request that hangs and 25 s settling, the checks. Batch API
-# jobs run in the long run (``python -m benchmarks.serving.chaos``, 4 of 60 lines by default);
-# here none, until the short run's timing holds with them on 2 cores.
+# start-up, at most 60 s draining a request that hangs and 25 s settling, the checks; 2 Batch API
+# jobs of 30 lines among the faults (the long run, ``python -m benchmarks.serving.chaos``, runs 4
+# of 60 lines by default).
 SHORT_RUN = chaos.Options(duration_s=60, concurrency=6, workers=2, seed=7, warmup_s=3,
                           kill_interval_s=(1.5, 3.0), pause_ttls=(1.5, 2.0), settle_s=25,
-                          batch_jobs=0, batch_lines=30, batch_wait_s=60)
+                          batch_jobs=2, batch_lines=30, batch_wait_s=60)
 
 
 @pytest.mark.e2e
