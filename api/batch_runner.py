@@ -137,8 +137,7 @@ class _Step:
         self.until = until
         self.conf = platform_settings()
         self.lines = BatchLine.objects.filter(batch=row)
-        # The request ids of the lines whose final event this step read (their usage next).
-        self.ended: list[str] = []
+        self.ended: list[str] = []  # the lines whose final event it read: their usage next
 
     def run(self) -> None:
         status = self.row.status
@@ -346,6 +345,7 @@ class _Step:
                     line.request_id, {}, finished=False,
                     delivered=delivery.Delivery(tokens=0, end=delivery.LEFT, status=499)))
             if ended or late:
+                self.ended += [line.request_id] if ended else []  # its usage: this step's
                 line.state = BatchLine.State.FAILED
                 line.result = error_line(line, code, stopped)
                 line.save(update_fields=["state", "result"])

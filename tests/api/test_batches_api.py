@@ -199,6 +199,10 @@ def test_cancel_mid_run_keeps_finished_lines_and_ends_the_rest(settings, tenant_
     assert len(out) >= 2 and all(o["response"]["status_code"] == 200 for o in out)
     assert err and all(e["error"]["code"] == "batch_cancelled" for e in err)
     assert (row.completed, row.failed, row.total) == (len(out), len(err), 12)
+    # Every line that ran is billed by the steps, the aborted ones too (no reconciliation ran).
+    ran = list(BatchLine.objects.filter(batch_id=made.id).exclude(request_id="")
+               .values_list("request_id", flat=True))
+    assert UsageRecord.objects.filter(request_id__in=ran).count() == len(ran)
 
     async def again(client):
         with pytest.raises(openai.ConflictError):
