@@ -109,9 +109,8 @@ def advance_all() -> int:
 
 
 def advance(batch_id: str, until: float) -> None:
-    """One step of the batch ``batch_id`` (see the module docstring); nothing when another step
-    holds it or it has ended. ``until``: the ``time.monotonic()`` by which it stops taking on
-    more work."""
+    """One step of the batch ``batch_id`` (module docstring); nothing when another step holds
+    it or it has ended. ``until``: the ``time.monotonic()`` by which it takes on no more work."""
     step = None
     with transaction.atomic():
         row = (Batch.objects.select_for_update(skip_locked=True)
@@ -243,12 +242,10 @@ class _Step:
         return True
 
     def collect(self, aborted: bool = False) -> int:
-        """Read the answers of the running lines that ended; returns how many are left
-        running. One Redis round trip asks every running line's last event, and one query
-        which of those without any event were recorded."""
+        """Read the answers of the running lines that ended; returns how many are left running.
+        Two Redis round trips (every line's last event, the ended ones' streams), one query."""
         client = sync_redis()
-        epoch = client.get(redis_keys().epoch)
-        epoch = epoch.decode() if isinstance(epoch, bytes) else (epoch or "")
+        epoch = (client.get(redis_keys().epoch) or b"").decode()
         running = list(self.lines.filter(state=BatchLine.State.RUNNING).order_by("index"))
         if not running:
             return 0
@@ -260,11 +257,13 @@ class _Step:
         recorded = set(UsageRecord.objects.filter(
             request_id__in=[line.request_id for line, last in zip(running, lasts, strict=True)
                             if not last]).values_list("request_id", flat=True))
+        # A whole stream is read only once its last entry is the final event (one round trip).
+        ended = [bool(last) and isinstance(decode_event(last[0][1]), FinalEvent) for last in lasts]
+        streams = iter(grace.streams_events(
+            [line.request_id for line, done in zip(running, ended, strict=True) if done], client))
         left = 0
-        for line, last in zip(running, lasts, strict=True):
-            # The whole stream is read only once its last entry is the final event.
-            ended = bool(last) and isinstance(decode_event(last[0][1]), FinalEvent)
-            events = grace.stream_events(line.request_id, client) if ended else []
+        for line, done in zip(running, ended, strict=True):
+            events = next(streams) if done else []
             final = events[-1] if events and isinstance(events[-1], FinalEvent) else None
             if final is not None:
                 self.ended.append(line.request_id)
@@ -336,8 +335,9 @@ class _Step:
         client = sync_redis()
         since = row.cancelling_at if ends_as == Batch.Status.CANCELLED else row.expires_at
         late = (timezone.now() - since).total_seconds() > STOP_WAIT_S
-        for line in self.lines.filter(state=BatchLine.State.RUNNING):
-            finals = grace.stream_events(line.request_id, client)
+        running = list(self.lines.filter(state=BatchLine.State.RUNNING))
+        ids = [line.request_id for line in running]
+        for line, finals in zip(running, grace.streams_events(ids, client), strict=True):
             ended = bool(finals) and isinstance(finals[-1], FinalEvent)
             if not ended:
                 # What its client got: none of it (billed its prompt, as a client that left).

@@ -80,8 +80,11 @@ def interactive_specs(args: argparse.Namespace) -> list:
 
 def platform_env(args: argparse.Namespace, files_root: str) -> dict[str, Any]:
     # The real model (the harness's stack defaults to the model-free reference backend).
-    return {"BACKEND": "transformers", "MAX_BATCH_SIZE": args.batch, "FILES_ROOT": files_root,
-            "BATCH_LINES_IN_FLIGHT": args.in_flight}
+    env = {"BACKEND": "transformers", "MAX_BATCH_SIZE": args.batch, "FILES_ROOT": files_root,
+           "BATCH_LINES_IN_FLIGHT": args.in_flight}
+    if args.batch_yield_s is not None:
+        env["BATCH_YIELD_S"] = args.batch_yield_s
+    return env
 
 
 async def start_batch(url: str, key: str, lines: list[dict[str, Any]]) -> tuple[Any, Any]:
@@ -267,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--line-output", type=int, default=16, help="tokens each line makes")
     parser.add_argument("--batch", type=int, default=16, help="the worker's MAX_BATCH_SIZE")
     parser.add_argument("--in-flight", type=int, default=64, help="BATCH_LINES_IN_FLIGHT")
+    parser.add_argument("--batch-yield-s", type=float, default=None,
+                        help="the worker's BATCH_YIELD_S (default: the setting's default)")
     parser.add_argument("--batch-timeout", type=float, default=1800.0)
     parser.add_argument("--seed", type=int, default=0)
     add_out_dir_flag(parser)

@@ -73,6 +73,11 @@ class EngineConfig(BaseModel):
         0.1, ge=0, description="Share of interactive rows' pass time batch rows may add.")
     batch_itl_slack_ms: float = Field(
         0.0, ge=0, description="Pass time batch rows may add to interactive rows' (ms).")
+    # For this long after the engine last held an interactive request, a pass of batch rows
+    # alone is held to the batch ceiling of a one-row interactive pass, so a request arriving
+    # mid-pass waits about one stream's decode step (0: batch rows fill idle passes at once).
+    batch_yield_s: float = Field(
+        10.0, ge=0, description="Seconds batch-only passes stay short after interactive work.")
     kv_block_size: int = Field(16, ge=1, description="Tokens per KV block.")
     kv_num_blocks: int = Field(
         2048, ge=0, description="KV blocks in the pool; 0 derives it from KV_CACHE_BYTES."

@@ -19,6 +19,7 @@ model and the last pass's figures.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import weakref
 from typing import Any
@@ -30,6 +31,7 @@ from inference.engine.request import Request
 from inference.engine.sched.lifecycle import RowLifecycle
 from inference.engine.sched.state import SchedulerState
 from inference.engine.sched.tick_budget import (
+    MIN_PREFILL_TOKENS,
     PassCostModel,
     PassShape,
     batch_ceiling,
@@ -107,9 +109,21 @@ class MixedPass:
             self.cost_model = pass_cost_model(state.backend, state.kv.num_blocks,
                                               state.config.kv_block_size)
         self.last_pass: dict[str, float] = {}
+        self.interactive_seen_at = -math.inf  # the clock's last tick with interactive work
+        self.yielding = False
+
+    def _yield_to_interactive(self) -> bool:
+        """Whether a pass of batch rows alone is held short (``BATCH_YIELD_S``): the engine
+        held an interactive request, in any phase, within the last ``BATCH_YIELD_S`` s."""
+        state = self.state
+        now = state.clock()
+        if any(not r.batch for r in (*state.active, *state.prefilling, *state.pending.values())):
+            self.interactive_seen_at = now
+        return now - self.interactive_seen_at < state.config.batch_yield_s
 
     def _mixed_pass(self) -> None:
         state, rows = self.state, self.rows
+        self.yielding = self._yield_to_interactive()
         # A row whose grammar forced tokens after its last sampled one (jump-forward) feeds them
         # all in this pass, as a prompt-like chunk of its own; the others feed one token.
         forced_rows = [r for r in state.active if r.num_tokens - r.num_computed_tokens > 1]
@@ -174,13 +188,14 @@ class MixedPass:
         state, model = self.state, self.cost_model
         batch = [r for r in rows if r.batch]
         interactive = [r for r in state.active if not r.batch]
-        if model is None or not batch or not interactive:
+        if model is None or not batch or not (interactive or self.yielding):
             return rows
         alone = PassShape(len(interactive), sum(r.num_tokens for r in interactive))
-        ceiling = batch_ceiling(model, alone, state.config.batch_itl_slack_fraction,
-                                state.config.batch_itl_slack_ms / 1000.0)
+        ceiling = self._ceiling(alone)
         batch.sort(key=lambda r: r.admit_seq)
         n = batch_decode_rows(alone, [r.num_tokens for r in batch], model, ceiling)
+        if not interactive:  # yielding: short passes, but one batch row at least
+            n = max(n, 1)
         state.batch_decode_waits += len(batch) - n
         running = {id(r) for r in batch[:n]}
         return [r for r in rows if not r.batch or id(r) in running]
@@ -193,7 +208,7 @@ class MixedPass:
         (their decode rows, ``prefilling`` with ``take``) within :func:`batch_ceiling`."""
         state, model = self.state, self.cost_model
         interactive = [r for r in state.active if not r.batch]
-        if model is None or not (interactive or prefilling):
+        if model is None or not (interactive or prefilling or self.yielding):
             return plan_prefill(_spans(batch), decode, model, self.target_itl_s,
                                 state.chunk_size)
         attention = sum(chunk_attention(r.num_computed_tokens, n)
@@ -201,9 +216,20 @@ class MixedPass:
         alone = PassShape(len(interactive), sum(r.num_tokens for r in interactive), sum(take),
                           attention)
         base = PassShape(decode.decode_rows, decode.decode_context, sum(take), attention)
-        ceiling = batch_ceiling(model, alone, state.config.batch_itl_slack_fraction,
-                                state.config.batch_itl_slack_ms / 1000.0)
-        return plan_batch_prefill(_spans(batch), base, model, ceiling, state.chunk_size)
+        # Yielding with no interactive work in the pass, batch prompts still move beside the
+        # batch decode rows (which would otherwise take the whole ceiling).
+        return plan_batch_prefill(_spans(batch), base, model, self._ceiling(alone),
+                                  state.chunk_size,
+                                  floor=MIN_PREFILL_TOKENS if alone == PassShape() else 0)
+
+    def _ceiling(self, interactive: PassShape) -> float:
+        """:func:`batch_ceiling` of the interactive rows' pass ``interactive``; of a one-row
+        decode pass when there is none (yielding, :meth:`_yield_to_interactive`)."""
+        config = self.state.config
+        if interactive == PassShape():
+            interactive = PassShape(1, 0)
+        return batch_ceiling(self.cost_model, interactive, config.batch_itl_slack_fraction,
+                             config.batch_itl_slack_ms / 1000.0)
 
     def tick_budget_stats(self) -> dict[str, Any]:
         """The mixed-batch tick's target, cost model and last pass, for stats."""

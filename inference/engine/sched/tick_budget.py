@@ -222,11 +222,13 @@ def batch_decode_rows(interactive: PassShape, contexts: Sequence[int], model: Pa
 
 
 def plan_batch_prefill(prefilling: Sequence[tuple[int, int]], base: PassShape,
-                       model: PassCostModel, ceiling_s: float, cap: int) -> list[int]:
+                       model: PassCostModel, ceiling_s: float, cap: int,
+                       floor: int = 0) -> list[int]:
     """Prompt tokens each batch prefilling row runs this tick, beside interactive rows: the
     most (at most ``cap`` per row, split as :func:`plan_prefill` splits) whose predicted pass,
     ``base`` (every decode row and the interactive rows' prompt tokens) included, fits
-    ``ceiling_s`` (the interactive rows' own pass plus the slack); none fit: 0 each.
+    ``ceiling_s`` (the interactive rows' own pass plus the slack), and at least ``floor`` in
+    all; none fit and no ``floor``: 0 each.
 
     Args:
         prefilling: ``(position of the next prompt token, prompt tokens left)`` per batch row,
@@ -244,6 +246,7 @@ def plan_batch_prefill(prefilling: Sequence[tuple[int, int]], base: PassShape,
     while high - low > 1:  # the prediction grows with the tokens: bisect
         mid = (low + high) // 2
         low, high = (mid, high) if fits(mid) else (low, mid)
+    low = max(low, min(floor, high))
     return _split(prefilling, low, cap) if low else [0] * len(prefilling)
 
 

@@ -393,3 +393,42 @@ def test_a_batch_request_preempted_in_any_phase_answers_exactly_as_alone(spec, r
     assert final.finish_reason is final_alone.finish_reason
     assert final.usage == final_alone.usage
     assert [e.seq for e in log.by_request["x"]] == list(range(final.seq + 1))
+
+
+def test_batch_passes_stay_short_for_batch_yield_s_after_interactive_work_then_fill():
+    # A stream ends; for BATCH_YIELD_S a pass of batch rows alone is held to the ceiling of a
+    # one-row interactive pass (15 ms, 40 %: 21 ms), so a request arriving mid-pass waits
+    # about one stream's step: two batch rows decode (20 ms), not all four (30 ms), and a
+    # batch prompt still gets MIN_PREFILL_TOKENS beside them.
+    now = [0.0]
+    engine = make_engine(max_batch_size=8, batch_itl_slack_fraction=0.4, batch_yield_s=5)
+    engine.scheduler.state.clock = lambda: now[0]
+    engine.scheduler.admission.cost_model = engine.scheduler.mixed.cost_model = MODEL
+    log = EventLog()
+    submit(engine, "stream", max_tokens=3)
+    for i in range(4):
+        submit(engine, f"bulk{i}", batch=True, key=f"k{i}:batch", max_tokens=40, ignore_eos=True)
+    step_until(engine, log, lambda: log.final("stream") is not None)
+    now[0] = 4.0  # within the window: at most two batch rows decode a pass
+    step_until(engine, log, lambda: all(decoding(engine, f"bulk{i}") for i in range(4)))
+    for _ in range(3):
+        log.add(engine.step())
+        assert engine.stats()["tick_budget"]["last_pass"]["decode_rows"] == 2
+    assert engine.stats()["batch_decode_waits"] >= 6
+    now[0] = 6.0  # past it: they fill the pass
+    log.add(engine.step())
+    assert engine.stats()["tick_budget"]["last_pass"]["decode_rows"] == 4
+    run_until_idle(engine, log)
+    assert [len(log.tokens(f"bulk{i}")) for i in range(4)] == [40] * 4
+
+    # BATCH_YIELD_S=0: batch rows fill the pass as soon as the stream is gone.
+    engine = make_engine(max_batch_size=8, batch_itl_slack_fraction=0.4, batch_yield_s=0)
+    engine.scheduler.admission.cost_model = engine.scheduler.mixed.cost_model = MODEL
+    log = EventLog()
+    submit(engine, "stream", max_tokens=3)
+    for i in range(4):
+        submit(engine, f"bulk{i}", batch=True, key=f"k{i}:batch", max_tokens=40, ignore_eos=True)
+    step_until(engine, log, lambda: log.final("stream") is not None)
+    step_until(engine, log, lambda: all(decoding(engine, f"bulk{i}") for i in range(4)))
+    log.add(engine.step())
+    assert engine.stats()["tick_budget"]["last_pass"]["decode_rows"] == 4
