@@ -22,7 +22,8 @@ finalized a bounded amount at a time (:func:`advance_all`, every ``BATCH_STEP_IN
   ``batch_cancelled``).
 
 **Exactly once.** Each step works on one batch under its row's lock (``SELECT ... FOR UPDATE
-SKIP LOCKED``: steps running at once never share a batch) in one transaction. A line's request
+SKIP LOCKED``: steps running at once never share a batch) in one transaction; the lines it
+changed are written together (one ``UPDATE`` after feeding, one after collecting). A line's request
 id is fixed by the batch, the line and its attempt, and admission is idempotent per request id
 (``admit.lua``'s marker), so a step that dies after admitting a line and before its commit sends
 the same request again and gets the first verdict: the line runs once. An answer stays in its
@@ -49,7 +50,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import redis
-from django.db import DatabaseError, transaction
+from django.db import DatabaseError, connection, transaction
 from django.db.models import Count
 from django.utils import timezone
 
@@ -76,6 +77,8 @@ MIN_SHARE_S = 0.05
 # How long the lines aborted at a cancel or an expiry may take to send their final event before
 # they are given up (seconds).
 STOP_WAIT_S = 10.0
+# The fields of a line that a step changes (written in one go: :meth:`_Step.save_lines`).
+LINE_FIELDS = ("state", "attempt", "request_id", "epoch", "sent_at", "result")
 # Refusals that leave a line waiting for a later step (a limit that frees up, no worker now).
 HOLD_CODES = frozenset({"rate_limit_exceeded", "concurrency_limit_exceeded", "queue_full",
                         "no_worker_available", "service_unavailable"})
@@ -137,6 +140,30 @@ class _Step:
         self.conf = platform_settings()
         self.lines = BatchLine.objects.filter(batch=row)
         self.ended: list[str] = []  # the lines whose final event it read: their usage next
+        self._changed: dict[int, BatchLine] = {}  # lines changed and not yet written
+
+    def changed(self, line: BatchLine) -> None:
+        """``line`` changed (its :data:`LINE_FIELDS`): written by the next :meth:`save_lines`."""
+        self._changed[line.pk] = line
+
+    def save_lines(self) -> None:
+        """Write the lines changed since the last call (before any query that reads their
+        states): one prepared ``UPDATE`` run for each (``executemany``). Django's
+        ``bulk_update`` builds a ``CASE`` per field and line, which costs five times a ``save``
+        each in CPU; this costs a fifth of one."""
+        if not self._changed:
+            return
+        meta = BatchLine._meta
+        fields = [meta.get_field(name) for name in LINE_FIELDS]
+        quote = connection.ops.quote_name
+        sql = (f"UPDATE {quote(meta.db_table)} SET "
+               + ", ".join(f"{quote(field.column)} = %s" for field in fields)
+               + f" WHERE {quote(meta.pk.column)} = %s")
+        rows = [[field.get_db_prep_save(getattr(line, field.attname), connection)
+                 for field in fields] + [line.pk] for line in self._changed.values()]
+        self._changed.clear()
+        with connection.cursor() as cursor:
+            cursor.executemany(sql, rows)
 
     def run(self) -> None:
         status = self.row.status
@@ -195,9 +222,12 @@ class _Step:
             return
         principal = batch_store.principal(self.row)
         context = _run(lifecycle.served_context())
-        for line in waiting:
-            if time.monotonic() > self.until or not self.send(line, principal, context):
-                return
+        try:
+            for line in waiting:
+                if time.monotonic() > self.until or not self.send(line, principal, context):
+                    return
+        finally:
+            self.save_lines()
 
     def send(self, line: BatchLine, principal: Principal, context: int | None) -> bool:
         """Admit ``line``'s request; False when a limit held it back (try again later)."""
@@ -233,20 +263,28 @@ class _Step:
             line.request_id = ""  # refused before it ran: no request
             line.state = BatchLine.State.FAILED
             line.result = output_line(line, exc.status, exc.body())
-            line.save(update_fields=["state", "request_id", "result"])
+            self.changed(line)
             return True
         line.state = BatchLine.State.RUNNING
         line.epoch = str(generation.meta.get(admission.EPOCH_META_KEY) or "")
         line.sent_at = timezone.now()
-        line.save(update_fields=["state", "request_id", "epoch", "sent_at"])
+        self.changed(line)
         return True
 
     def collect(self, aborted: bool = False) -> int:
         """Read the answers of the running lines that ended; returns how many are left running.
-        Two Redis round trips (every line's last event, the ended ones' streams), one query."""
+        Two Redis round trips (every line's last event, the ended ones' streams), the lines'
+        bodies read for the ended ones only, their changes written in one go."""
+        try:
+            return self._collect(aborted)
+        finally:
+            self.save_lines()
+
+    def _collect(self, aborted: bool) -> int:
         client = sync_redis()
         epoch = (client.get(redis_keys().epoch) or b"").decode()
-        running = list(self.lines.filter(state=BatchLine.State.RUNNING).order_by("index"))
+        running = list(self.lines.filter(state=BatchLine.State.RUNNING).order_by("index")
+                       .defer("body"))
         if not running:
             return 0
         with client.pipeline(transaction=False) as pipe:
@@ -259,8 +297,12 @@ class _Step:
                             if not last]).values_list("request_id", flat=True))
         # A whole stream is read only once its last entry is the final event (one round trip).
         ended = [bool(last) and isinstance(decode_event(last[0][1]), FinalEvent) for last in lasts]
-        streams = iter(grace.streams_events(
-            [line.request_id for line, done in zip(running, ended, strict=True) if done], client))
+        done_lines = [line for line, done in zip(running, ended, strict=True) if done]
+        bodies = dict(BatchLine.objects.filter(pk__in=[line.pk for line in done_lines])
+                      .values_list("pk", "body"))
+        for line in done_lines:
+            line.body = bodies[line.pk]
+        streams = iter(grace.streams_events([line.request_id for line in done_lines], client))
         left = 0
         for line, done in zip(running, ended, strict=True):
             events = next(streams) if done else []
@@ -272,7 +314,7 @@ class _Step:
                 except APIError as exc:  # its body no longer passes (the settings changed)
                     line.state = BatchLine.State.FAILED
                     line.result = output_line(line, exc.status, exc.body())
-                    line.save(update_fields=["state", "result"])
+                    self.changed(line)
             elif (line.epoch and epoch and epoch != line.epoch) or line.request_id in recorded:
                 # Redis lost the request, or its answer's stream expired unread.
                 self.again(line, "the request was lost")
@@ -286,13 +328,13 @@ class _Step:
             line.result = output_line(line, 503, APIError(
                 503, f"The request failed {line.attempt + 1} times ({why}).",
                 code="service_unavailable").body())
-            line.save(update_fields=["state", "result"])
+            self.changed(line)
             return
         log.info("batch %s line %d: %s; sending it again", self.row.pk, line.index, why)
         line.attempt += 1
         line.state = BatchLine.State.WAITING
         line.request_id = ""
-        line.save(update_fields=["attempt", "state", "request_id"])
+        self.changed(line)
 
     def settle(self, line: BatchLine, events: list[Event], final: FinalEvent,
                aborted: bool) -> None:
@@ -317,7 +359,7 @@ class _Step:
                 answer.add(event)
             line.state = BatchLine.State.DONE
             line.result = output_line(line, 200, answer.body(final))
-        line.save(update_fields=["state", "result"])
+        self.changed(line)
 
     # -- ending -----------------------------------------------------------------------------
 
@@ -327,15 +369,16 @@ class _Step:
         step until its final event, :data:`STOP_WAIT_S` at most) and go there too
         (``stopped``)."""
         row = self.row
-        for line in self.lines.filter(state=BatchLine.State.WAITING):
+        for line in self.lines.filter(state=BatchLine.State.WAITING).defer("body"):
             line.state = BatchLine.State.FAILED
             line.result = error_line(line, code, message)
-            line.save(update_fields=["state", "result"])
+            self.changed(line)
+        self.save_lines()
         self.collect(aborted=True)
         client = sync_redis()
         since = row.cancelling_at if ends_as == Batch.Status.CANCELLED else row.expires_at
         late = (timezone.now() - since).total_seconds() > STOP_WAIT_S
-        running = list(self.lines.filter(state=BatchLine.State.RUNNING))
+        running = list(self.lines.filter(state=BatchLine.State.RUNNING).defer("body"))
         ids = [line.request_id for line in running]
         for line, finals in zip(running, grace.streams_events(ids, client), strict=True):
             ended = bool(finals) and isinstance(finals[-1], FinalEvent)
@@ -348,7 +391,8 @@ class _Step:
                 self.ended += [line.request_id] if ended else []  # its usage: this step's
                 line.state = BatchLine.State.FAILED
                 line.result = error_line(line, code, stopped)
-                line.save(update_fields=["state", "result"])
+                self.changed(line)
+        self.save_lines()
         if not self.lines.filter(state=BatchLine.State.RUNNING).exists():
             self.begin_finalizing(ends_as)
 

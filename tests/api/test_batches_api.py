@@ -19,6 +19,9 @@ from openai.types.completion import Completion
 from api import batch_runner
 from api.models import Batch, BatchLine
 from gateway import usage
+from gateway.clients import sync_redis
+from gateway.conf import redis_keys
+from inference.protocol.events import ErrorCode, ErrorInfo, FinalEvent, FinishReason, encode_event
 from inference.protocol.messages import batch_fairness_key
 from tenants.models import UsageRecord
 from tests.api.test_api import MODEL
@@ -376,3 +379,33 @@ def test_the_dashboard_shows_batches_in_progress_and_metrics_count_lines_by_outc
     assert lines == {"completed": 3, "failed": 1}
     assert {s.labels["status"]: s.value for s in families["llm_batches_active"].samples} == {
         "validating": 0, "in_progress": 0, "finalizing": 0, "cancelling": 0}
+
+
+def test_a_line_whose_request_failed_retryably_is_sent_again_and_answered_once(
+        request, tenant_key, redis_prefix):
+    tenant, key, raw = tenant_key
+    lines = [line(f"r{i}", f"Question {i}?") for i in range(3)]
+    made = in_process(raw, lambda client: create_batch(client, lines))
+    # No worker yet: validation ends and every line waits (no live worker holds them back).
+    step_until(made.id, lambda: Batch.objects.get(pk=made.id).status == "in_progress")
+    batch_runner.advance_all()
+    assert set(BatchLine.objects.filter(batch_id=made.id)
+               .values_list("state", flat=True)) == {"waiting"}
+    # Line 0 ran once and its worker died under it: its stream ends with a retryable error.
+    first = BatchLine.objects.get(batch_id=made.id, index=0)
+    first.state, first.request_id = BatchLine.State.RUNNING, f"{made.id}-0-0"
+    first.save(update_fields=["state", "request_id"])
+    lost = FinalEvent(request_id=first.request_id, finish_reason=FinishReason.ERROR,
+                      error=ErrorInfo(code=ErrorCode.WORKER_LOST, retryable=True,
+                                      message="its worker died"))
+    sync_redis().xadd(redis_keys().events(first.request_id), encode_event(lost))
+    request.getfixturevalue("inproc_worker")
+    row = run_until_ended(made.id)
+    out, err = outputs(raw, row)
+    assert not err and sorted(o["custom_id"] for o in out) == ["r0", "r1", "r2"]
+    assert (row.completed, row.failed, row.total) == (3, 0, 3)
+    # Sent again under its next attempt, and answered by that request.
+    again = BatchLine.objects.get(batch_id=made.id, index=0)
+    assert (again.attempt, again.state) == (1, "done")
+    assert next(o for o in out if o["custom_id"] == "r0")["response"]["request_id"] == (
+        f"{made.id}-0-1")
