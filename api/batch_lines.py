@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
+from django.db import connection
 from django.utils import timezone
 
 from api import file_store
@@ -27,6 +28,8 @@ from gateway.errors import APIError
 from gateway.storable import storable, storable_text
 
 LINE_FIELDS = frozenset({"custom_id", "method", "url", "body"})
+# The fields of a line that a batch step changes (:func:`save`).
+STEP_FIELDS = ("state", "attempt", "request_id", "epoch", "sent_at", "result")
 
 
 def output_line(line: BatchLine, status: int, body: dict[str, Any]) -> dict[str, Any]:
@@ -44,6 +47,41 @@ def error_line(line: BatchLine, code: str, message: str) -> dict[str, Any]:
     """A line of the error file for a request that got no answer (expired, cancelled)."""
     return {"id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": line.custom_id or None,
             "response": None, "error": {"code": code, "message": message}}
+
+
+def save(lines: Iterable[BatchLine]) -> None:
+    """Write the :data:`STEP_FIELDS` of ``lines`` (in the caller's transaction): one prepared
+    ``UPDATE`` run for each (``executemany``). Measured per line in CPU: Django's
+    ``bulk_update`` (a ``CASE`` per field and line) about five times a ``save()``; this about a
+    fifth of one."""
+    meta = BatchLine._meta
+    fields = [meta.get_field(name) for name in STEP_FIELDS]
+    rows = [[field.get_db_prep_save(getattr(line, field.attname), connection)
+             for field in fields] + [line.pk] for line in lines]
+    if not rows:
+        return
+    quote = connection.ops.quote_name
+    sql = (f"UPDATE {quote(meta.db_table)} SET "
+           + ", ".join(f"{quote(field.column)} = %s" for field in fields)
+           + f" WHERE {quote(meta.pk.column)} = %s")
+    with connection.cursor() as cursor:
+        cursor.executemany(sql, rows)
+
+
+def write_files(row: Batch) -> None:
+    """Store the output file (the lines done) and the error file (the lines failed) of the batch
+    ``row`` that are not stored yet, as its tenant's files, each line's result in input order,
+    and set their ids on ``row`` (not saved)."""
+    for state, field, name in ((BatchLine.State.DONE, "output_file_id", "output"),
+                               (BatchLine.State.FAILED, "error_file_id", "error")):
+        results = (BatchLine.objects.filter(batch=row, state=state).order_by("index")
+                   .values_list("result", flat=True))
+        data = b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n"
+                        for r in results.iterator(chunk_size=2000))
+        if data and not getattr(row, field):
+            made = file_store.create_from_bytes(data, tenant_id=row.tenant_id,
+                                                filename=f"{row.pk}_{name}.jsonl")
+            setattr(row, field, made.pk)
 
 
 def _refused(message: str, param: str) -> dict[str, Any]:

@@ -43,22 +43,20 @@ is billed nothing, and one aborted by a cancel or its window's end is billed its
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import redis
-from django.db import DatabaseError, connection, transaction
-from django.db.models import Count
+from django.db import DatabaseError, transaction
 from django.utils import timezone
 
-from api import batch_lines, batch_store, file_store, responses, views
+from api import batch_lines, batch_store, responses, views
 from api.batch_lines import error_line, output_line
 from api.models import Batch, BatchLine
 from api.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, validate
-from gateway import admission, batch_metrics, delivery, grace, lifecycle, usage
+from gateway import admission, delivery, grace, lifecycle, usage
 from gateway.admission import Principal
 from gateway.clients import sync_redis
 from gateway.conf import platform_settings, redis_keys
@@ -66,7 +64,7 @@ from gateway.errors import APIError
 from gateway.tokens import measure_here
 from inference.protocol.events import ErrorInfo, Event, FinalEvent, decode_event
 from inference.protocol.messages import Sampling
-from tenants.models import Tenant, UsageRecord
+from tenants.models import UsageRecord
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +75,6 @@ MIN_SHARE_S = 0.05
 # How long the lines aborted at a cancel or an expiry may take to send their final event before
 # they are given up (seconds).
 STOP_WAIT_S = 10.0
-# The fields of a line that a step changes (written in one go: :meth:`_Step.save_lines`).
-LINE_FIELDS = ("state", "attempt", "request_id", "epoch", "sent_at", "result")
 # Refusals that leave a line waiting for a later step (a limit that frees up, no worker now).
 HOLD_CODES = frozenset({"rate_limit_exceeded", "concurrency_limit_exceeded", "queue_full",
                         "no_worker_available", "service_unavailable"})
@@ -148,22 +144,9 @@ class _Step:
 
     def save_lines(self) -> None:
         """Write the lines changed since the last call (before any query that reads their
-        states): one prepared ``UPDATE`` run for each (``executemany``). Django's
-        ``bulk_update`` builds a ``CASE`` per field and line, which costs five times a ``save``
-        each in CPU; this costs a fifth of one."""
-        if not self._changed:
-            return
-        meta = BatchLine._meta
-        fields = [meta.get_field(name) for name in LINE_FIELDS]
-        quote = connection.ops.quote_name
-        sql = (f"UPDATE {quote(meta.db_table)} SET "
-               + ", ".join(f"{quote(field.column)} = %s" for field in fields)
-               + f" WHERE {quote(meta.pk.column)} = %s")
-        rows = [[field.get_db_prep_save(getattr(line, field.attname), connection)
-                 for field in fields] + [line.pk] for line in self._changed.values()]
+        states), in one go (:func:`api.batch_lines.save`)."""
+        batch_lines.save(self._changed.values())
         self._changed.clear()
-        with connection.cursor() as cursor:
-            cursor.executemany(sql, rows)
 
     def run(self) -> None:
         status = self.row.status
@@ -193,7 +176,7 @@ class _Step:
         if self.row.status == Batch.Status.FINALIZING and (
                 status == Batch.Status.FINALIZING or time.monotonic() < self.until):
             self.finalize()
-        self.count()
+        batch_store.count(self.row)
 
     # -- in progress ------------------------------------------------------------------------
 
@@ -403,42 +386,12 @@ class _Step:
         row.finalizing_at = timezone.now()
         row.save(update_fields=["status", "ends_as", "finalizing_at"])
 
-    def _jsonl(self, state: str) -> bytes:
-        results = (self.lines.filter(state=state).order_by("index")
-                   .values_list("result", flat=True))
-        return b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n"
-                        for r in results.iterator(chunk_size=2000))
-
     def finalize(self) -> None:
         row = self.row
-        for state, field, name in ((BatchLine.State.DONE, "output_file_id", "output"),
-                                   (BatchLine.State.FAILED, "error_file_id", "error")):
-            data = self._jsonl(state)
-            if data and not getattr(row, field):
-                made = file_store.create_from_bytes(data, tenant_id=row.tenant_id,
-                                                    filename=f"{row.pk}_{name}.jsonl")
-                setattr(row, field, made.pk)
+        batch_lines.write_files(row)
         now = timezone.now()
         row.status = row.ends_as or Batch.Status.COMPLETED
         field = {Batch.Status.COMPLETED: "completed_at", Batch.Status.EXPIRED: "expired_at",
                  Batch.Status.CANCELLED: "cancelled_at"}[row.status]
         setattr(row, field, now)
         row.save(update_fields=["output_file_id", "error_file_id", "status", field])
-
-    def count(self) -> None:
-        """Its ``request_counts`` now, and the figures of :mod:`gateway.batch_metrics`."""
-        row = self.row
-        before = {"completed": row.completed, "failed": row.failed}
-        if row.status != Batch.Status.FAILED:
-            by_state = dict(self.lines.order_by().values("state").annotate(n=Count("id"))
-                            .values_list("state", "n"))
-            row.completed = by_state.get(BatchLine.State.DONE, 0)
-            row.failed = by_state.get(BatchLine.State.FAILED, 0)
-            row.save(update_fields=["completed", "failed"])
-        ended = {"completed": row.completed - before["completed"],
-                 "failed": row.failed - before["failed"]}
-        slug = Tenant.objects.filter(pk=row.tenant_id).values_list("slug", flat=True).first()
-        figures = ({"tenant": slug, "status": row.status, "total": row.total,
-                    "completed": row.completed, "failed": row.failed}
-                   if row.status in batch_store.ACTIVE else None)
-        batch_metrics.publish_on_commit(row.pk, figures, ended)

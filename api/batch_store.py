@@ -12,15 +12,16 @@ from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import Count, Q
 from django.utils import timezone
 from pydantic import Field, field_validator
 
 from api import file_store
 from api.bodies import parse_model
 from api.fields import BodyObject, Text
-from api.models import Batch, StoredFile
+from api.models import Batch, BatchLine, StoredFile
 from api.schemas import metadata_bounds
+from gateway import batch_metrics
 from gateway.admission import Principal
 from gateway.errors import APIError
 from gateway.storable import holds_nul
@@ -171,3 +172,23 @@ def principal(batch: Batch) -> Principal:
         return Principal.for_api_key(key)
     tenant = Tenant.objects.select_related("tier").get(pk=batch.tenant_id)
     return Principal(tenant=tenant, scope=f"batch-{batch.pk}")
+
+
+def count(row: Batch) -> None:
+    """Set the batch ``row``'s ``request_counts`` from its lines now (a failed batch keeps its
+    own), and publish the figures of :mod:`gateway.batch_metrics` once the transaction
+    commits."""
+    before = {"completed": row.completed, "failed": row.failed}
+    if row.status != Batch.Status.FAILED:
+        by_state = dict(BatchLine.objects.filter(batch=row).order_by().values("state")
+                        .annotate(n=Count("id")).values_list("state", "n"))
+        row.completed = by_state.get(BatchLine.State.DONE, 0)
+        row.failed = by_state.get(BatchLine.State.FAILED, 0)
+        row.save(update_fields=["completed", "failed"])
+    ended = {"completed": row.completed - before["completed"],
+             "failed": row.failed - before["failed"]}
+    slug = Tenant.objects.filter(pk=row.tenant_id).values_list("slug", flat=True).first()
+    figures = ({"tenant": slug, "status": row.status, "total": row.total,
+                "completed": row.completed, "failed": row.failed}
+               if row.status in ACTIVE else None)
+    batch_metrics.publish_on_commit(row.pk, figures, ended)
