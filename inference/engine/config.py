@@ -70,7 +70,7 @@ class EngineConfig(BaseModel):
     # only while the predicted pass stays within the interactive rows' own times
     # (1 + batch_itl_slack_fraction) plus batch_itl_slack_ms (mixed_batch).
     batch_itl_slack_fraction: float = Field(
-        0.1, ge=0, description="Share of interactive rows' pass time batch rows may add.")
+        0.05, ge=0, description="Share of interactive rows' pass time batch rows may add.")
     batch_itl_slack_ms: float = Field(
         0.0, ge=0, description="Pass time batch rows may add to interactive rows' (ms).")
     # For this long after the engine last held an interactive request, a pass of batch rows
