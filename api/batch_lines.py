@@ -74,11 +74,13 @@ def write_files(row: Batch) -> None:
     and set their ids on ``row`` (not saved)."""
     for state, field, name in ((BatchLine.State.DONE, "output_file_id", "output"),
                                (BatchLine.State.FAILED, "error_file_id", "error")):
+        if getattr(row, field):
+            continue
         results = (BatchLine.objects.filter(batch=row, state=state).order_by("index")
                    .values_list("result", flat=True))
         data = b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n"
                         for r in results.iterator(chunk_size=2000))
-        if data and not getattr(row, field):
+        if data:
             made = file_store.create_from_bytes(data, tenant_id=row.tenant_id,
                                                 filename=f"{row.pk}_{name}.jsonl")
             setattr(row, field, made.pk)

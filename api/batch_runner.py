@@ -139,7 +139,8 @@ class _Step:
         self._changed: dict[int, BatchLine] = {}  # lines changed and not yet written
 
     def changed(self, line: BatchLine) -> None:
-        """``line`` changed (its :data:`LINE_FIELDS`): written by the next :meth:`save_lines`."""
+        """``line`` changed (its :data:`api.batch_lines.STEP_FIELDS`): written by the next
+        :meth:`save_lines`."""
         self._changed[line.pk] = line
 
     def save_lines(self) -> None:
