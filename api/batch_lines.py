@@ -210,3 +210,22 @@ def read_some(row: Batch, most: int) -> None:
         row.status = Batch.Status.IN_PROGRESS
         row.in_progress_at = timezone.now()
     row.save(update_fields=["read_lines", "total", "status", "in_progress_at"])
+
+
+def begin_finalizing(row: Batch, ends_as: str) -> None:
+    """The batch ``row`` goes ``finalizing``, to end as ``ends_as`` once its files are written."""
+    row.status = Batch.Status.FINALIZING
+    row.ends_as = ends_as
+    row.finalizing_at = timezone.now()
+    row.save(update_fields=["status", "ends_as", "finalizing_at"])
+
+
+def finalize(row: Batch) -> None:
+    """Write the batch ``row``'s output and error files (:func:`write_files`), then end it as
+    it was to (``completed``, ``expired`` or ``cancelled``)."""
+    write_files(row)
+    row.status = row.ends_as or Batch.Status.COMPLETED
+    field = {Batch.Status.COMPLETED: "completed_at", Batch.Status.EXPIRED: "expired_at",
+             Batch.Status.CANCELLED: "cancelled_at"}[row.status]
+    setattr(row, field, timezone.now())
+    row.save(update_fields=["output_file_id", "error_file_id", "status", field])

@@ -1,5 +1,6 @@
 """The Batch API's Celery step: each active batch is validated, fed to the workers, collected and
-finalized a bounded amount at a time (:func:`advance_all`, every ``BATCH_STEP_INTERVAL_S``).
+finalized a bounded amount at a time (:func:`advance_all`, every ``BATCH_STEP_INTERVAL_S``, a
+batch in progress when enough of its lines ended: :mod:`api.batch_pace`).
 
 - **Validating.** The input file is read ``BATCH_VALIDATE_LINES`` lines per step into
   :class:`~api.models.BatchLine` rows. A line must hold a string ``custom_id`` (unique in the
@@ -42,23 +43,21 @@ is billed nothing, and one aborted by a cancel or its window's end is billed its
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import Any
 
 import redis
 from django.db import DatabaseError, transaction
 from django.utils import timezone
 
-from api import batch_lines, batch_store, responses, views
+from api import batch_lines, batch_pace, batch_store, responses, views
 from api.batch_lines import error_line, output_line
 from api.models import Batch, BatchLine
 from api.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, validate
 from gateway import admission, delivery, grace, lifecycle, usage
 from gateway.admission import Principal
-from gateway.clients import sync_redis
+from gateway.clients import run_sync, sync_redis
 from gateway.conf import platform_settings, redis_keys
 from gateway.errors import APIError
 from gateway.tokens import measure_here
@@ -67,8 +66,6 @@ from inference.protocol.messages import Sampling
 from tenants.models import UsageRecord
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 # Each batch gets at least this long of a step (seconds), however many are active.
 MIN_SHARE_S = 0.05
@@ -79,45 +76,45 @@ STOP_WAIT_S = 10.0
 HOLD_CODES = frozenset({"rate_limit_exceeded", "concurrency_limit_exceeded", "queue_full",
                         "no_worker_available", "service_unavailable"})
 
-_loop: asyncio.AbstractEventLoop | None = None
-
-
-def _run(coro: Coroutine[Any, Any, T]) -> T:
-    """Run ``coro`` on this process's event loop for batch steps (kept between steps, so its
-    Redis pool is too). The ORM is used outside it only."""
-    global _loop
-    if _loop is None or _loop.is_closed():
-        _loop = asyncio.new_event_loop()
-    return _loop.run_until_complete(coro)
-
-
 def advance_all() -> int:
-    """One step of every active batch, oldest first, each within its share of
-    ``BATCH_STEP_BUDGET_S``; returns how many batches were stepped."""
-    ids = list(Batch.objects.filter(status__in=batch_store.ACTIVE)
-               .order_by("created_at", "id").values_list("pk", flat=True))
-    if not ids:
+    """One step of every active batch that is due (:func:`api.batch_pace.plan`), oldest first,
+    each within its share of ``BATCH_STEP_BUDGET_S``; returns how many batches were stepped."""
+    rows = list(Batch.objects.filter(status__in=batch_store.ACTIVE)
+                .order_by("created_at", "id").values_list("pk", "status"))
+    if not rows:
         return 0
-    share = max(platform_settings()["BATCH_STEP_BUDGET_S"] / len(ids), MIN_SHARE_S)
-    for pk in ids:
+    try:
+        due = batch_pace.plan(rows, sync_redis())
+    except redis.RedisError as exc:
+        log.warning("batches wait for Redis: %s", exc)
+        return 0
+    share = max(platform_settings()["BATCH_STEP_BUDGET_S"] / max(len(due), 1), MIN_SHARE_S)
+    for pk, full in due.items():
         try:
-            advance(pk, until=time.monotonic() + share)
+            advance(pk, until=time.monotonic() + share, full=full)
         except redis.RedisError as exc:
             log.warning("batch %s: Redis unreachable, its step waits: %s", pk, exc)
-    return len(ids)
+    return len(due)
 
 
-def advance(batch_id: str, until: float) -> None:
+def advance(batch_id: str, until: float, full: bool = True) -> None:
     """One step of the batch ``batch_id`` (module docstring); nothing when another step holds
-    it or it has ended. ``until``: the ``time.monotonic()`` by which it takes on no more work."""
+    it or it has ended. ``until``: the ``time.monotonic()`` by which it takes on no more work;
+    ``full``: its running lines are all looked at, else only those its ended set names
+    (:mod:`api.batch_pace`)."""
     step = None
     with transaction.atomic():
         row = (Batch.objects.select_for_update(skip_locked=True)
                .filter(pk=batch_id, status__in=batch_store.ACTIVE).first())
         if row is not None:
-            step = _Step(row, until)
+            step = _Step(row, until, full)
             step.run()
-    if step is not None and step.ended:
+    if step is None:
+        return
+    if step.row.status == Batch.Status.IN_PROGRESS or step.signalled:
+        batch_pace.settled(batch_id, step.signalled, full=step.full, fed_all=step.fed_all,
+                           running=step.running, client=sync_redis())
+    if step.ended:
         # Once the lines' results are committed: their usage, all in one go (the worker sends
         # no usage task for a batch line). What this misses, the reconciliation records.
         try:
@@ -130,12 +127,16 @@ def advance(batch_id: str, until: float) -> None:
 class _Step:
     """One step of one batch, under its row's lock."""
 
-    def __init__(self, row: Batch, until: float):
+    def __init__(self, row: Batch, until: float, full: bool = True):
         self.row = row
         self.until = until
+        self.full = full or row.status != Batch.Status.IN_PROGRESS
         self.conf = platform_settings()
         self.lines = BatchLine.objects.filter(batch=row)
         self.ended: list[str] = []  # the lines whose final event it read: their usage next
+        self.signalled: set[str] = set()  # the ids its batch's ended set held (batch_pace)
+        self.fed_all = True  # False: it left lines it could have fed
+        self.running = 0  # its lines running once it fed them
         self._changed: dict[int, BatchLine] = {}  # lines changed and not yet written
 
     def changed(self, line: BatchLine) -> None:
@@ -168,7 +169,7 @@ class _Step:
                 self.feed()
                 if not self.lines.filter(state__in=(BatchLine.State.WAITING,
                                                     BatchLine.State.RUNNING)).exists():
-                    self.begin_finalizing(Batch.Status.COMPLETED)
+                    batch_lines.begin_finalizing(self.row, Batch.Status.COMPLETED)
         elif status == Batch.Status.CANCELLING:
             self.stop(Batch.Status.CANCELLED, "batch_cancelled",
                       "This request was not executed: its batch was cancelled.",
@@ -176,7 +177,7 @@ class _Step:
                       "(billed its prompt only).")
         if self.row.status == Batch.Status.FINALIZING and (
                 status == Batch.Status.FINALIZING or time.monotonic() < self.until):
-            self.finalize()
+            batch_lines.finalize(self.row)
         batch_store.count(self.row)
 
     # -- in progress ------------------------------------------------------------------------
@@ -197,7 +198,7 @@ class _Step:
         return req
 
     def feed(self) -> None:
-        running = self.lines.filter(state=BatchLine.State.RUNNING).count()
+        running = self.running = self.lines.filter(state=BatchLine.State.RUNNING).count()
         room = self.conf["BATCH_LINES_IN_FLIGHT"] - running
         if room <= 0:
             return
@@ -205,10 +206,11 @@ class _Step:
         if not waiting:
             return
         principal = batch_store.principal(self.row)
-        context = _run(lifecycle.served_context())
+        context = run_sync(lifecycle.served_context())
         try:
             for line in waiting:
                 if time.monotonic() > self.until or not self.send(line, principal, context):
+                    self.fed_all = False
                     return
         finally:
             self.save_lines()
@@ -234,7 +236,7 @@ class _Step:
             if refusal is not None:
                 raise views.worker_error(req, refusal)
             public_id = f"{'chatcmpl' if chat else 'cmpl'}-{line.request_id}"
-            generation = _run(lifecycle.start(
+            generation = run_sync(lifecycle.start(
                 principal, request_id=line.request_id, messages=messages, prompt=prompt,
                 tools=tools, sampling=Sampling(**req.sampling(req.requested_max_tokens)),
                 default_max_tokens=self.conf["DEFAULT_MAX_TOKENS"], user=req.user,
@@ -250,6 +252,7 @@ class _Step:
             self.changed(line)
             return True
         line.state = BatchLine.State.RUNNING
+        self.running += 1
         line.epoch = str(generation.meta.get(admission.EPOCH_META_KEY) or "")
         line.sent_at = timezone.now()
         self.changed(line)
@@ -267,8 +270,11 @@ class _Step:
     def _collect(self, aborted: bool) -> int:
         client = sync_redis()
         epoch = (client.get(redis_keys().epoch) or b"").decode()
-        running = list(self.lines.filter(state=BatchLine.State.RUNNING).order_by("index")
-                       .defer("body"))
+        self.signalled |= batch_pace.ended(self.row.pk, client)
+        lines = self.lines.filter(state=BatchLine.State.RUNNING)
+        if not self.full and not aborted:
+            lines = lines.filter(request_id__in=self.signalled)
+        running = list(lines.order_by("index").defer("body"))
         if not running:
             return 0
         with client.pipeline(transaction=False) as pipe:
@@ -368,7 +374,7 @@ class _Step:
             ended = bool(finals) and isinstance(finals[-1], FinalEvent)
             if not ended:
                 # What its client got: none of it (billed its prompt, as a client that left).
-                _run(lifecycle.end_request(
+                run_sync(lifecycle.end_request(
                     line.request_id, {}, finished=False,
                     delivered=delivery.Delivery(tokens=0, end=delivery.LEFT, status=499)))
             if ended or late:
@@ -378,21 +384,4 @@ class _Step:
                 self.changed(line)
         self.save_lines()
         if not self.lines.filter(state=BatchLine.State.RUNNING).exists():
-            self.begin_finalizing(ends_as)
-
-    def begin_finalizing(self, ends_as: str) -> None:
-        row = self.row
-        row.status = Batch.Status.FINALIZING
-        row.ends_as = ends_as
-        row.finalizing_at = timezone.now()
-        row.save(update_fields=["status", "ends_as", "finalizing_at"])
-
-    def finalize(self) -> None:
-        row = self.row
-        batch_lines.write_files(row)
-        now = timezone.now()
-        row.status = row.ends_as or Batch.Status.COMPLETED
-        field = {Batch.Status.COMPLETED: "completed_at", Batch.Status.EXPIRED: "expired_at",
-                 Batch.Status.CANCELLED: "cancelled_at"}[row.status]
-        setattr(row, field, now)
-        row.save(update_fields=["output_file_id", "error_file_id", "status", field])
+            batch_lines.begin_finalizing(self.row, ends_as)

@@ -7,7 +7,7 @@ import logging
 from django.db.models.signals import post_save
 from django.dispatch import receiver
 
-from dashboard.recorder import record_request
+from dashboard.recorder import Tally, record_request
 from gateway.clients import sync_redis
 from gateway.usage import recorded_many
 from tenants.models import Tenant, UsageRecord
@@ -38,15 +38,14 @@ def count_usage_many(sender, records: list[UsageRecord], **kwargs) -> None:
     try:
         slugs = dict(Tenant.objects.filter(pk__in={r.tenant_id for r in records})
                      .values_list("pk", "slug"))
-        client = sync_redis()
-        pipe = client.pipeline(transaction=False)
+        tally = Tally()  # one command a counter for all of them
         for row in records:
-            record_request(client, tenant=slugs.get(row.tenant_id) or str(row.tenant_id),
-                           status=row.status, prompt_tokens=row.prompt_tokens,
-                           cached_prompt_tokens=row.cached_prompt_tokens,
-                           completion_tokens=row.completion_tokens, ttft_s=row.ttft_s,
-                           duration_s=row.duration_s, billed_tokens=row.billed_tokens,
-                           batch=row.is_batch, pipe=pipe)
-        pipe.execute()
+            tally.add(tenant=slugs.get(row.tenant_id) or str(row.tenant_id),
+                      status=row.status, prompt_tokens=row.prompt_tokens,
+                      cached_prompt_tokens=row.cached_prompt_tokens,
+                      completion_tokens=row.completion_tokens, ttft_s=row.ttft_s,
+                      duration_s=row.duration_s, billed_tokens=row.billed_tokens,
+                      batch=row.is_batch)
+        tally.send(sync_redis())
     except Exception:  # noqa: BLE001 - metrics are best effort
         log.exception("could not count %d usage records in the metrics", len(records))

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import weakref
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import redis as redis_sync
 import redis.asyncio as aioredis
@@ -24,6 +26,9 @@ _async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aioredis.Re
 _sights: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, RedisSight] = (
     weakref.WeakKeyDictionary()
 )
+_own_loop: asyncio.AbstractEventLoop | None = None
+
+T = TypeVar("T")
 
 
 def raise_if_cancelled() -> None:
@@ -79,3 +84,13 @@ def sight() -> RedisSight:
     if seen is None:
         seen = _sights[loop] = RedisSight(platform_settings()["WORKER_HEARTBEAT_TTL_S"] / 2)
     return seen
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to its end on this process's own event loop, for synchronous callers (the
+    Celery batch steps); the loop is kept between calls, so its Redis pool (:func:`aredis`) is
+    too. Not for a thread that runs an event loop already."""
+    global _own_loop
+    if _own_loop is None or _own_loop.is_closed():
+        _own_loop = asyncio.new_event_loop()
+    return _own_loop.run_until_complete(coro)

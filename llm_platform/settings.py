@@ -241,11 +241,14 @@ LLM_PLATFORM = {
     "FILES_RETENTION_S": env.float("FILES_RETENTION_S", default=30 * 86400.0),
     "FILES_OUTPUT_RETENTION_S": env.float("FILES_OUTPUT_RETENTION_S", default=30 * 86400.0),
     # The Batch API (api.batch_runner): lines of one batch queued at once (in Redis and the
-    # workers), how often the Celery step runs (s) and how long one step may work (s), lines
-    # validation reads per step, and the requests one line may be sent as (a retryable error or
-    # a request Redis lost sends it again) before it goes to the error file.
+    # workers), how often the Celery step runs (s), how often at least a batch in progress is
+    # stepped with a look at every running line (s; between, only once an eighth of its lines
+    # in flight ended: api.batch_pace), how long one step may work (s), lines validation reads
+    # per step, and the requests one line may be sent as (a retryable error or a request Redis
+    # lost sends it again) before it goes to the error file.
     "BATCH_LINES_IN_FLIGHT": env.int("BATCH_LINES_IN_FLIGHT", default=64),
     "BATCH_STEP_INTERVAL_S": env.float("BATCH_STEP_INTERVAL_S", default=1.0),
+    "BATCH_SCAN_INTERVAL_S": env.float("BATCH_SCAN_INTERVAL_S", default=10.0),
     "BATCH_STEP_BUDGET_S": env.float("BATCH_STEP_BUDGET_S", default=0.5),
     "BATCH_VALIDATE_LINES": env.int("BATCH_VALIDATE_LINES", default=5_000),
     "BATCH_MAX_ATTEMPTS": env.int("BATCH_MAX_ATTEMPTS", default=3),

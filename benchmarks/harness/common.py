@@ -241,3 +241,22 @@ def steal_share(before: tuple[int, int], after: tuple[int, int]) -> float | None
     """The share (0-1) of CPU time stolen between two :func:`cpu_counters` readings."""
     total = after[1] - before[1]
     return round((after[0] - before[0]) / total, 3) if total > 0 else None
+
+
+def pass_counts(stats: dict[str, Any]) -> tuple[int, int, float]:
+    """``(ticks, tokens generated, seconds in ticks)`` so far in engine stats (a worker's, their
+    sum, or an in-process engine's)."""
+    return (int(stats.get("tick_count") or 0), int(stats.get("tokens_generated") or 0),
+            float(stats.get("tick_seconds_total") or 0.0))
+
+
+def pass_figures(before: tuple[int, int, float], after: tuple[int, int, float],
+                 seconds: float) -> dict[str, Any]:
+    """The engine's ticks over a run, the tokens each generated on average (the decode rows
+    a pass carried, about), the mean time of one (ms, the engine's own clock) and the share of
+    the run's ``seconds`` the engine spent in ticks (the rest it waited for work)."""
+    ticks, tokens = after[0] - before[0], after[1] - before[1]
+    busy = after[2] - before[2]
+    return {"ticks": ticks, "tokens_per_tick": round(tokens / ticks, 2) if ticks else None,
+            "ms_per_tick": round(1000 * busy / ticks, 1) if ticks else None,
+            "busy_share": round(busy / seconds, 3) if seconds > 0 else None}

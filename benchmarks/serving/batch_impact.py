@@ -13,6 +13,12 @@ runs; the real model on the default backend):
 * ``offline``: the same lines through the engine in this process (``LLMEngine``, the same
   batch size, every line submitted at once): the throughput the batch is measured against.
 
+The two interactive runs alternate ``--rounds`` times (3 by default; each round its own
+arrivals, the same in both of its runs), and each one's figures pool its rounds' requests: a
+p99 of one 60-second run is its few largest samples (TTFT: the largest of 50), and the
+machine's own speed drifts over minutes, so one pair of runs moves the ratio by more than its
+bound; each round's p99s are printed beside.
+
 The verdict (printed, not asserted): interactive TTFT p99 and ITL p99 with the batch within
 15 % of those without it, and the batch's output tokens/s on the idle platform (from its
 ``in_progress_at`` to its ``completed_at``, read to the microsecond from the platform's database:
@@ -26,8 +32,8 @@ tick generated and its mean wall time, and the share of CPU time the hypervisor 
 
 Usage::
 
-    python -m benchmarks.serving.batch_impact                     # ~10 min
-    python -m benchmarks.serving.batch_impact --lines 200 --duration 20 --out-dir /tmp/bi
+    python -m benchmarks.serving.batch_impact                     # ~15 min
+    python -m benchmarks.serving.batch_impact --lines 200 --duration 20 --rounds 1 --out-dir /tmp/bi
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ from benchmarks.harness.common import (
     cpu_counters,
     cpu_seconds,
     machine,
+    pass_counts,
+    pass_figures,
     print_table,
     redis_server_pid,
     reference_tokenizer,
@@ -60,6 +68,7 @@ from benchmarks.harness.targets import RestTarget, run_load
 from benchmarks.harness.workload import PromptMaker, poisson_arrivals, random_requests
 
 RUNS = ("interactive", "interactive+batch", "batch", "offline")
+INTERACTIVE_RUNS = ("interactive", "interactive+batch")
 MODEL = "SmolLM2-135M-Instruct"
 INPUT_LEN, OUTPUT_LEN = (32, 96), (32, 64)
 # The verdict's bounds.
@@ -76,9 +85,11 @@ def batch_lines(args: argparse.Namespace) -> list[dict[str, Any]]:
             for i in range(args.lines)]
 
 
-def interactive_specs(args: argparse.Namespace) -> list:
-    rng = random.Random(args.seed)
-    maker = PromptMaker(reference_tokenizer(), seed=args.seed)
+def interactive_specs(args: argparse.Namespace, round_: int = 0) -> list:
+    """The interactive arrivals of round ``round_`` (the same in both runs of a round)."""
+    seed = args.seed + 1000 * round_
+    rng = random.Random(seed)
+    maker = PromptMaker(reference_tokenizer(), seed=seed)
     return random_requests(maker, poisson_arrivals(args.rate, args.duration, rng), INPUT_LEN,
                            OUTPUT_LEN, rng, tenant="chat")
 
@@ -103,10 +114,12 @@ async def start_batch(url: str, key: str, lines: list[dict[str, Any]]) -> tuple[
     return client, batch
 
 
-async def platform_run(name: str, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
+async def platform_run(name: str, args: argparse.Namespace, tmp: str,
+                       round_: int = 0) -> dict[str, Any]:
     with_chat, with_batch = name != "batch", name != "interactive"
     tenants = [TenantSpec("chat", "standard"), TenantSpec("bulk", "standard")]
-    with Platform(tenants, beat=True, **platform_env(args, f"{tmp}/{name}-files")) as platform:
+    with Platform(tenants, beat=True,
+                  **platform_env(args, f"{tmp}/{name}-{round_}-files")) as platform:
         out: dict[str, Any] = {"name": name}
         processes = {n: p.pid for n, p in platform.stack.processes.items()}
         redis_pid = redis_server_pid()
@@ -122,8 +135,15 @@ async def platform_run(name: str, args: argparse.Namespace, tmp: str) -> dict[st
                                               batch_lines(args))
         if with_chat:
             async with RestTarget(platform.url, platform.keys, model=MODEL) as target:
-                results, duration = await run_load(target, interactive_specs(args), desc=name)
+                results, duration = await run_load(target, interactive_specs(args, round_),
+                                                   desc=f"{name} (round {round_ + 1})")
             out["interactive"] = summarize(results, duration)
+            out["_results"], out["_duration"] = results, duration
+            # When the slowest first tokens came (s into the run, ms): at the batch's start
+            # (its validation), or anywhere.
+            out["slowest_ttft"] = sorted(
+                ((round(r.sent_s, 1), round(1000 * r.ttft_s)) for r in results
+                 if r.ttft_s is not None), key=lambda sent_ttft: -sent_ttft[1])[:3]
         if client is not None and batch is not None:
             if with_chat:  # the interactive window is over: what the batch did meanwhile
                 shown = await client.batches.retrieve(batch.id)
@@ -156,6 +176,41 @@ async def platform_run(name: str, args: argparse.Namespace, tmp: str) -> dict[st
     return out
 
 
+def pooled(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One interactive run's rounds as one: its figures over every round's requests together
+    (TTFT and ITL percentiles of the pooled samples), each round's own p99s beside them, and
+    the rounds' CPU seconds, ticks and batch lines summed (ticks' means recomputed)."""
+    first = rounds[0]
+    out: dict[str, Any] = {"name": first["name"], "rounds": []}
+    results = [r for run in rounds for r in run.pop("_results")]
+    duration = sum(run.pop("_duration") for run in rounds)
+    out["interactive"] = summarize(results, duration)
+    for run in rounds:
+        out["rounds"].append({
+            "ttft_p99_ms": run["interactive"]["ttft_ms"].get("p99"),
+            "itl_p99_ms": run["interactive"]["itl_ms"].get("p99"),
+            "itl_p50_ms": run["interactive"]["itl_ms"].get("median"),
+            "slowest_ttft": run.get("slowest_ttft"),
+            "batch_lines_done_meanwhile": run.get("batch_lines_done_meanwhile"),
+            "cpu_s": run.get("cpu_s"), "passes": run.get("passes"), "steal": run.get("steal")})
+    if "batch_lines_done_meanwhile" in first:
+        out["batch_lines_done_meanwhile"] = sum(run.get("batch_lines_done_meanwhile") or 0
+                                                for run in rounds)
+    out["wall_s"] = round(sum(run["wall_s"] for run in rounds), 1)
+    out["cpu_s"] = {k: round(sum(run["cpu_s"].get(k, 0.0) for run in rounds), 2)
+                    for k in first["cpu_s"]}
+    ticks = sum(run["passes"]["ticks"] for run in rounds)
+    busy = sum((run["passes"]["ms_per_tick"] or 0) * run["passes"]["ticks"] for run in rounds)
+    tokens = sum((run["passes"]["tokens_per_tick"] or 0) * run["passes"]["ticks"]
+                 for run in rounds)
+    out["passes"] = {"ticks": ticks,
+                     "tokens_per_tick": round(tokens / ticks, 2) if ticks else None,
+                     "ms_per_tick": round(busy / ticks, 1) if ticks else None,
+                     "busy_share": round(busy / 1000 / out["wall_s"], 3) if out["wall_s"] else None}
+    out["steal"] = max((run.get("steal") or 0.0) for run in rounds)
+    return out
+
+
 def batch_seconds(platform: Platform, batch_id: str) -> float:
     """From the batch's ``in_progress_at`` to its ``completed_at`` (s), to the microsecond the
     platform's database holds (the API gives whole seconds: up to 1 s off either way)."""
@@ -179,25 +234,6 @@ def engine_totals(platform: Platform) -> dict[str, Any]:
         except httpx.HTTPError:
             time.sleep(1.0)
     return {}
-
-
-def pass_counts(stats: dict[str, Any]) -> tuple[int, int, float]:
-    """``(ticks, tokens generated, seconds in ticks)`` so far in engine stats (a worker's, their
-    sum, or an in-process engine's)."""
-    return (int(stats.get("tick_count") or 0), int(stats.get("tokens_generated") or 0),
-            float(stats.get("tick_seconds_total") or 0.0))
-
-
-def pass_figures(before: tuple[int, int, float], after: tuple[int, int, float],
-                 seconds: float) -> dict[str, Any]:
-    """The engine's ticks over a run, the tokens each generated on average (the decode rows
-    a pass carried, about), the mean time of one (ms, the engine's own clock) and the share of
-    the run's ``seconds`` the engine spent in ticks (the rest it waited for work)."""
-    ticks, tokens = after[0] - before[0], after[1] - before[1]
-    busy = after[2] - before[2]
-    return {"ticks": ticks, "tokens_per_tick": round(tokens / ticks, 2) if ticks else None,
-            "ms_per_tick": round(1000 * busy / ticks, 1) if ticks else None,
-            "busy_share": round(busy / seconds, 3) if seconds > 0 else None}
 
 
 async def output_tokens(client: Any, batch: Any) -> int:
@@ -294,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--poll-s", type=float, default=5.0,
                         help="seconds between the client's reads of the batch while it runs "
                              "(each read is a request the web process serves beside the batch)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of the two interactive runs, alternating (their figures "
+                             "pool every round's requests; each round's p99 is kept beside)")
     parser.add_argument("--seed", type=int, default=0)
     add_out_dir_flag(parser)
     args = parser.parse_args(argv)
@@ -301,9 +340,17 @@ def main(argv: list[str] | None = None) -> int:
 
     runs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="batch-impact-") as tmp:
+        rounds: dict[str, list[dict[str, Any]]] = {}
+        for round_ in range(args.rounds):  # the two interactive runs alternate, round by round
+            for name in (n for n in args.runs if n in INTERACTIVE_RUNS):
+                rounds.setdefault(name, []).append(
+                    asyncio.run(platform_run(name, args, tmp, round_)))
         for name in args.runs:
-            runs[name] = (offline_run(args) if name == "offline"
-                          else asyncio.run(platform_run(name, args, tmp)))
+            if name in rounds:
+                runs[name] = pooled(rounds[name])
+            else:
+                runs[name] = (offline_run(args) if name == "offline"
+                              else asyncio.run(platform_run(name, args, tmp)))
     rows = []
     for name, run in runs.items():
         chat = run.get("interactive") or {}
@@ -315,6 +362,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {machine()}")
     print_table(rows, ["run", "TTFT p99 ms", "ITL p99 ms", "batch lines meanwhile",
                        "batch tok/s"])
+    for name, run in runs.items():
+        for i, one in enumerate(run.get("rounds") or []):
+            lines = one["batch_lines_done_meanwhile"]
+            print(f"{name}, round {i + 1}: TTFT p99 {one['ttft_p99_ms']:.0f} ms, ITL p50 "
+                  f"{one['itl_p50_ms']:.1f} / p99 {one['itl_p99_ms']:.1f} ms"
+                  + (f", batch lines meanwhile {lines}" if lines is not None else "")
+                  + f"; slowest TTFT (s into the run, ms): {one['slowest_ttft']}")
     for name, run in runs.items():
         if run.get("cpu_s"):
             shares = ", ".join(f"{k} {v:.1f}" for k, v in run["cpu_s"].items())

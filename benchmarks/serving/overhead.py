@@ -15,13 +15,16 @@ Both are warmed up first with ``--warmup`` requests. Reported: the throughput ra
 tokens/s over the engine's; target at least 0.9), the latency the platform adds: TTFT, TPOT
 and ITL differences (ms), and the CPU time each process spent during the measured run (psutil:
 user + system seconds of daphne, Redis, Celery, the worker and this client process), which shows
-what the platform costs independently of the machine's run-to-run noise in throughput. Repeats
-alternate the two systems.
+what the platform costs independently of the machine's run-to-run noise in throughput, and the
+same per streamed token (ms; the web tier, daphne + Redis + Celery, aims at 0.1 ms at 16
+streams). Repeats alternate the two systems.
 
 Usage::
 
     python -m benchmarks.serving.overhead                  # 4.5-8 min on 2 cores (3 repeats)
     python -m benchmarks.serving.overhead --repeats 3 --requests 96
+    python -m benchmarks.serving.overhead --concurrency 16 --requests 32 --output-len 256 \
+        --repeats 2     # the web tier's CPU per streamed token at 16 streams
     python -m benchmarks.serving.overhead --requests 3 --warmup 1 --input-len 16 32 --output-len 4 \
         --concurrency 2 --repeats 1 --out-dir /tmp/overhead   # a quick check
 """
@@ -125,6 +128,22 @@ def compare(engine: dict[str, Any], rest: dict[str, Any]) -> dict[str, float]:
         # CPU time of the parts the engine alone does not have, over all CPU time of the run.
         "platform_cpu_share": platform_cpu(rest) / (sum(rest.get("cpu_s", {}).values()) or 1),
     }
+
+
+# The web tier's CPU time per streamed token the platform aims at (daphne + Redis + Celery, ms).
+WEB_TIER_MS_PER_TOKEN = 0.1
+
+
+def cpu_ms_per_token(summary: dict[str, Any]) -> dict[str, float]:
+    """Each process's CPU time per output token of a run (ms), and ``web tier`` (daphne +
+    Redis + Celery) beside them; empty without ``cpu_s`` or tokens."""
+    tokens = summary.get("total_output_tokens") or 0
+    cpu = summary.get("cpu_s") or {}
+    if not tokens or not cpu:
+        return {}
+    out = {k: 1000 * v / tokens for k, v in cpu.items()}
+    out["web tier"] = 1000 * platform_cpu(summary) / tokens
+    return out
 
 
 def platform_cpu(summary: dict[str, Any]) -> float:
@@ -232,6 +251,12 @@ def main(argv: list[str] | None = None) -> int:
                      if system == "rest" else "")
             print(f"  repeat {i + 1} {system:6}: "
                   + ", ".join(f"{k} {v:.1f}" for k, v in cpu.items()) + share)
+    print("CPU ms per streamed token (REST), per process:")
+    for i, run in enumerate(runs):
+        per_token = run["rest_cpu_ms_per_token"] = cpu_ms_per_token(run["rest"])
+        print(f"  repeat {i + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in per_token.items())
+              + f" (web tier target {WEB_TIER_MS_PER_TOKEN}; throughput ratio "
+              f"{run['throughput_ratio']:.3f})")
     print("median over repeats: " + ", ".join(f"{k} {v:.3g}" for k, v in overall.items())
           + " (added_*: REST minus engine, of the means)")
     path = write_json("overhead", {"args": vars(args), "machine_before": before, "runs": runs,

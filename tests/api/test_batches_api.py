@@ -16,7 +16,7 @@ from openai.types import Batch as SDKBatch
 from openai.types.chat import ChatCompletion
 from openai.types.completion import Completion
 
-from api import batch_runner
+from api import batch_pace, batch_runner
 from api.models import Batch, BatchLine
 from gateway import usage
 from gateway.clients import sync_redis
@@ -382,7 +382,9 @@ def test_the_dashboard_shows_batches_in_progress_and_metrics_count_lines_by_outc
 
 
 def test_a_line_whose_request_failed_retryably_is_sent_again_and_answered_once(
-        request, tenant_key, redis_prefix):
+        request, settings, tenant_key, redis_prefix):
+    # Its end is written below without the announcement an end writes: the scan finds it.
+    settings.LLM_PLATFORM = {**settings.LLM_PLATFORM, "BATCH_SCAN_INTERVAL_S": 1.0}
     tenant, key, raw = tenant_key
     lines = [line(f"r{i}", f"Question {i}?") for i in range(3)]
     made = in_process(raw, lambda client: create_batch(client, lines))
@@ -409,3 +411,52 @@ def test_a_line_whose_request_failed_retryably_is_sent_again_and_answered_once(
     assert (again.attempt, again.state) == (1, "done")
     assert next(o for o in out if o["custom_id"] == "r0")["response"]["request_id"] == (
         f"{made.id}-0-1")
+
+
+def test_a_batch_in_progress_is_stepped_once_enough_lines_ended_and_scanned_at_its_interval(
+        settings, tenant_key, redis_prefix):
+    settings.LLM_PLATFORM = {**settings.LLM_PLATFORM, "BATCH_LINES_IN_FLIGHT": 16}
+    assert batch_pace.min_ended() == 2  # an eighth of the lines in flight
+    tenant, key, raw = tenant_key
+    made = in_process(raw, lambda client: create_batch(
+        client, [line(f"r{i}", f"Question {i}?") for i in range(3)]))
+    step_until(made.id, lambda: Batch.objects.get(pk=made.id).status == "in_progress")
+    # Its three lines run (no worker here: the test plays one) and each one's answer is in.
+    client = sync_redis()
+    for i in range(3):
+        BatchLine.objects.filter(batch_id=made.id, index=i).update(
+            state=BatchLine.State.RUNNING, request_id=f"{made.id}-{i}-0")
+        client.xadd(redis_keys().events(f"{made.id}-{i}-0"), encode_event(FinalEvent(
+            request_id=f"{made.id}-{i}-0", finish_reason=FinishReason.LENGTH)))
+    batch_pace.settled(made.id, [], full=True, fed_all=True, running=3,
+                       client=client)  # scanned now, three lines running
+
+    def states() -> list[str]:
+        return list(BatchLine.objects.filter(batch_id=made.id).order_by("index")
+                    .values_list("state", flat=True))
+
+    ended = redis_keys().fq("batch_ended", made.id)
+    batch_runner.advance_all()
+    assert states() == ["running"] * 3  # no end announced: not stepped
+    client.sadd(ended, f"{made.id}-0-0")  # as the end of its request writes it
+    batch_runner.advance_all()
+    assert states() == ["running"] * 3  # one of the two that make a step due
+    client.sadd(ended, f"{made.id}-1-0")
+    batch_runner.advance_all()
+    assert states() == ["done", "done", "running"]  # those announced, and only those
+    assert client.scard(ended) == 0 and Batch.objects.get(pk=made.id).completed == 2
+    # Its scan is due (BATCH_SCAN_INTERVAL_S passed): every running line is looked at.
+    client.delete(batch_pace.scanned_key(made.id))
+    row = run_until_ended(made.id)
+    assert (row.status, row.completed, row.total) == ("completed", 3, 3)
+
+
+def test_a_batch_s_last_lines_are_stepped_as_they_end_not_at_its_scan(settings, tenant_key,
+                                                                      inproc_worker):
+    settings.LLM_PLATFORM = {**settings.LLM_PLATFORM, "BATCH_SCAN_INTERVAL_S": 600.0}
+    tenant, key, raw = tenant_key
+    made = in_process(raw, lambda client: create_batch(  # fewer lines than make a step due
+        client, [line(f"r{i}", f"Question {i}?") for i in range(3)]))
+    assert batch_pace.min_ended() == 8
+    row = run_until_ended(made.id, timeout_s=20)
+    assert (row.status, row.completed) == ("completed", 3)

@@ -205,3 +205,4 @@ def test_a_batch_steps_lines_are_recorded_in_one_go_each_once(metered, rclient, 
     counted = rclient.hgetall(usage_key())
     assert int(counted[f"{slug}|requests|200".encode()]) == 4  # in the metrics once each
     assert int(counted[f"{slug}|completion_tokens".encode()]) == 3 + 4 + 5 + 6
+    assert int(counted[f"{slug}|billed_tokens|batch".encode()]) == 5 + 6 + 7 + 8

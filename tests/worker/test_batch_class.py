@@ -283,3 +283,26 @@ def test_a_worker_holds_a_batch_of_lines_beyond_its_free_rows_and_interactive_on
         assert queue.gate1() == 2
     finally:
         engine.shutdown(1)
+
+
+def test_every_end_of_a_batch_line_names_it_in_its_batch_s_ended_set(rclient, keys):
+    queue = FairQueue(rclient, keys, "w", "fcfs")
+    done = message("a", batch=True, meta={"batch_id": "batch_1"})
+    other = message("b", batch=True, meta={"batch_id": "batch_2"})
+    chat = message("a", meta={"batch_id": "batch_1"})  # interactive: in no batch's set
+    late = message("a", batch=True, meta={"batch_id": "batch_1"},
+                   batch_deadline_at=time.time() - 1)
+    for m in (done, other, chat, late):
+        queue.enqueue(m)
+    assert queue.expire(EVENTS_TTL_S) == [late.request_id]  # ended where it waited
+    taken = {q.request_id: q.take for q in queue.take(3)}
+    assert set(taken) == {done.request_id, other.request_id, chat.request_id}
+    assert queue.write_events([(FinalEvent(request_id=i, finish_reason=FinishReason.LENGTH), t)
+                               for i, t in taken.items()], EVENTS_TTL_S) == set()
+
+    def members(batch_id: str) -> set[str]:
+        return {m.decode() for m in rclient.smembers(keys.fq("batch_ended", batch_id))}
+
+    assert members("batch_1") == {done.request_id, late.request_id}
+    assert members("batch_2") == {other.request_id}
+    assert 0 < rclient.ttl(keys.fq("batch_ended", "batch_1")) <= EVENTS_TTL_S

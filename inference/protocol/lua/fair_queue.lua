@@ -43,6 +43,8 @@
 --   wake:{worker}       list: the worker's own wake-ups (a row of it freed, a row preempted)
 --   next                hash request id -> the seq of its next token event (running requests):
 --                       an event written again after a lost reply is not written twice
+--   batch_ended:{batch} set, expiring with the events: the ended requests of a batch (the
+--                       message's meta.batch_id), for its next step to collect (api.batch_runner)
 -- and, beside the queue:
 --   {p}:events:{id}     the request's events stream
 --   {p}:usage:pending   hash request id -> usage entry of an ended request not yet recorded in
@@ -223,7 +225,8 @@ end
 
 -- End a request for good: its final event (JSON) in its stream, its usage entry in the ledger
 -- (recorded exactly once by gateway.usage), its concurrency leases released, its key's
--- in-flight count lowered, its take token dropped. Every end of every request goes through here.
+-- in-flight count lowered, its take token dropped, and a batch line's id added to its batch's
+-- ended set (batch_ended). Every end of every request goes through here.
 local function fq_finish(p, rec, event, ttl, now)
   local stream = p .. ':events:' .. rec.id
   redis.call('XADD', stream, '*', 'data', event)
@@ -239,6 +242,16 @@ local function fq_finish(p, rec, event, ttl, now)
     end
   end
   fq_release(p, rec.key)
+  if rec.batch then
+    local ok, message = pcall(cjson.decode, rec.body)
+    local meta = ok and type(message) == 'table' and message.meta
+    local batch_id = type(meta) == 'table' and meta.batch_id
+    if type(batch_id) == 'string' then
+      local ended = fq(p, 'batch_ended', batch_id)
+      redis.call('SADD', ended, rec.id)
+      redis.call('EXPIRE', ended, ttl)
+    end
+  end
 end
 
 -- Whether `token` is the take token of the request `id`'s current take (fq:take): a worker's
