@@ -111,9 +111,6 @@ def advance(batch_id: str, until: float, full: bool = True) -> None:
             step.run()
     if step is None:
         return
-    if step.row.status == Batch.Status.IN_PROGRESS or step.signalled:
-        batch_pace.settled(batch_id, step.signalled, full=step.full, fed_all=step.fed_all,
-                           running=step.running, client=sync_redis())
     if step.ended:
         # Once the lines' results are committed: their usage, all in one go (the worker sends
         # no usage task for a batch line). What this misses, the reconciliation records.
@@ -122,6 +119,9 @@ def advance(batch_id: str, until: float, full: bool = True) -> None:
         except (redis.RedisError, DatabaseError) as exc:
             log.warning("batch %s: the usage of %d line(s) waits for the reconciliation: %s",
                         batch_id, len(step.ended), exc)
+    if step.row.status == Batch.Status.IN_PROGRESS or step.signalled:
+        batch_pace.settled(batch_id, step.signalled, full=step.full, fed_all=step.fed_all,
+                           running=step.running, client=sync_redis())
 
 
 class _Step:
