@@ -135,7 +135,7 @@ class _Step:
         self.lines = BatchLine.objects.filter(batch=row)
         self.ended: list[str] = []  # the lines whose final event it read: their usage next
         self.signalled: set[str] = set()  # the ids its batch's ended set held (batch_pace)
-        self.fed_all = True  # False: it left lines it could have fed
+        self.fed_all = False  # True once it fed every line it could (feed ran to its end)
         self.running = 0  # its lines running once it fed them
         self._changed: dict[int, BatchLine] = {}  # lines changed and not yet written
 
@@ -200,18 +200,18 @@ class _Step:
     def feed(self) -> None:
         running = self.running = self.lines.filter(state=BatchLine.State.RUNNING).count()
         room = self.conf["BATCH_LINES_IN_FLIGHT"] - running
-        if room <= 0:
-            return
-        waiting = list(self.lines.filter(state=BatchLine.State.WAITING).order_by("index")[:room])
+        waiting = (list(self.lines.filter(state=BatchLine.State.WAITING).order_by("index")[:room])
+                   if room > 0 else [])
         if not waiting:
+            self.fed_all = True
             return
         principal = batch_store.principal(self.row)
         context = run_sync(lifecycle.served_context())
         try:
             for line in waiting:
                 if time.monotonic() > self.until or not self.send(line, principal, context):
-                    self.fed_all = False
                     return
+            self.fed_all = True
         finally:
             self.save_lines()
 

@@ -460,3 +460,26 @@ def test_a_batch_s_last_lines_are_stepped_as_they_end_not_at_its_scan(settings, 
     assert batch_pace.min_ended() == 8
     row = run_until_ended(made.id, timeout_s=20)
     assert (row.status, row.completed) == ("completed", 3)
+
+
+def test_a_batch_whose_validation_spent_its_step_is_fed_by_the_next_one(settings, monkeypatch,
+                                                                        tenant_key):
+    tenant, key, raw = tenant_key
+    made = in_process(raw, lambda client: create_batch(
+        client, [line(f"r{i}", f"Question {i}?") for i in range(3)]))
+    settings.LLM_PLATFORM = {**settings.LLM_PLATFORM, "BATCH_STEP_BUDGET_S": 0.0}
+    monkeypatch.setattr(batch_runner, "MIN_SHARE_S", 0.0)
+    batch_runner.advance_all()  # its lines read; no time left to feed any in the same step
+
+    def waiting() -> int:
+        return BatchLine.objects.filter(batch_id=made.id, state="waiting").count()
+
+    assert Batch.objects.get(pk=made.id).status == "in_progress" and waiting() == 3
+    settings.LLM_PLATFORM = {**settings.LLM_PLATFORM, "BATCH_STEP_BUDGET_S": 0.5}
+    monkeypatch.setattr(batch_runner, "MIN_SHARE_S", 0.05)
+    # No worker: each line is held back (no_worker_available), so fed means tried, not sent.
+    sent = []
+    monkeypatch.setattr(batch_runner._Step, "send",
+                        lambda self, line, principal, context: sent.append(line.index) or False)
+    batch_runner.advance_all()
+    assert sent == [0]  # the next step fed it, without waiting for an end or the scan
