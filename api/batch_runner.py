@@ -85,9 +85,9 @@ def advance_all() -> int:
         return 0
     try:
         due = batch_pace.plan(rows, sync_redis())
-    except redis.RedisError as exc:
-        log.warning("batches wait for Redis: %s", exc)
-        return 0
+    except redis.RedisError as exc:  # those in progress wait for it; the others go on
+        log.warning("batches in progress wait for Redis: %s", exc)
+        due = {pk: True for pk, status in rows if status != Batch.Status.IN_PROGRESS}
     share = max(platform_settings()["BATCH_STEP_BUDGET_S"] / max(len(due), 1), MIN_SHARE_S)
     for pk, full in due.items():
         try:
@@ -211,7 +211,9 @@ class _Step:
             for line in waiting:
                 if time.monotonic() > self.until or not self.send(line, principal, context):
                     return
-            self.fed_all = True
+            # Every slot filled, or no line left waiting (lines refused at once free theirs).
+            self.fed_all = (len(waiting) < room
+                            or self.running >= self.conf["BATCH_LINES_IN_FLIGHT"])
         finally:
             self.save_lines()
 
@@ -253,6 +255,9 @@ class _Step:
             return True
         line.state = BatchLine.State.RUNNING
         self.running += 1
+        # Its id may be in the ended set from a step that sent it and died before its commit:
+        # left there for the next step to collect it.
+        self.signalled.discard(line.request_id)
         line.epoch = str(generation.meta.get(admission.EPOCH_META_KEY) or "")
         line.sent_at = timezone.now()
         self.changed(line)

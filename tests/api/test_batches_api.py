@@ -483,3 +483,27 @@ def test_a_batch_whose_validation_spent_its_step_is_fed_by_the_next_one(settings
                         lambda self, line, principal, context: sent.append(line.index) or False)
     batch_runner.advance_all()
     assert sent == [0]  # the next step fed it, without waiting for an end or the scan
+
+
+def test_lines_refused_at_once_free_their_slots_for_the_next_step(settings, tenant_key):
+    settings.LLM_PLATFORM = {**settings.LLM_PLATFORM, "BATCH_LINES_IN_FLIGHT": 2}
+    tenant, key, raw = tenant_key
+    made = in_process(raw, lambda client: create_batch(  # each answered 404 as it is sent
+        client, [line(f"r{i}", "Hi", model="no-such-model") for i in range(6)]))
+    row = run_until_ended(made.id, timeout_s=5)  # two a step, never a wait for the scan
+    assert (row.status, row.failed, row.total) == ("completed", 6, 6)
+
+
+def test_batches_not_in_progress_step_while_the_pace_cannot_be_read(monkeypatch, tenant_key):
+    import redis
+
+    tenant, key, raw = tenant_key
+    made = in_process(raw, lambda client: create_batch(client, [line("r0", "Hi")]))
+
+    def unreachable(*args, **kwargs):
+        raise redis.ConnectionError("Redis is unreachable")
+
+    monkeypatch.setattr(batch_pace, "plan", unreachable)
+    assert batch_runner.advance_all() == 1  # validating: stepped all the same
+    assert Batch.objects.get(pk=made.id).status == "in_progress"
+    assert batch_runner.advance_all() == 0  # in progress: it waits for the pace
