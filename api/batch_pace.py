@@ -8,8 +8,9 @@ event, so with every end whoever writes it: its worker, a reclaim, a withdrawal)
 - with a **full scan** (each running line's stream looked at by ``api.batch_runner``) when its
   last full scan is more than ``BATCH_SCAN_INTERVAL_S`` old (the *scanned* marker
   ``{p}:batch_scanned:{batch id}`` has expired), or its last step left lines it could have fed
-  and did not (a limit held them back, or its time ran out: the marker is dropped); the scan
-  also finds what no end announces (a request Redis lost, a stream that expired unread);
+  and did not (a limit held them back, its time ran out, or lines refused as they were sent
+  left their slots free: the marker is dropped); the scan also finds what no end announces (a
+  request Redis lost, a stream that expired unread);
 - else **on the ended ones only**, once at least :func:`min_ended` of its lines ended since
   (an eighth of ``BATCH_LINES_IN_FLIGHT``, at least one), or every line its last step left
   running (the marker's value; a batch's last lines do not wait for the scan): the step reads
@@ -17,7 +18,8 @@ event, so with every end whoever writes it: its worker, a reclaim, a withdrawal)
 - else not at all this time: a check costs one Redis round trip for all batches.
 
 A batch in any other active status (validating, finalizing, cancelling) is stepped every time,
-with a full scan. Redis losing the keys only makes the next step a full one.
+with a full scan, even while Redis cannot be read. Redis losing the keys only makes the next step
+a full one.
 
 Why: a step costs the Celery process CPU time (tens of milliseconds with a 64-line scan) which,
 on a machine the engine shares, lengthens the engine pass it lands on; one a second beside
