@@ -124,20 +124,18 @@ class Tally:
                 continue
             key = histogram_key(spec)
             self._int(key, f"{tenant}|{spec.bucket_index(value)}", 1)
-            self._floats[key, f"{tenant}|sum"] = (
-                self._floats.get((key, f"{tenant}|sum"), 0.0) + value)
+            total = (key, f"{tenant}|sum")
+            self._floats[total] = self._floats.get(total, 0.0) + value
             self._int(key, f"{tenant}|count", 1)
 
-    def send(self, client: redis.Redis, pipe: redis.client.Pipeline | None = None) -> None:
-        """Send what was added (on ``pipe``, which its caller executes; else now)."""
-        queued = pipe is not None
-        pipe = pipe if pipe is not None else client.pipeline(transaction=False)
+    def send(self, client: redis.Redis) -> None:
+        """Send what was added, in one round trip."""
+        pipe = client.pipeline(transaction=False)
         for (key, field), n in self._ints.items():
             pipe.hincrby(key, field, n)
         for (key, field), value in self._floats.items():
             pipe.hincrbyfloat(key, field, value)
-        if not queued:
-            pipe.execute()
+        pipe.execute()
 
 
 def read_histograms(client: redis.Redis) -> dict[str, dict[str, tuple[list[int], float, int]]]:
