@@ -14,6 +14,7 @@ refuses it).
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -28,6 +29,8 @@ from gateway.errors import APIError
 from gateway.storable import storable, storable_text
 
 LINE_FIELDS = frozenset({"custom_id", "method", "url", "body"})
+# Lines validation reads at least per step, and between two looks at the clock (read_some).
+MIN_READ = 100
 # The fields of a line that a batch step changes (:func:`save`).
 STEP_FIELDS = ("state", "attempt", "request_id", "epoch", "sent_at", "result")
 
@@ -163,8 +166,9 @@ def _duplicate(row: Batch, index: int, custom_id: str, first: int) -> None:
          f"custom_id must be unique in a batch.", index + 1)
 
 
-def read_some(row: Batch, most: int) -> None:
-    """Read the next ``most`` lines of the batch's input file into its lines; the batch goes
+def read_some(row: Batch, most: int, until: float | None = None) -> None:
+    """Read the next ``most`` lines of the batch's input file into its lines, fewer once
+    ``time.monotonic()`` passes ``until`` (at least :data:`MIN_READ` of them); the batch goes
     ``in_progress`` once the whole file is read, or ends ``failed``."""
     found = StoredFile.objects.filter(tenant_id=row.tenant_id, pk=row.input_file_id).first()
     if found is None:
@@ -174,11 +178,15 @@ def read_some(row: Batch, most: int) -> None:
     start = row.read_lines
     made: list[BatchLine] = []
     seen: dict[str, int] = {}
+    whole = True  # the file's end was reached
     try:
         for index, raw in enumerate(file_lines(found)):
             if index < start:
                 continue
-            if index >= start + most:
+            if index >= start + most or (
+                    until is not None and len(made) >= MIN_READ
+                    and len(made) % MIN_READ == 0 and time.monotonic() > until):
+                whole = False
                 break
             try:
                 value = json.loads(raw)
@@ -202,7 +210,7 @@ def read_some(row: Batch, most: int) -> None:
         return
     BatchLine.objects.bulk_create(made)
     row.read_lines = start + len(made)
-    if len(made) < most:  # the whole file is read
+    if whole:
         row.total = row.read_lines
         if row.total == 0:
             fail(row, "empty_file", "The input file holds no request.")

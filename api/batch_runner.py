@@ -153,7 +153,7 @@ class _Step:
     def run(self) -> None:
         status = self.row.status
         if status == Batch.Status.VALIDATING:
-            batch_lines.read_some(self.row, self.conf["BATCH_VALIDATE_LINES"])
+            batch_lines.read_some(self.row, self.conf["BATCH_VALIDATE_LINES"], self.until)
         # A step goes on to the next phase while its time lasts: the first lines are fed, and
         # the files written, without waiting for the next step.
         if self.row.status == Batch.Status.IN_PROGRESS and (

@@ -7,6 +7,8 @@ from __future__ import annotations
 from celery import shared_task
 
 from api import batch_runner, file_store, response_store
+from gateway.background import run_niced
+from gateway.conf import platform_settings
 
 PURGE_TASK = "api.tasks.purge_responses"
 BATCH_STEP_TASK = "api.tasks.advance_batches"
@@ -36,5 +38,7 @@ def purge_files() -> int:
 @shared_task(name=BATCH_STEP_TASK, ignore_result=True, expires=30)
 def advance_batches() -> int:
     """One step of every active batch (periodic, every ``BATCH_STEP_INTERVAL_S``; each step is
-    bounded by ``BATCH_STEP_BUDGET_S``); returns how many batches were stepped."""
-    return batch_runner.advance_all()
+    bounded by ``BATCH_STEP_BUDGET_S``), at nice ``BATCH_STEP_NICE`` (:mod:`gateway.background`:
+    batch work yields the CPU to the engine and the web tier); returns how many batches were
+    stepped."""
+    return run_niced(batch_runner.advance_all, platform_settings()["BATCH_STEP_NICE"])

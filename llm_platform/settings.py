@@ -244,14 +244,16 @@ LLM_PLATFORM = {
     # workers), how often the Celery step runs (s), how often at least a batch in progress is
     # stepped with a look at every running line (s; between, only once an eighth of its lines
     # in flight ended: api.batch_pace), how long one step may work (s), lines validation reads
-    # per step, and the requests one line may be sent as (a retryable error or a request Redis
-    # lost sends it again) before it goes to the error file.
+    # per step, the requests one line may be sent as (a retryable error or a request Redis
+    # lost sends it again) before it goes to the error file, and the nice value a step runs at
+    # (0-19, on a thread of its own: gateway.background; 0: the Celery process's own).
     "BATCH_LINES_IN_FLIGHT": env.int("BATCH_LINES_IN_FLIGHT", default=64),
     "BATCH_STEP_INTERVAL_S": env.float("BATCH_STEP_INTERVAL_S", default=1.0),
     "BATCH_SCAN_INTERVAL_S": env.float("BATCH_SCAN_INTERVAL_S", default=10.0),
     "BATCH_STEP_BUDGET_S": env.float("BATCH_STEP_BUDGET_S", default=0.5),
     "BATCH_VALIDATE_LINES": env.int("BATCH_VALIDATE_LINES", default=5_000),
     "BATCH_MAX_ATTEMPTS": env.int("BATCH_MAX_ATTEMPTS", default=3),
+    "BATCH_STEP_NICE": env.int("BATCH_STEP_NICE", default=10),
     # The share of a token one token of batch work is charged (0 < x <= 1; OpenAI's half): a
     # line's token budget reservation, settlement and usage record's billed_tokens
     # (gateway.pricing). Anything else stops the process here, naming the setting.

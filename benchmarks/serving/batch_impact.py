@@ -17,7 +17,10 @@ The two interactive runs alternate ``--rounds`` times (3 by default; each round 
 arrivals, the same in both of its runs), and each one's figures pool its rounds' requests: a
 p99 of one 60-second run is its few largest samples (TTFT: the largest of 50), and the
 machine's own speed drifts over minutes, so one pair of runs moves the ratio by more than its
-bound; each round's p99s are printed beside.
+bound; each round's p99s are printed beside. The ``batch`` and ``offline`` runs alternate
+``--throughput-rounds`` times (2 by default) for the same reason: one offline run moved by 5 %
+from one run to the next on the same machine, more than the ratio's margin; each pools its
+rounds' tokens and seconds.
 
 The verdict (printed, not asserted): interactive TTFT p99 and ITL p99 with the batch within
 15 % of those without it, and the batch's output tokens/s on the idle platform (from its
@@ -66,6 +69,7 @@ from benchmarks.harness.metrics import summarize
 from benchmarks.harness.servers import Platform, TenantSpec
 from benchmarks.harness.targets import RestTarget, run_load
 from benchmarks.harness.workload import PromptMaker, poisson_arrivals, random_requests
+from benchmarks.serving.batch_rounds import pooled, pooled_throughput
 
 RUNS = ("interactive", "interactive+batch", "batch", "offline")
 INTERACTIVE_RUNS = ("interactive", "interactive+batch")
@@ -173,41 +177,6 @@ async def platform_run(name: str, args: argparse.Namespace, tmp: str,
                                      out["wall_s"])
         out["cpu_s"] = {k: round(after[k] - before[k], 2) for k in processes}
         out["steal"] = steal_share(counters, cpu_counters())
-    return out
-
-
-def pooled(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """One interactive run's rounds as one: its figures over every round's requests together
-    (TTFT and ITL percentiles of the pooled samples), each round's own p99s beside them, and
-    the rounds' CPU seconds, ticks and batch lines summed (ticks' means recomputed)."""
-    first = rounds[0]
-    out: dict[str, Any] = {"name": first["name"], "rounds": []}
-    results = [r for run in rounds for r in run.pop("_results")]
-    duration = sum(run.pop("_duration") for run in rounds)
-    out["interactive"] = summarize(results, duration)
-    for run in rounds:
-        out["rounds"].append({
-            "ttft_p99_ms": run["interactive"]["ttft_ms"].get("p99"),
-            "itl_p99_ms": run["interactive"]["itl_ms"].get("p99"),
-            "itl_p50_ms": run["interactive"]["itl_ms"].get("median"),
-            "slowest_ttft": run.get("slowest_ttft"),
-            "batch_lines_done_meanwhile": run.get("batch_lines_done_meanwhile"),
-            "cpu_s": run.get("cpu_s"), "passes": run.get("passes"), "steal": run.get("steal")})
-    if "batch_lines_done_meanwhile" in first:
-        out["batch_lines_done_meanwhile"] = sum(run.get("batch_lines_done_meanwhile") or 0
-                                                for run in rounds)
-    out["wall_s"] = round(sum(run["wall_s"] for run in rounds), 1)
-    out["cpu_s"] = {k: round(sum(run["cpu_s"].get(k, 0.0) for run in rounds), 2)
-                    for k in first["cpu_s"]}
-    ticks = sum(run["passes"]["ticks"] for run in rounds)
-    busy = sum((run["passes"]["ms_per_tick"] or 0) * run["passes"]["ticks"] for run in rounds)
-    tokens = sum((run["passes"]["tokens_per_tick"] or 0) * run["passes"]["ticks"]
-                 for run in rounds)
-    out["passes"] = {"ticks": ticks,
-                     "tokens_per_tick": round(tokens / ticks, 2) if ticks else None,
-                     "ms_per_tick": round(busy / ticks, 1) if ticks else None,
-                     "busy_share": round(busy / 1000 / out["wall_s"], 3) if out["wall_s"] else None}
-    out["steal"] = max((run.get("steal") or 0.0) for run in rounds)
     return out
 
 
@@ -333,6 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds of the two interactive runs, alternating (their figures "
                              "pool every round's requests; each round's p99 is kept beside)")
+    parser.add_argument("--throughput-rounds", type=int, default=2,
+                        help="rounds of the batch run and the offline run, alternating (the "
+                             "machine's speed drifts by several %% over minutes; each figure "
+                             "pools its rounds' tokens and seconds, each round's kept beside)")
     parser.add_argument("--seed", type=int, default=0)
     add_out_dir_flag(parser)
     args = parser.parse_args(argv)
@@ -345,12 +318,15 @@ def main(argv: list[str] | None = None) -> int:
             for name in (n for n in args.runs if n in INTERACTIVE_RUNS):
                 rounds.setdefault(name, []).append(
                     asyncio.run(platform_run(name, args, tmp, round_)))
+        for round_ in range(args.throughput_rounds):  # batch and offline alternate too
+            for name in (n for n in args.runs if n not in INTERACTIVE_RUNS):
+                rounds.setdefault(name, []).append(
+                    offline_run(args) if name == "offline"
+                    else asyncio.run(platform_run(name, args, tmp, round_)))
         for name in args.runs:
             if name in rounds:
-                runs[name] = pooled(rounds[name])
-            else:
-                runs[name] = (offline_run(args) if name == "offline"
-                              else asyncio.run(platform_run(name, args, tmp)))
+                runs[name] = (pooled(rounds[name]) if name in INTERACTIVE_RUNS
+                              else pooled_throughput(rounds[name]))
     rows = []
     for name, run in runs.items():
         chat = run.get("interactive") or {}
@@ -369,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{one['itl_p50_ms']:.1f} / p99 {one['itl_p99_ms']:.1f} ms"
                   + (f", batch lines meanwhile {lines}" if lines is not None else "")
                   + f"; slowest TTFT (s into the run, ms): {one['slowest_ttft']}")
+    for name, run in runs.items():
+        if run.get("rounds_tokens_per_s"):
+            print(f"{name}: tokens/s by round: "
+                  + ", ".join(f"{t:.1f}" for t in run["rounds_tokens_per_s"] if t))
     for name, run in runs.items():
         if run.get("cpu_s"):
             shares = ", ".join(f"{k} {v:.1f}" for k, v in run["cpu_s"].items())
