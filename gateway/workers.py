@@ -46,7 +46,7 @@ FIELD_RULES: dict[str, Rule] = {
         "prefix_queried_tokens", "kv_block_evictions", "admissions_soft_held",
         "admissions_hard_rejected", "requests_finished", "preemptions",
         "preempted_tokens_recomputed", "batch_preemptions", "batch_tokens_recomputed",
-        "batch_itl_held", "batch_decode_waits",
+        "batch_itl_held", "batch_decode_waits", "batch_passes_yielded",
         # structured outputs: a dict of counts (constrained requests, compile-cache hits,
         # refusals by reason, masks, forced tokens), summed per entry
         "structured"), Rule.SUM),

@@ -89,8 +89,8 @@ class LLMEngine:
             self._close_compute()
             raise
         self.tokenizer = self.backend.tokenizer
-        self.event_sink = event_sink
-        self.preempt_sink = preempt_sink
+        self.event_sink, self.preempt_sink = event_sink, preempt_sink
+        self.scheduler.state.arrivals = lambda: self._inbox  # a batch pass gives way to them
 
         self._lock = threading.Lock()
         self._wakeup = threading.Event()

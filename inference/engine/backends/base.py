@@ -8,7 +8,7 @@ logits. A backend is called from the engine's single worker thread only.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -63,6 +63,12 @@ class DecodeRow:
     block_table: Sequence[int]
 
 
+class PassYielded(Exception):  # noqa: N818 - not an error: the pass gave way
+    """A pass of batch rows alone stopped between layers because an interactive request
+    arrived (:attr:`ModelBackend.yield_check`): nothing of it counts, and the K/V it wrote is
+    written again, the same, by the pass that computes those tokens later."""
+
+
 class ModelBackend(ABC):
     """A causal LM behind the scheduler: prefill chunks, decode the batch, add and remove rows.
 
@@ -75,6 +81,10 @@ class ModelBackend(ABC):
     # A backend whose every pass takes the same time whatever it holds (a test backend) gives
     # it here (seconds); None: the engine measures the backend's pass cost at start-up.
     fixed_pass_seconds: float | None = None
+    # Set by the scheduler for the duration of a pass of batch rows alone (None otherwise): a
+    # backend that can stop a pass between its layers asks it there and raises PassYielded
+    # when it answers True (an interactive request waits for the next pass).
+    yield_check: Callable[[], bool] | None = None
 
     @abstractmethod
     def kv_bytes_per_token(self) -> int:

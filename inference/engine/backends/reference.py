@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from inference.engine.backends.base import DecodeRow, ModelBackend, PrefillChunk
+from inference.engine.backends.base import DecodeRow, ModelBackend, PassYielded, PrefillChunk
 from inference.tokenization import chat_tools
 
 # Letters and a few punctuation marks: what the backend "writes".
@@ -122,9 +122,17 @@ class ReferenceBackend(ModelBackend):
         self.block_copies += 1
 
     def _forward(self) -> None:
+        """One pass's time (``step_delay_s``), given up as soon as ``yield_check`` answers
+        True (:class:`~inference.engine.backends.base.PassYielded`, before anything is
+        written), as the real backend gives up between layers."""
         self.forward_calls += 1
-        if self.step_delay_s:
-            time.sleep(self.step_delay_s)
+        if not self.step_delay_s:
+            return
+        end, give_way = time.monotonic() + self.step_delay_s, self.yield_check
+        while (left := end - time.monotonic()) > 0:
+            if give_way is not None and give_way():
+                raise PassYielded("an interactive request arrived")
+            time.sleep(min(left, 0.002) if give_way is not None else left)
 
     def _write(self, block_table: Sequence[int], start: int, tokens: Sequence[int]) -> None:
         assert self._pool is not None, "allocate_kv_pool first"

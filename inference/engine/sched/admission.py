@@ -282,6 +282,7 @@ class Admission:
             "batch_itl_slack_ms": self.state.config.batch_itl_slack_ms,
             "batch_itl_slack_fraction": self.state.config.batch_itl_slack_fraction,
             "batch_decode_waits": self.state.batch_decode_waits,
+            "batch_passes_yielded": self.state.batch_passes_yielded,
         }
 
     def preemptible_rows(self) -> dict[str, int] | None:

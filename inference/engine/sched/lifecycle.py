@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from inference.engine.backends.base import DecodeRow, PrefillChunk
+from inference.engine.backends.base import DecodeRow, PassYielded, PrefillChunk
 from inference.engine.config import PrefillMode
 from inference.engine.detokenizer import IncrementalDetokenizer
 from inference.engine.logprobs import keep_prompt_logprobs, new_logprob_state
@@ -212,7 +212,8 @@ class RowLifecycle:
     def forward(self, phase: str, rows: list[Request],
                 run: Callable[[], torch.Tensor]) -> torch.Tensor | None:
         """One forward pass over ``rows``: its ``[len(rows), vocab]`` logits, or None if it raised
-        or gave another shape (then each of ``rows`` has ended once, with :func:`pass_failed`).
+        or gave another shape (then each of ``rows`` has ended once, with :func:`pass_failed`),
+        or gave way to an interactive arrival (:class:`PassYielded`: nothing changed).
         """
         if self.state.config.structured_mask_overlap:  # masks computed while the pass runs
             prefetch_masks([r.grammar for r in rows])
@@ -221,6 +222,9 @@ class RowLifecycle:
             if logits.dim() != 2 or logits.shape[0] != len(rows):
                 raise ValueError(f"{phase} returned logits of shape {tuple(logits.shape)} "
                                  f"for {len(rows)} rows")
+        except PassYielded:  # its rows wait for a later pass, as they were
+            self.state.batch_passes_yielded += 1
+            return None
         except Exception:
             log.exception("%s pass failed for %d rows", phase, len(rows))
             error = pass_failed(phase, len(rows))

@@ -17,7 +17,7 @@ exactly one of them.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,7 +66,9 @@ class SchedulerState:
     (prompt tokens computed again for resumed rows, charged to nobody), ``batch_preemptions``
     and ``batch_tokens_recomputed`` (the part of both of batch rows), ``batch_itl_held``
     (admissions of a batch head held back by the ITL rule), ``batch_decode_waits`` (batch
-    decode rows left out of a pass by the same rule), ``forked_requests``
+    decode rows left out of a pass by the same rule), ``batch_passes_yielded`` (passes of batch
+    rows alone stopped for an interactive arrival, ``docs/design.md``, "The batch service
+    class"), ``forked_requests``
     (requests of ``n`` > 1 choices forked after their one prefill) and ``forked_choices`` (the
     decode rows those forks made, choice 0 included). ``left_pending`` counts
     the requests that left ``pending`` (admitted or ended) since the engine last took it.
@@ -108,12 +110,16 @@ class SchedulerState:
     batch_tokens_recomputed: int = 0
     batch_itl_held: int = 0
     batch_decode_waits: int = 0
+    batch_passes_yielded: int = 0
     left_pending: int = 0
     forked_requests: int = 0
     forked_choices: int = 0
 
     events: list[Event] = field(default_factory=list)
     preempted_out: list[ResumeState] = field(default_factory=list)
+    # What the engine's next tick takes in (``(kind, item)``: a ``"submit"``'s item is the
+    # request), read while a pass runs (:mod:`inference.engine.sched.mixed_tick`).
+    arrivals: Callable[[], Sequence[tuple[str, Any]]] = lambda: ()
 
     def __post_init__(self) -> None:
         self.tokenizer = self.backend.tokenizer

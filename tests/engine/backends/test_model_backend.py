@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from inference.engine.backends.base import DecodeRow, PrefillChunk
+from inference.engine.backends.base import DecodeRow, PassYielded, PrefillChunk
 from inference.engine.backends.hf import TransformersBackend
 from inference.engine.backends.hf.batch import _make_batch
 from inference.engine.config import EngineConfig
@@ -100,6 +100,31 @@ def test_a_deep_chunk_a_new_prompt_and_a_decode_row_in_one_pass_match_the_plain_
     logits = backend.prefill_and_decode(chunks, [DecodeRow("o", 7, 30, tables["o"])])
     for i, ids in enumerate((long, short, [*other, 7])):
         torch.testing.assert_close(logits[i], hf_logits(backend, ids)[-1], atol=LOGIT_ATOL, rtol=0)
+
+
+def test_a_pass_stopped_between_layers_and_done_again_matches_the_plain_forward(backend,
+                                                                                corpus_ids):
+    # A pass of a prompt chunk and a decode row gives way before its 10th layer (its first nine
+    # layers' K/V written), then the same pass runs whole: the logits are the plain forward's,
+    # and so are the next pass's, which reads the K/V the stopped pass wrote over.
+    backend.allocate_kv_pool(64, 16)
+    a, b = corpus_ids[:40], corpus_ids[100:121]
+    tables = {"a": [5, 6, 7], "b": [9, 10]}
+    backend.prefill([PrefillChunk("b", b[:20], 0, tables["b"])])
+    chunks, rows = [PrefillChunk("a", a, 0, tables["a"])], [DecodeRow("b", b[20], 20, tables["b"])]
+    asked = []
+    backend.yield_check = lambda: asked.append(1) or len(asked) > 9
+    try:
+        with pytest.raises(PassYielded, match="layer 9"):
+            backend.prefill_and_decode(chunks, rows)
+    finally:
+        backend.yield_check = None
+    logits = backend.prefill_and_decode(chunks, rows)
+    torch.testing.assert_close(logits[0], hf_logits(backend, a)[-1], atol=LOGIT_ATOL, rtol=0)
+    torch.testing.assert_close(logits[1], hf_logits(backend, b)[-1], atol=LOGIT_ATOL, rtol=0)
+    after = backend.decode([DecodeRow("a", 11, 40, tables["a"])])
+    torch.testing.assert_close(after[0], hf_logits(backend, [*a, 11])[-1], atol=LOGIT_ATOL,
+                               rtol=0)
 
 
 def test_pool_is_one_tensor_sized_by_blocks(backend):

@@ -10,12 +10,14 @@ and LM head.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from inference.engine.backends import native as native_kernels
+from inference.engine.backends.base import PassYielded
 from inference.engine.backends.hf.attention import _attend
 from inference.engine.backends.hf.batch import _Batch
 from inference.engine.backends.hf.loading import _Layer
@@ -90,6 +92,7 @@ class _Forward:
     # the LM head over its packed weight (a bf16 model on a CPU with AVX512-BF16), see _logits
     _lm_head_packed: Any = None
     packed_gemm: bool = False
+    yield_check: Callable[[], bool] | None = None  # ModelBackend's: asked before each layer
 
     def _forward(self, b: _Batch) -> torch.Tensor:
         """Run the decoder over batch ``b``: write its new tokens' K/V into the pool and return
@@ -110,7 +113,10 @@ class _Forward:
         linear = _linear_cpu if self.small_batch_gemm else F.linear
         packed_gemm = self.packed_gemm
         h = F.embedding(b.tokens, self._embed)  # [N, hidden]
+        give_way = self.yield_check
         for i, layer in enumerate(self._layers):
+            if give_way is not None and give_way():
+                raise PassYielded(f"stopped before layer {i}")
             packed = layer.packed if packed_gemm else None
             x = _rms_norm(h, layer.ln1_w, layer.ln1_eps)
             # [N, (H + 2 KV) * D]
