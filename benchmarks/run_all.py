@@ -142,6 +142,10 @@ STEPS = (
          ("--lines", "40", "--duration", "5"), OUT_DIR,
          "experiment 11, batch work: interactive TTFT and ITL with and without a 2,000-line "
          "batch, and the batch against the offline engine"),
+    Step("batch_arrivals", "benchmarks.serving.batch_arrivals", (),
+         ("--lines", "40", "--arrivals", "3", "--settle-s", "0.2"), OUT_DIR,
+         "experiment 11b, what an interactive arrival waits for beside batch work in one "
+         "engine: TTFT alone, beside a batch, and beside a batch whose passes never give way"),
     Step("structured", "benchmarks.structured.workload", (), ("--quick",), OUT_DIR,
          "structured outputs: JSON-schema requests against transformers generate with "
          "llguidance, mask cost, ITL beside constrained rows, jump-forward and mask overlap"),

@@ -35,7 +35,7 @@ tick generated and its mean wall time, and the share of CPU time the hypervisor 
 
 Usage::
 
-    python -m benchmarks.serving.batch_impact                     # ~15 min
+    python -m benchmarks.serving.batch_impact                     # ~25 min
     python -m benchmarks.serving.batch_impact --lines 200 --duration 20 --rounds 1 --out-dir /tmp/bi
 """
 

@@ -194,9 +194,9 @@ class MixedPass:
     def _decode_rows(self, rows: list[Request]) -> list[Request]:
         """The decode rows of this pass (``docs/design.md``, "The batch service class"): every
         interactive one, and the batch ones (oldest admitted first) while the predicted pass
-        stays within :func:`batch_ceiling` of the interactive rows' own; the other batch rows
-        wait, their KV blocks kept. Every row when no interactive row decodes (or no cost
-        model)."""
+        stays within :func:`batch_ceiling` of the interactive rows' own, none while an
+        interactive prompt is computed; the other batch rows wait, their KV blocks kept. Every
+        row when no interactive row decodes (or no cost model)."""
         state, model = self.state, self.cost_model
         batch = [r for r in rows if r.batch]
         interactive = [r for r in state.active if not r.batch]
@@ -221,9 +221,9 @@ class MixedPass:
     def _batch_take(self, batch: list[Request], prefilling: list[Request], take: list[int],
                     decode: PassShape) -> list[int]:
         """Prompt tokens of the batch prefilling rows (``docs/design.md``, "The batch service
-        class"): as any row's when no interactive row is in the pass (or no cost model);
-        else the most that keep the predicted pass within the interactive rows' own
-        (their decode rows, ``prefilling`` with ``take``) within :func:`batch_ceiling`."""
+        class"): as any row's when no interactive row is in the pass (or no cost model); none
+        when an interactive prompt is (``take``); else the most that keep the predicted pass
+        within the interactive rows' own (their decode rows) within :func:`batch_ceiling`."""
         state, model = self.state, self.cost_model
         interactive = [r for r in state.active if not r.batch]
         if model is None or not (interactive or prefilling or self.yielding):
