@@ -29,6 +29,14 @@ class RecordingBackend(ModelBackend):
     chunk's logits give token 0, each decode step the next one.
     """
 
+    @property
+    def yield_check(self):  # the scheduler sets it here; the inner backend asks its own
+        return self.inner.yield_check
+
+    @yield_check.setter
+    def yield_check(self, check) -> None:
+        self.inner.yield_check = check
+
     def __init__(self, inner: ModelBackend):
         self.inner = inner
         self.tokenizer = inner.tokenizer

@@ -86,6 +86,11 @@ def _spans(rows: list[Request]) -> list[tuple[int, int]]:
     return [(r.num_computed_tokens, r.prompt_len - r.num_computed_tokens) for r in rows]
 
 
+# Consecutive passes computing interactive prompts that keep every batch row out; the next one
+# lets batch rows in within the batch ceiling, so a stream of long prompts never starves them.
+PROMPT_PASSES_WITHOUT_BATCH = 8
+
+
 class MixedPass:
     """The mixed-batch phase of the scheduler's tick (module docstring).
 
@@ -111,6 +116,9 @@ class MixedPass:
         self.last_pass: dict[str, float] = {}
         self.interactive_seen_at = -math.inf  # the clock's last tick with interactive work
         self.yielding = False
+        self.prompt_pass = False  # this pass computes an interactive prompt: no batch row
+        self._prompt_passes = 0  # consecutive passes that kept batch rows out for prompts
+        self._gave_way = False  # the last pass gave way to an arrival: this one does not
 
     def _yield_to_interactive(self) -> bool:
         """Whether a pass of batch rows alone is held short (``BATCH_YIELD_S``): the engine
@@ -129,9 +137,14 @@ class MixedPass:
     def _mixed_pass(self) -> None:
         state, rows = self.state, self.rows
         self.yielding = self._yield_to_interactive()
+        self.prompt_pass = (self.cost_model is not None
+                            and any(not r.batch for r in state.prefilling)
+                            and self._prompt_passes < PROMPT_PASSES_WITHOUT_BATCH)
+        self._prompt_passes = self._prompt_passes + 1 if self.prompt_pass else 0
         # A row whose grammar forced tokens after its last sampled one (jump-forward) feeds them
         # all in this pass, as a prompt-like chunk of its own; the others feed one token.
-        forced_rows = [r for r in state.active if r.num_tokens - r.num_computed_tokens > 1]
+        forced_rows = [r for r in state.active if r.num_tokens - r.num_computed_tokens > 1
+                       and not (self.prompt_pass and r.batch)]
         decode_rows = self._decode_rows(
             [r for r in state.active if r.num_tokens - r.num_computed_tokens <= 1])
         decode_shape = PassShape(len(decode_rows) + len(forced_rows),
@@ -168,8 +181,11 @@ class MixedPass:
         started = time.perf_counter()
         # A pass of batch rows alone gives way between its layers to an interactive request
         # that arrives meanwhile: it waits a layer, not the pass (the pass is redone later).
-        alone = all(r.batch for r in sampled_rows + decode_rows)
+        # The pass after one that gave way runs whole, so batch work moves however often
+        # arrivals come.
+        alone = all(r.batch for r in sampled_rows + decode_rows) and not self._gave_way
         state.backend.yield_check = self._interactive_arrived if alone else None
+        gave_way = state.batch_passes_yielded
         try:
             logits = rows.forward("mixed", sampled_rows + decode_rows,
                                   lambda: keep_prompt_logprobs(
@@ -177,6 +193,9 @@ class MixedPass:
                                       sampled_rows, len(chunks) + len(batch)))
         finally:
             state.backend.yield_check = None
+        self._gave_way = state.batch_passes_yielded != gave_way
+        if self._gave_way:  # it counts for nothing, its figures included
+            return
         elapsed = time.perf_counter() - started
         predicted = self.cost_model.predict(shape) if self.cost_model is not None else 0.0
         # A pass that computed prompt logprobs (every position's logits) is not a usual pass.
@@ -202,10 +221,11 @@ class MixedPass:
         interactive = [r for r in state.active if not r.batch]
         if model is None or not batch or not (interactive or self.yielding):
             return rows
-        if any(not r.batch for r in state.prefilling):
+        if self.prompt_pass:
             # A pass that computes an interactive prompt carries no batch row: its first token
             # waits for nothing else (the cost model prices a decode row beside a prompt at a
-            # few ms; measured, it adds 12 % to a 41-token prompt's pass).
+            # few ms; measured, it adds 12 % to a 41-token prompt's pass). After
+            # PROMPT_PASSES_WITHOUT_BATCH such passes in a row, one lets them in.
             state.batch_decode_waits += len(batch)
             return [r for r in rows if not r.batch]
         alone = PassShape(len(interactive), sum(r.num_tokens for r in interactive))
@@ -229,7 +249,7 @@ class MixedPass:
         if model is None or not (interactive or prefilling or self.yielding):
             return plan_prefill(_spans(batch), decode, model, self.target_itl_s,
                                 state.chunk_size)
-        if any(take):  # an interactive prompt in the pass: batch prompts wait (_decode_rows)
+        if self.prompt_pass and any(take):  # batch prompts wait too (_decode_rows)
             return [0] * len(batch)
         attention = sum(chunk_attention(r.num_computed_tokens, n)
                         for r, n in zip(prefilling, take, strict=True) if n)

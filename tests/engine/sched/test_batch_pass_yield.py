@@ -111,3 +111,42 @@ def test_a_pass_that_computes_an_interactive_prompt_carries_no_batch_row():
     assert engine.stats()["tick_budget"]["last_pass"]["decode_rows"] > 1
     run_until_idle(engine, log)
     assert all(isinstance(log.final(r), FinalEvent) for r in ("stream", "bulk0", "bulk1", "bulk2"))
+
+
+def test_the_pass_after_one_that_gave_way_runs_whole():
+    # However often arrivals come, batch work moves: a batch pass that follows one that gave
+    # way is not stopped.
+    backend = ReferenceBackend()
+    engine = make_engine(backend, batch_yield_s=0)
+    log = EventLog()
+    bulk(engine)
+    log.add(engine.step())
+    engine.scheduler.mixed._gave_way = True  # as after a pass that gave way
+    backend.step_delay_s = 0.3
+    thread, out = step_in_thread(engine)
+    submit(engine, "stream", max_tokens=3)
+    thread.join(timeout=10)
+    backend.step_delay_s = 0.0
+    assert engine.stats()["batch_passes_yielded"] == 0
+    assert any(isinstance(e, TokenEvent) for e in out[0])
+
+
+def test_a_stream_of_interactive_prompt_passes_lets_batch_rows_in_now_and_then():
+    # A long interactive prompt computed over many passes: every PROMPT_PASSES_WITHOUT_BATCH
+    # passes, one carries the batch rows again (within the ceiling), so they never starve.
+    from inference.engine.sched.mixed_tick import PROMPT_PASSES_WITHOUT_BATCH
+
+    engine = make_engine(max_batch_size=8, batch_yield_s=5, batch_itl_slack_fraction=10.0,
+                         target_itl_ms=0.001)
+    engine.scheduler.admission.cost_model = engine.scheduler.mixed.cost_model = MODEL
+    log = EventLog()
+    bulk(engine)
+    step_until(engine, log, lambda: all(decoding(engine, f"bulk{i}") for i in range(2)))
+    submit(engine, "long", max_tokens=2, prompt=[(i % 90) + 5 for i in range(200)])
+    rows_per_pass = []
+    while not any(isinstance(e, TokenEvent) and e.request_id == "long" for e in log.order):
+        log.add(engine.step())
+        rows_per_pass.append(engine.stats()["tick_budget"]["last_pass"]["decode_rows"])
+    assert len(rows_per_pass) > PROMPT_PASSES_WITHOUT_BATCH + 1
+    assert rows_per_pass[:PROMPT_PASSES_WITHOUT_BATCH] == [0] * PROMPT_PASSES_WITHOUT_BATCH
+    assert rows_per_pass[PROMPT_PASSES_WITHOUT_BATCH] > 0
