@@ -154,7 +154,13 @@ STEPS = (
          "grammar libraries: compile and mask time of llguidance, outlines-core (and xgrammar "
          "where installed)"),
     Step("engine", "benchmarks.serving.engine", (), ("--quick", "--workloads", "c"), OUT_FILE,
-         "the engine against plain transformers generate and generate_batch, fp32 and bf16"),
+         "the engine against plain transformers generate and generate_batch, fp32 and bf16, "
+         "and llama.cpp's llama-server on the bf16 and Q4_1 GGUFs where built"),
+    Step("llama_cpp", "benchmarks.serving.llama_cpp", (),
+         ("--requests", "8", "--single-requests", "2", "--warmup", "1"), OUT_DIR,
+         "the platform against llama.cpp's llama-server through each one's OpenAI endpoint "
+         "(mixed and single-stream workloads; skipped where scripts/llama_cpp.sh has not built "
+         "the server)"),
     Step("decode_step", "benchmarks.kernels.decode_step", (),
          ("--dtype", "float32", "--rows", "2", "--max-context", "64", "--steps", "1",
           "--repeats", "1"), OUT_FILE,

@@ -34,6 +34,26 @@ def machine() -> dict[str, Any]:
             "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": commit}
 
 
+def cpu_info() -> dict[str, Any]:
+    """``model`` (``/proc/cpuinfo``'s model name), ``cores`` (os.cpu_count), ``avx512_bf16``
+    and ``amx_bf16`` (bools) and ``label``, the line printed beside every figure."""
+    model, flags = "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "unknown CPU":
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    info = {"model": model, "cores": os.cpu_count(), "avx512_bf16": "avx512_bf16" in flags,
+            "amx_bf16": "amx_bf16" in flags}
+    info["label"] = (f"{model}, {info['cores']} cores, avx512_bf16 "
+                     f"{'yes' if info['avx512_bf16'] else 'no'}")
+    return info
+
+
 def results_dir(out_dir: str | os.PathLike[str] | None = None) -> Path:
     """The folder results go to: ``out_dir`` (created), or ``benchmarks/results/``."""
     folder = Path(out_dir) if out_dir else RESULTS_DIR

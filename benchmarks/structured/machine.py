@@ -9,27 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.common import cpu_info as cpu  # noqa: F401 - the CPU line of every figure
 from benchmarks.harness.common import redis_server_pid
-
-
-def cpu() -> dict[str, Any]:
-    """``model`` (``/proc/cpuinfo``'s model name), ``cores`` (os.cpu_count), ``avx512_bf16``
-    and ``amx_bf16`` (bools) and ``label``, the line printed beside every figure."""
-    model, flags = "unknown CPU", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model == "unknown CPU":
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    info = {"model": model, "cores": os.cpu_count(), "avx512_bf16": "avx512_bf16" in flags,
-            "amx_bf16": "amx_bf16" in flags}
-    info["label"] = (f"{model}, {info['cores']} cores, avx512_bf16 "
-                     f"{'yes' if info['avx512_bf16'] else 'no'}")
-    return info
 
 
 def _machine_busy_s() -> float:

@@ -11,13 +11,21 @@ Systems (each in its own subprocess, so peak RSS is per system and no two run at
   would write instead), the model loaded with ``from_pretrained(..., dtype=DTYPE)``: each batch
   is padded to its longest prompt and runs to its longest answer;
 * ``generate_batch:DTYPE``: transformers' own continuous batching manager (the engine behind
-  ``model.generate_batch``), fed by the same closed-loop client.
+  ``model.generate_batch``), fed by the same closed-loop client;
+* ``llama_server:bfloat16`` and ``llama_server:q4_1``: llama.cpp's ``llama-server`` on the
+  default model's bf16 GGUF and on its wheel's Q4_1 GGUF, one slot per request in flight and a
+  thread per core, fed the same token ids by the same closed-loop client through its OpenAI
+  endpoint (:mod:`.llama`; built by ``scripts/llama_cpp.sh``, part of the default set where
+  built, else left out with a line saying why).
 
 A peer named without a dtype is its ``float32`` run. The default set is ``engine`` and both
 peers in both dtypes (:data:`DEFAULT_SYSTEMS`). Each engine row's throughput is compared with
 ``generate`` and ``generate_batch`` in the dtype the engine ran in, and with ``generate:float32``
 (``from_pretrained``'s default on the default model folder); a summary of the targets
-(:data:`TARGETS`) ends the table, printed only (PASS or MISS, never asserted).
+(:data:`TARGETS`) ends the table, printed only (PASS or MISS, never asserted); the targets
+against llama.cpp's bf16 GGUF hold for a bf16 engine on a CPU with AVX512-BF16 and are
+``report`` elsewhere. For workload c, the weight bytes each system's decode step reads over its
+ITL p50 (GB/s) are printed against the machine's read bandwidth measured in the same run.
 
 Workloads (greedy; every request generates exactly its ``max_tokens``: EOS is ignored):
 

@@ -13,10 +13,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.harness import llama_server
 from benchmarks.harness.cli import HelpFormatter, name_list, positive_int
+from benchmarks.harness.common import cpu_info
 from benchmarks.serving.engine.report import (
+    bandwidth_rows,
     check_targets,
     engine_dtypes,
+    format_bandwidth,
     format_table,
     format_targets,
     save,
@@ -25,6 +29,7 @@ from benchmarks.serving.engine.systems import (
     DEFAULT_SYSTEMS,
     DTYPES,
     KINDS,
+    LLAMA_SYSTEMS,
     System,
     parse_system,
     system_list,
@@ -34,8 +39,9 @@ from benchmarks.serving.engine.workloads import WORKLOADS
 
 REPO = Path(__file__).resolve().parents[3]
 RESULTS_DIR = REPO / "benchmarks" / "results"
-DESCRIPTION = "Throughput and latency of this engine against plain transformers, on the same " \
-              "model and prompts."
+DESCRIPTION = "Throughput and latency of this engine against plain transformers and llama.cpp's " \
+              "llama-server, on the same model and prompts."
+LLAMA_WEIGHTS = {"bfloat16": "bf16", "q4_1": "q4_1"}
 
 
 def planned_runs(system: System, workload: str, repeats: int, peer_repeats: int) -> int:
@@ -87,12 +93,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.serving.engine",
                                      description=DESCRIPTION, formatter_class=HelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller workloads, one repeat")
-    parser.add_argument("--systems", type=system_list, default=",".join(DEFAULT_SYSTEMS),
-                        metavar="LIST",
+    parser.add_argument("--systems", type=system_list, default=None, metavar="LIST",
                         help="comma-separated systems to run: KIND or KIND:DTYPE, KIND one of "
                              f"{', '.join(KINDS)}, DTYPE one of {', '.join(DTYPES)} (fp32, "
-                             "bf16); engine alone is its default dtype (auto), a peer alone "
-                             "float32")
+                             "bf16); engine alone is its default dtype (auto), a transformers "
+                             "peer alone float32; llama_server:bf16 and llama_server:q4_1 are "
+                             "llama.cpp on the bf16 and the wheel's Q4_1 GGUF (built by "
+                             "scripts/llama_cpp.sh). Default: "
+                             f"{','.join(DEFAULT_SYSTEMS)}, and both llama_server systems where "
+                             "built")
     parser.add_argument("--workloads", type=name_list(WORKLOADS), default=",".join(WORKLOADS),
                         metavar="LIST",
                         help=f"comma-separated workloads to run, out of {', '.join(WORKLOADS)}")
@@ -128,7 +137,15 @@ def main(argv: list[str] | None = None) -> int:
 
     repeats = args.repeats or (1 if args.quick else 3)
     peer_repeats = args.peer_repeats or (1 if args.quick else 2)
-    systems, workloads = args.systems, args.workloads
+    systems, workloads = pick_systems(args.systems), args.workloads
+    if systems is None:
+        return 2
+    cpu = cpu_info()
+    print(f"CPU: {cpu['label']}")
+    read_gbs = None
+    if "c" in workloads:
+        read_gbs = llama_server.read_bandwidth_gbs()
+        print(f"read bandwidth: {read_gbs:.1f} GB/s")
     results: dict[str, dict[str, dict]] = {}
     descriptions: dict[str, str] = {}
     started = time.monotonic()
@@ -152,11 +169,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ntotal {time.monotonic() - started:.0f} s; medians over runs; x gen / x gb: "
           "throughput ratio to generate / generate_batch in the row's own dtype; x gen32: to "
           "generate:float32; busy: cores other processes kept busy meanwhile (noise)")
-    checks = check_targets(results)
+    if "c" in results:
+        weights = {s.label: weight_bytes(s, results["c"].get(s.label, {}).get("dtype", ""))
+                   for s in systems}
+        band = bandwidth_rows(results["c"], {k: v for k, v in weights.items() if v}, read_gbs)
+        print("\nsingle stream (workload c): weight bytes read per decode step over its ITL p50")
+        print(format_bandwidth(band, read_gbs))
+        extra = {"cpu": cpu, "read_bandwidth_gbs": read_gbs, "single_stream_bandwidth": band}
+    else:
+        extra = {"cpu": cpu}
+    checks = check_targets(results, cpu["avx512_bf16"])
     if checks:
         print("\ntargets (throughput ratios; printed, not asserted):")
         print(format_targets(checks))
-    save(out, args.quick, descriptions, results)
+    save(out, args.quick, descriptions, results, extra)
     print(f"saved {out}")
     failed = [f"{system} on {wl}" for wl, by_system in results.items()
               for system, r in by_system.items() if "error" in r]
@@ -164,6 +190,45 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ERROR: failed runs: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def pick_systems(asked: list[System] | None) -> list[System] | None:
+    """The systems to run: ``asked`` (from ``--systems``), else the default set with both
+    llama.cpp systems where they are built (a line says why one is left out). None, with the
+    reason on stderr, when an asked-for llama.cpp system cannot run here."""
+    if asked is not None:
+        for system in asked:
+            why = (llama_server.missing(LLAMA_WEIGHTS[system.dtype])
+                   if system.kind == "llama_server" else None)
+            if why:
+                print(f"error: {system.label}: {why}", file=sys.stderr)
+                return None
+        return asked
+    systems = [parse_system(label) for label in DEFAULT_SYSTEMS]
+    for label in LLAMA_SYSTEMS:
+        system = parse_system(label)
+        why = llama_server.missing(LLAMA_WEIGHTS[system.dtype])
+        if why:
+            print(f"{label}: skipped: {why}")
+        else:
+            systems.append(system)
+    return systems
+
+
+def weight_bytes(system: System, dtype: str) -> int | None:
+    """Bytes of weights one decode step of ``system`` reads: a GGUF's file size for llama.cpp,
+    else the model's parameters (its fp32 safetensors over 4 bytes) times ``dtype``'s size."""
+    if system.kind == "llama_server":
+        return llama_server.gguf_path(LLAMA_WEIGHTS[system.dtype]).stat().st_size
+    size = {"float32": 4, "bfloat16": 2}.get(dtype)
+    if size is None:
+        return None
+    from inference.engine.model_store import resolve_model_path
+    from inference.protocol.settings import PlatformSettings
+
+    shared = PlatformSettings()
+    folder = Path(resolve_model_path(shared.model_path, shared.model_cache_dir))
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors")) // 4 * size
 
 
 def out_file(text: str) -> Path:

@@ -206,11 +206,22 @@ def run_generate_batch(model_path: str, dtype: str, wl: Workload) -> list[Trace]
     return [traces[f"{tag}r{i}"] for i in range(len(wl.requests))]
 
 
-RUNNERS = {"engine": run_engine, "generate": run_generate, "generate_batch": run_generate_batch}
+def run_llama(model_path: str, dtype: str, wl: Workload) -> list[Trace]:
+    """llama.cpp's server on the GGUF of ``dtype`` (:mod:`.llama`), sized for the workload."""
+    from benchmarks.serving.engine.llama import run_llama_server
+
+    return run_llama_server(dtype, wl, _PLAN or wl)
 
 
-def resolved_dtype() -> str:
-    """The dtype this process's model runs in (e.g. ``bfloat16``), once loaded; else ``""``."""
+RUNNERS = {"engine": run_engine, "generate": run_generate, "generate_batch": run_generate_batch,
+           "llama_server": run_llama}
+
+
+def resolved_dtype(system: System) -> str:
+    """The dtype this process's model runs in (e.g. ``bfloat16``), once loaded; else ``""``
+    (llama.cpp's: the GGUF's weights, ``bfloat16`` or ``q4_1``)."""
+    if system.kind == "llama_server":
+        return system.dtype
     model = _BACKEND if _BACKEND is not None else _HF
     return str(model.dtype).removeprefix("torch.") if model is not None else ""
 
@@ -230,13 +241,15 @@ def worker(system: System, workload: str, quick: bool, repeats: int, out: Path) 
     _PLAN = wl  # what the warm-up sizes a long-lived manager for
     warm = Workload("warm-up", "", [Spec(corpus_ids[:24], 4), Spec(corpus_ids[30:40], 4)], 2)
     runner(model_path, system.dtype, warm)
+    # The system's own processes: this one, and llama.cpp's server where it is the system.
+    pids = ["self", *_server_pids(system)]
     runs = []
     for _ in range(repeats):
-        cpu_before = _cpu_jiffies()
+        cpu_before = _cpu_jiffies(pids)
         started = time.perf_counter()
         traces = runner(model_path, system.dtype, wl)
         ended = time.perf_counter()
-        cpu_after = _cpu_jiffies()
+        cpu_after = _cpu_jiffies(pids)
         runs.append(summarize(traces, started, ended))
         # Cores kept busy by other processes meanwhile: a noisy machine shows up here.
         foreign = (cpu_after[0] - cpu_before[0]) - (cpu_after[1] - cpu_before[1])
@@ -247,17 +260,36 @@ def worker(system: System, workload: str, quick: bool, repeats: int, out: Path) 
             raise RuntimeError(f"{system.label} produced {got} tokens, expected {expected}")
     if _GB is not None:
         _GB.stop(block=True, timeout=10)
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if system.kind == "llama_server":
+        from benchmarks.serving.engine.llama import close
+
+        close()
+    # llama.cpp's memory is its server's (a child, waited for by close()), not this client's.
+    who = resource.RUSAGE_CHILDREN if system.kind == "llama_server" else resource.RUSAGE_SELF
+    peak_rss = resource.getrusage(who).ru_maxrss * 1024
     out.write_text(json.dumps({"runs": runs, "peak_rss_bytes": peak_rss,
-                               "description": wl.description, "dtype": resolved_dtype()}))
+                               "description": wl.description, "dtype": resolved_dtype(system)}))
 
 
-def _cpu_jiffies() -> tuple[int, int]:
-    """(busy jiffies of the whole machine, jiffies of this process); (0, 0) where unknown."""
+def _server_pids(system: System) -> list[str]:
+    """llama.cpp's server process id (as text), when it is the system running here."""
+    if system.kind != "llama_server":
+        return []
+    from benchmarks.serving.engine import llama
+
+    return [str(llama._SERVER.pid)] if llama._SERVER is not None else []
+
+
+def _cpu_jiffies(pids: list[str]) -> tuple[int, int]:
+    """(busy jiffies of the whole machine, jiffies of the processes ``pids``: ``self`` or
+    numbers); (0, 0) where unknown."""
     try:
         fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
         busy = sum(int(x) for x in fields) - int(fields[3]) - int(fields[4])  # minus idle, iowait
-        own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        return busy, int(own[11]) + int(own[12])  # utime + stime
+        own = 0
+        for pid in pids:
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            own += int(stat[11]) + int(stat[12])  # utime + stime
+        return busy, own
     except (OSError, IndexError, ValueError):
         return 0, 0

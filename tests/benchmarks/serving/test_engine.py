@@ -82,6 +82,12 @@ def test_bad_workload_and_system_flags_are_argparse_errors(argv, message, capsys
     assert message in capsys.readouterr().err
 
 
+@pytest.fixture(autouse=True)
+def no_bandwidth_probe(monkeypatch):
+    """The 1 GiB read-bandwidth probe is the benchmark's, not these tests'."""
+    monkeypatch.setattr(engine_cli.llama_server, "read_bandwidth_gbs", lambda: 20.0)
+
+
 def test_a_failed_run_exits_1_after_the_table(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(engine_cli, "run_one",
                         lambda *a, **k: {"error": "exit 1: boom", "description": "c"})
@@ -98,19 +104,19 @@ def test_ratios_compare_each_row_with_the_peers_in_its_own_dtype_and_with_fp32_g
             "generate:float32": row(50.0, "float32"), "generate:bfloat16": row(100.0, "bfloat16"),
             "generate_batch:bfloat16": row(120.0, "bfloat16")}
     got = ratios(rows)
-    assert got["engine"] == {"x_gen": 3.0, "x_gb": 2.5, "x_gen_fp32": 6.0}
+    no_llama = {"x_lcpp": None, "x_lcpp_q4": None}
+    assert got["engine"] == {"x_gen": 3.0, "x_gb": 2.5, "x_gen_fp32": 6.0, **no_llama}
     # No fp32 generate_batch in the run: that ratio is missing, not 0 or inf.
-    assert got["engine:float32"] == {"x_gen": 4.0, "x_gb": None, "x_gen_fp32": 4.0}
+    assert got["engine:float32"] == {"x_gen": 4.0, "x_gb": None, "x_gen_fp32": 4.0, **no_llama}
     assert got["generate:float32"]["x_gen"] == 1.0
     assert got["generate:bfloat16"] == {"x_gen": 1.0, "x_gb": pytest.approx(100 / 120),
-                                        "x_gen_fp32": 2.0}
+                                        "x_gen_fp32": 2.0, **no_llama}
 
 
 def test_ratios_skip_failed_rows_and_unknown_dtypes():
     rows = {"engine": row(100.0, "float16"), "generate:float32": {"error": "exit 1: boom"}}
-    assert ratios(rows) == {"engine": {"x_gen": None, "x_gb": None, "x_gen_fp32": None},
-                            "generate:float32": {"x_gen": None, "x_gb": None,
-                                                 "x_gen_fp32": None}}
+    none = {"x_gen": None, "x_gb": None, "x_gen_fp32": None, "x_lcpp": None, "x_lcpp_q4": None}
+    assert ratios(rows) == {"engine": none, "generate:float32": none}
 
 
 def test_targets_against_fp32_bf16_and_same_dtype_peers():
@@ -177,6 +183,10 @@ def test_a_run_prints_the_engines_dtype_ratios_and_targets(tmp_path, monkeypatch
     text = capsys.readouterr().out
     assert "engine: dtype auto resolved to bfloat16" in text
     assert "c  engine >= 1.20x generate:bfloat16: 1.10x  MISS" in text
+    # The single stream's memory traffic: the bf16 weights (about 269 MB) over its 50 ms ITL.
+    assert "read bandwidth (this run, torch sum over 1 GiB): 20.0 GB/s" in text
+    line = next(x for x in text.splitlines() if x.strip().startswith("engine ") and "GB/s" in x)
+    assert "ITL p50 50.0 ms = 5.4 GB/s = 27% of it" in line
     saved = json.loads(out.read_text())
     assert saved["engine_dtypes"] == {"engine": "bfloat16"}
     assert saved["ratios"]["c"]["engine"]["x_gen_fp32"] == pytest.approx(2.2)

@@ -1,6 +1,6 @@
 """Native CPU kernels of the transformers backend, compiled once per machine.
 
-Four kernels: :func:`paged_decode_attention` (``paged_attention.c``): decode attention read
+Five kernels: :func:`paged_decode_attention` (``paged_attention.c``): decode attention read
 straight from the paged KV pool, without first gathering each row's K/V into a padded tensor, in
 fp32 or in bf16 (two C symbols, ``paged_decode_attention`` and ``paged_decode_attention_bf16``;
 the bf16 one widens K/V to fp32 exactly and accumulates in fp32); and
@@ -8,7 +8,8 @@ the bf16 one widens K/V to fp32 exactly and accumulates in fp32); and
 bf16 weight (half the bytes of an fp32 copy); and the projections of a bf16 model over weights
 packed at load time (``bf16_gemm.c``, called through :mod:`inference.engine.backends.native.gemm`)
 and its prefill attention read from the paged pool (``prefill_attention.c``, through
-:mod:`inference.engine.backends.native.prefill`).
+:mod:`inference.engine.backends.native.prefill`), and products over 4-bit weights as GGUF
+files store them (``q4_1.c``, through :mod:`inference.engine.backends.native.quant`).
 
 The C sources are compiled with the system C compiler (``$CC``, else ``cc`` or ``gcc``) for this
 CPU (:data:`CFLAGS`: ``-O3 -march=native -ffast-math -fopenmp``; linked without ``-ffast-math``,
@@ -46,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("paged_attention.c", "bf16_head.c", "bf16_gemm.c",
-                             "prefill_attention.c"))
+                             "prefill_attention.c", "q4_1.c"))
 REPO_ROOT = Path(__file__).resolve().parents[4]
 # Compiled with -ffast-math (vectorised dot products and expf) but linked without it: linking
 # with it adds start-up code that flushes subnormal floats to zero for the whole process.
@@ -67,7 +68,9 @@ HEAD_SYMBOL = "bf16_weight_matmul_f32"
 GEMM_SYMBOL = "bf16_packed_matmul"  # bf16_gemm.c; called by inference.engine.backends.native.gemm
 # prefill_attention.c; called by inference.engine.backends.native.prefill
 PREFILL_SYMBOL = "prefill_attention_bf16"
-ALL_SYMBOLS = (*SYMBOLS.values(), HEAD_SYMBOL, GEMM_SYMBOL, PREFILL_SYMBOL)
+# q4_1.c; called by inference.engine.backends.native.quant
+Q4_1_SYMBOLS = ("q4_1_matmul", "q4_1_dequantize")
+ALL_SYMBOLS = (*SYMBOLS.values(), HEAD_SYMBOL, GEMM_SYMBOL, PREFILL_SYMBOL, *Q4_1_SYMBOLS)
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
@@ -206,11 +209,20 @@ def _build_and_load(folder: Path) -> ctypes.CDLL | None:
     prefill.restype = ctypes.c_int
     prefill.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7
                         + [ctypes.c_float, ctypes.c_int64])
+    declare_q4_1(lib)
     for flag in ("bf16_weight_matmul_uses_dpbf16", "bf16_packed_matmul_available"):
         getattr(lib, flag).restype = ctypes.c_int
         getattr(lib, flag).argtypes = []
     logger.info("native paged attention loaded from %s", target)
     return lib
+
+
+def declare_q4_1(lib: ctypes.CDLL) -> None:
+    """The argument types of ``q4_1.c``'s symbols on ``lib``."""
+    lib.q4_1_matmul.restype = lib.q4_1_dequantize.restype = lib.q4_1_simd.restype = ctypes.c_int
+    lib.q4_1_matmul.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.q4_1_dequantize.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    lib.q4_1_simd.argtypes = []
 
 
 def _looks_built(path: Path) -> bool:

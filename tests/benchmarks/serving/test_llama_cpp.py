@@ -1,0 +1,183 @@
+"""llama.cpp's ``llama-server`` as a benchmark peer: how it is started (threads, slots, context),
+what the engine benchmark's client measures through its OpenAI endpoint, the refusals when its
+answers disagree with the request, and the skips where it is not built. A stand-in server with
+the same flags and endpoint (``tests/support/stand_in_llama_server.py``) runs in place of the
+real one; the last test runs the real one where ``scripts/llama_cpp.sh`` has built it."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from benchmarks.harness import llama_server
+from benchmarks.serving import llama_cpp
+from benchmarks.serving.engine import cli as engine_cli
+from benchmarks.serving.engine import llama as engine_llama
+from benchmarks.serving.engine.report import bandwidth_rows, check_targets, ratios
+from benchmarks.serving.engine.systems import System, parse_system
+from benchmarks.serving.engine.workloads import Spec, Workload
+
+STAND_IN = Path(__file__).resolve().parents[2] / "support" / "stand_in_llama_server.py"
+
+
+@pytest.fixture
+def stand_in(tmp_path, monkeypatch):
+    """The stand-in as ``llama_server.BINARY``; returns a reader of what it logged."""
+    binary = tmp_path / "llama-server"
+    binary.write_text(f"#!/bin/sh\nexec {sys.executable} {STAND_IN} \"$@\"\n")
+    binary.chmod(0o755)
+    log = tmp_path / "stand-in.json"
+    monkeypatch.setattr(llama_server, "BINARY", binary)
+    monkeypatch.setenv("STAND_IN_LOG", str(log))
+    monkeypatch.setenv("STAND_IN_MODE", "ok")
+    return lambda: json.loads(log.read_text())
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_the_server_starts_with_a_thread_per_core_a_slot_per_request_and_stops(stand_in):
+    with llama_server.LlamaServer("q4_1", parallel=3, ctx_per_slot=300) as server:
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        pid = server.pid
+    argv = stand_in()["argv"]
+    cores = str(os.cpu_count())
+    assert flag(argv, "-t") == cores and flag(argv, "-tb") == cores
+    assert flag(argv, "-np") == "3"
+    assert int(flag(argv, "-c")) >= 900 and int(flag(argv, "-c")) % 256 == 0
+    assert flag(argv, "-m") == str(llama_server.gguf_path("q4_1"))
+    assert flag(argv, "-a") == "SmolLM2-135M-Instruct"
+    with pytest.raises(ProcessLookupError):  # stopped and reaped
+        os.kill(pid, 0)
+
+
+def test_a_server_that_exits_at_start_is_an_error_with_its_log(stand_in, monkeypatch):
+    monkeypatch.setenv("STAND_IN_MODE", "exit")
+    with pytest.raises(RuntimeError, match="(?s)exited with 3.*failing at start as asked"), \
+            llama_server.LlamaServer("q4_1", parallel=1, ctx_per_slot=64):
+        pass
+
+
+def workload(concurrency: int) -> Workload:
+    specs = [Spec(list(range(10 + i, 30 + i)), 5 + i) for i in range(6)]
+    return Workload("t", "test", specs, concurrency)
+
+
+def test_the_engine_benchmark_times_every_token_with_the_requests_in_flight(stand_in):
+    wl = workload(concurrency=3)
+    try:
+        traces = engine_llama.run_llama_server("q4_1", wl, wl)
+        again = engine_llama.run_llama_server("q4_1", wl, wl)  # the same server, kept
+    finally:
+        engine_llama.close()
+    assert [len(t.token_times) for t in traces] == [s.max_tokens for s in wl.requests]
+    for trace in traces + again:
+        assert trace.token_times == sorted(trace.token_times)
+        assert trace.token_times[0] > trace.submitted
+    logged = stand_in()
+    assert logged["requests"] == 12
+    assert logged["most"] == 3  # the closed loop kept 3 in flight, never more
+    assert flag(logged["argv"], "-np") == "3"
+
+
+@pytest.mark.parametrize("mode, message", [
+    ("merge", "made 6 tokens in 5 chunks"),
+    ("add_bos", "read 21 prompt tokens, sent 20"),
+])
+def test_answers_that_disagree_with_the_request_fail_the_run(stand_in, monkeypatch, mode,
+                                                            message):
+    monkeypatch.setenv("STAND_IN_MODE", mode)
+    wl = Workload("t", "test", [Spec(list(range(20)), 6)], 1)
+    try:
+        with pytest.raises(RuntimeError, match=message):
+            engine_llama.run_llama_server("q4_1", wl, wl)
+    finally:
+        engine_llama.close()
+
+
+def test_missing_binary_or_gguf_names_the_build_script(tmp_path, monkeypatch):
+    monkeypatch.setattr(llama_server, "BINARY", tmp_path / "absent")
+    assert "scripts/llama_cpp.sh" in llama_server.missing("q4_1")
+    with pytest.raises(FileNotFoundError, match="scripts/llama_cpp.sh"):
+        llama_server.LlamaServer("q4_1", parallel=1, ctx_per_slot=64).__enter__()
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    monkeypatch.setattr(llama_server, "BF16_GGUF", tmp_path / "absent.gguf")
+    monkeypatch.setattr(llama_server, "BINARY", binary)
+    assert "bf16 GGUF is missing" in llama_server.missing("bf16")
+    assert llama_server.missing("q4_1") is None
+    with pytest.raises(ValueError, match="choose from bf16, q4_1"):
+        llama_server.gguf_path("q8_0")
+
+
+def test_unbuilt_peers_are_skipped_by_default_and_refused_when_asked_for(tmp_path, monkeypatch,
+                                                                        capsys):
+    monkeypatch.setattr(llama_server, "BINARY", tmp_path / "absent")
+    assert llama_cpp.main([]) == 0
+    out = capsys.readouterr().out
+    assert "llama_bf16: skipped: llama-server is not built" in out
+    assert "nothing run" in out
+    assert llama_cpp.main(["--systems", "platform,llama_q4_1"]) == 1
+    assert "llama_q4_1: llama-server is not built" in capsys.readouterr().err
+    picked = engine_cli.pick_systems(None)
+    assert [s.kind for s in picked].count("llama_server") == 0
+    assert "llama_server:q4_1: skipped" in capsys.readouterr().out
+    assert engine_cli.pick_systems([parse_system("llama_server:q4_1")]) is None
+
+
+@pytest.mark.parametrize("text, dtype", [("llama_server", "bfloat16"),
+                                         ("llama_server:bf16", "bfloat16"),
+                                         ("llama_server:q4_1", "q4_1")])
+def test_llama_server_system_names(text, dtype):
+    assert parse_system(text) == System("llama_server", dtype)
+
+
+@pytest.mark.parametrize("text", ["llama_server:fp32", "engine:q4_1"])
+def test_llama_server_takes_only_its_gguf_weights(text):
+    with pytest.raises(ValueError, match="unknown"):
+        parse_system(text)
+
+
+def row(tok_s: float, dtype: str, itl_s: float = 0.01) -> dict:
+    return {"dtype": dtype, "median": {"output_tok_s": tok_s, "itl_p50_s": itl_s}, "runs": [{}]}
+
+
+def test_ratios_and_the_single_stream_target_against_llama_cpp():
+    rows = {"engine": row(60.0, "bfloat16"), "llama_server:bfloat16": row(75.0, "bfloat16"),
+            "llama_server:q4_1": row(80.0, "q4_1")}
+    got = ratios(rows)["engine"]
+    assert got["x_lcpp"] == pytest.approx(0.8) and got["x_lcpp_q4"] == pytest.approx(0.75)
+    target = [c for c in check_targets({"c": rows}) if c["peer"] == "llama_server:bfloat16"]
+    assert target[0]["verdict"] == "MISS"  # 0.8 < 0.95
+    on_fp32_cpu = check_targets({"c": rows}, bf16_cpu=False)
+    assert [c["verdict"] for c in on_fp32_cpu if c["peer"] == "llama_server:bfloat16"] == [
+        "report"]
+    # An engine row in fp32 is not held to the same-dtype target.
+    fp32 = {"engine": row(60.0, "float32"), "llama_server:bfloat16": row(75.0, "bfloat16")}
+    assert not [c for c in check_targets({"c": fp32}) if c["peer"].startswith("llama")]
+
+
+def test_single_stream_bandwidth_is_weight_bytes_over_the_itl():
+    rows = {"engine": row(60.0, "bfloat16", itl_s=0.0125), "generate:float32": {"error": "x"}}
+    table = bandwidth_rows(rows, {"engine": 270_000_000}, read_gbs=27.0)
+    assert table == [{"system": "engine", "weight_mb": 270.0, "itl_p50_ms": 12.5,
+                      "gbs": pytest.approx(21.6), "share": pytest.approx(0.8)}]
+
+
+@pytest.mark.skipif(llama_server.missing("q4_1") is not None,
+                    reason="llama-server is not built here (scripts/llama_cpp.sh)")
+def test_the_real_server_answers_the_engine_benchmarks_client():
+    wl = Workload("t", "test", [Spec(list(range(100, 140)), 8), Spec(list(range(200, 216)), 4)],
+                  2)
+    try:
+        traces = engine_llama.run_llama_server("q4_1", wl, wl)
+    finally:
+        engine_llama.close()
+    assert [len(t.token_times) for t in traces] == [8, 4]

@@ -1,0 +1,99 @@
+"""A stand-in for llama.cpp's ``llama-server``: the same command-line flags, ``/health`` and a
+streamed ``/v1/completions`` (one SSE chunk per token, then the usage chunk and ``[DONE]``), so
+the benchmarks' peer harness runs without the real server built.
+
+Run as ``python stand_in_llama_server.py -m FILE --port P ...``. It writes its flags and, when
+it stops, the most requests it held at once to ``$STAND_IN_LOG`` (JSON). ``$STAND_IN_MODE``:
+``ok`` (default), ``merge`` (two tokens in one chunk), ``exit`` (exits at once with status 3)
+or ``add_bos`` (counts one prompt token more than it was sent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+MODE = os.environ.get("STAND_IN_MODE", "ok")
+LOG = os.environ.get("STAND_IN_LOG")
+state = {"live": 0, "most": 0, "requests": 0}
+lock = threading.Lock()
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: object) -> None:  # quiet
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        body = b'{"status":"ok"}' if self.path == "/health" else b"{}"
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:  # noqa: N802
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with lock:
+            state["live"] += 1
+            state["requests"] += 1
+            state["most"] = max(state["most"], state["live"])
+        try:
+            self.stream(request)
+        finally:
+            with lock:
+                state["live"] -= 1
+
+    def stream(self, request: dict) -> None:
+        prompt = request["prompt"]
+        n_prompt = len(prompt) if isinstance(prompt, list) else len(prompt.split())
+        n_prompt += MODE == "add_bos"
+        n = request["max_tokens"]
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        chunks = [" tok"] * n
+        if MODE == "merge" and n > 1:
+            chunks = [" tok tok", *chunks[2:]]
+        for text in chunks:
+            time.sleep(0.002)
+            self.send({"choices": [{"index": 0, "text": text, "finish_reason": None}]})
+        self.send({"choices": [], "usage": {"prompt_tokens": n_prompt, "completion_tokens": n}})
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
+
+    def send(self, chunk: dict) -> None:
+        self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        self.wfile.flush()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    for flag in ("-m", "--host", "--port", "-t", "-tb", "-np", "-c", "-a"):
+        parser.add_argument(flag)
+    args = parser.parse_args()
+    if MODE == "exit":
+        print("stand-in: failing at start as asked", flush=True)
+        sys.exit(3)
+    server = ThreadingHTTPServer((args.host, int(args.port)), Handler)
+
+    def stop(*_: object) -> None:
+        if LOG:
+            with open(LOG, "w") as f:
+                json.dump({"argv": sys.argv[1:], **state}, f)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
