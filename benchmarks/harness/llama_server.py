@@ -178,6 +178,24 @@ class LlamaServer:
         return self.log_path.read_text(errors="replace")[-chars:]
 
 
+def decode_weight_bytes(dtype: str) -> int | None:
+    """Bytes of weights one decode step of the default model reads in ``dtype``: its parameters
+    (the fp32 safetensors folder over 4 bytes) times 4 (``float32``) or 2 (``bfloat16``), or the
+    Q4_1 GGUF file's size (``q4_1``: 4-bit projections and the 8-bit tied head, what both
+    llama.cpp and the engine's ``QUANTIZATION=q4_1`` read); None for another dtype."""
+    if dtype == "q4_1":
+        return gguf_path("q4_1").stat().st_size
+    size = {"float32": 4, "bfloat16": 2}.get(dtype)
+    if size is None:
+        return None
+    from inference.engine.model_store import resolve_model_path
+    from inference.protocol.settings import PlatformSettings
+
+    shared = PlatformSettings()
+    folder = Path(resolve_model_path(shared.model_path, shared.model_cache_dir))
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors")) // 4 * size
+
+
 def read_bandwidth_gbs(size_mib: int = 1024, repeats: int = 5) -> float:
     """The machine's memory read bandwidth in GB/s (10^9 bytes/s): the best of ``repeats``
     sums over a ``size_mib`` MiB fp32 tensor (far larger than any cache) with torch on every

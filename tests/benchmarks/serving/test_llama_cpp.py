@@ -86,8 +86,19 @@ def test_the_engine_benchmark_times_every_token_with_the_requests_in_flight(stan
     assert flag(logged["argv"], "-np") == "3"
 
 
+def test_a_chunk_that_carries_two_tokens_gives_both_its_time(stand_in, monkeypatch):
+    monkeypatch.setenv("STAND_IN_MODE", "merge")
+    wl = Workload("t", "test", [Spec(list(range(20)), 6)], 1)
+    try:
+        (trace,) = engine_llama.run_llama_server("q4_1", wl, wl)
+    finally:
+        engine_llama.close()
+    assert len(trace.token_times) == 6
+    assert trace.token_times[0] == trace.token_times[1] < trace.token_times[2]
+
+
 @pytest.mark.parametrize("mode, message", [
-    ("merge", "made 6 tokens in 5 chunks"),
+    ("short", "made 5 tokens, 5 streamed, for max_tokens 6"),
     ("add_bos", "read 21 prompt tokens, sent 20"),
 ])
 def test_answers_that_disagree_with_the_request_fail_the_run(stand_in, monkeypatch, mode,
@@ -139,10 +150,15 @@ def test_llama_server_system_names(text, dtype):
     assert parse_system(text) == System("llama_server", dtype)
 
 
-@pytest.mark.parametrize("text", ["llama_server:fp32", "engine:q4_1"])
-def test_llama_server_takes_only_its_gguf_weights(text):
+@pytest.mark.parametrize("text", ["llama_server:fp32", "generate:q4_1", "engine:q8_0"])
+def test_only_gguf_weights_llama_server_and_the_quantized_engine_know_are_taken(text):
     with pytest.raises(ValueError, match="unknown"):
         parse_system(text)
+
+
+def test_the_engine_takes_q4_1_as_its_quantized_weights():
+    assert parse_system("engine:q4_1") == System("engine", "q4_1")
+    assert parse_system("engine:q4_1").label == "engine:q4_1"
 
 
 def row(tok_s: float, dtype: str, itl_s: float = 0.01) -> dict:

@@ -30,9 +30,10 @@ from inference.engine.backends.hf.loading import (
     resolve_device,
     resolve_dtype,
 )
+from inference.engine.backends.hf.quantized import load_q4_1
 from inference.engine.backends.native import gemm as native_gemm
 from inference.engine.backends.native import prefill as prefill_kernel
-from inference.engine.model_store import ModelLoadError, resolve_model_path
+from inference.engine.model_store import ModelLoadError, default_gguf_path, resolve_model_path
 from inference.tokenization import Tokenizer, TokenizerLoadError
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ class TransformersBackend(_Forward, ModelBackend):
         self._native: Any = None
         self._kernel_dir = kernel_dir
         self.packed_gemm = False
+        self.quantization = ""  # "q4_1": projections over GGUF blocks (hf.quantized)
         # Prefill attention by the native kernel where it runs (bf16, AVX512-BF16, head 64).
         self.native_prefill_attention = True
         self._prefill_kernel_runs = False  # set with the library (_load_native)
@@ -136,12 +138,17 @@ class TransformersBackend(_Forward, ModelBackend):
             ModelLoadError: for a missing or broken model folder, an unsupported architecture, an
                 unknown dtype or an unavailable device.
         """
+        gguf = ""
+        if config.quantization:
+            gguf = config.quantized_weights or str(default_gguf_path())
         return cls.from_pretrained(
             resolve_model_path(config.model_path),
             device=config.device,
             dtype=config.dtype,
             max_model_len=config.max_model_len,
             kernel_dir=config.llm_kernel_dir,
+            quantization=config.quantization,
+            quantized_weights=gguf,
         )
 
     @classmethod
@@ -153,14 +160,18 @@ class TransformersBackend(_Forward, ModelBackend):
         dtype: str = "auto",
         max_model_len: int = 0,
         kernel_dir: str = "",
+        quantization: str = "",
+        quantized_weights: str | Path = "",
     ) -> TransformersBackend:
-        """Load a local Hugging Face model folder (offline) and wrap it.
+        """Load a local Hugging Face model folder (offline) and wrap it; with ``quantization``
+        ``q4_1``, its projections run over the Q4_1 weights of the GGUF file
+        ``quantized_weights`` (:mod:`inference.engine.backends.hf.quantized`), in fp32.
 
         Raises:
-            ModelLoadError: as :meth:`from_config`.
+            ModelLoadError: as :meth:`from_config`, and for a GGUF file that is not this model's.
         """
         dev = resolve_device(device)
-        torch_dtype = resolve_dtype(dtype, dev)
+        torch_dtype = torch.float32 if quantization else resolve_dtype(dtype, dev)
         path = str(path)
         model = load_model(path, dev, torch_dtype)
         try:
@@ -168,6 +179,10 @@ class TransformersBackend(_Forward, ModelBackend):
         except TokenizerLoadError as exc:
             raise ModelLoadError(f"model path {path!r}: cannot load its tokenizer: {exc}") from exc
         backend = cls(model, tokenizer, max_model_len=max_model_len, kernel_dir=kernel_dir)
+        if quantization:
+            if quantization != "q4_1" or dev.type != "cpu":
+                raise ModelLoadError(f"QUANTIZATION={quantization!r} runs on CPU with q4_1 only")
+            load_q4_1(backend, quantized_weights)
         logger.info(
             "loaded %s (%s) on %s as %s, max_model_len=%d",
             path, model.config.model_type, dev, torch_dtype, backend.max_model_len,

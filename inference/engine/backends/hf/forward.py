@@ -92,6 +92,8 @@ class _Forward:
     # the LM head over its packed weight (a bf16 model on a CPU with AVX512-BF16), see _logits
     _lm_head_packed: Any = None
     packed_gemm: bool = False
+    # the LM head over the GGUF file's Q8_0 embedding (QUANTIZATION=q4_1, hf.quantized), or None
+    _lm_head_q: Any = None
     yield_check: Callable[[], bool] | None = None  # ModelBackend's: asked before each layer
 
     def _forward(self, b: _Batch) -> torch.Tensor:
@@ -167,6 +169,8 @@ class _Forward:
         2.13 has no CPU matmul of bf16 inputs with an fp32 output. Elsewhere (fp32, or CUDA and
         MPS) they run in the model's dtype.
         """
+        if self._lm_head_q is not None:
+            return self._lm_head_q(_rms_norm(h, *self._norm))
         if h.dtype == torch.float32 or h.device.type != "cpu":
             return linear(_rms_norm(h, *self._norm), self._lm_head_w, self._lm_head_b)
         if self._head_fp32 is None:

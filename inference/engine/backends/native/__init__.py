@@ -9,7 +9,8 @@ bf16 weight (half the bytes of an fp32 copy); and the projections of a bf16 mode
 packed at load time (``bf16_gemm.c``, called through :mod:`inference.engine.backends.native.gemm`)
 and its prefill attention read from the paged pool (``prefill_attention.c``, through
 :mod:`inference.engine.backends.native.prefill`), and products over 4-bit weights as GGUF
-files store them (``q4_1.c``, through :mod:`inference.engine.backends.native.quant`).
+files store them (``quant.c``: Q4_1 and Q8_0, through
+:mod:`inference.engine.backends.native.quant`).
 
 The C sources are compiled with the system C compiler (``$CC``, else ``cc`` or ``gcc``) for this
 CPU (:data:`CFLAGS`: ``-O3 -march=native -ffast-math -fopenmp``; linked without ``-ffast-math``,
@@ -47,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("paged_attention.c", "bf16_head.c", "bf16_gemm.c",
-                             "prefill_attention.c", "q4_1.c"))
+                             "prefill_attention.c", "quant.c"))
 REPO_ROOT = Path(__file__).resolve().parents[4]
 # Compiled with -ffast-math (vectorised dot products and expf) but linked without it: linking
 # with it adds start-up code that flushes subnormal floats to zero for the whole process.
@@ -68,9 +69,9 @@ HEAD_SYMBOL = "bf16_weight_matmul_f32"
 GEMM_SYMBOL = "bf16_packed_matmul"  # bf16_gemm.c; called by inference.engine.backends.native.gemm
 # prefill_attention.c; called by inference.engine.backends.native.prefill
 PREFILL_SYMBOL = "prefill_attention_bf16"
-# q4_1.c; called by inference.engine.backends.native.quant
-Q4_1_SYMBOLS = ("q4_1_matmul", "q4_1_dequantize")
-ALL_SYMBOLS = (*SYMBOLS.values(), HEAD_SYMBOL, GEMM_SYMBOL, PREFILL_SYMBOL, *Q4_1_SYMBOLS)
+# quant.c; called by inference.engine.backends.native.quant
+QUANT_SYMBOLS = ("q4_1_matmul", "q4_1_dequantize", "q8_0_matmul", "q8_0_dequantize")
+ALL_SYMBOLS = (*SYMBOLS.values(), HEAD_SYMBOL, GEMM_SYMBOL, PREFILL_SYMBOL, *QUANT_SYMBOLS)
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
@@ -209,7 +210,7 @@ def _build_and_load(folder: Path) -> ctypes.CDLL | None:
     prefill.restype = ctypes.c_int
     prefill.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7
                         + [ctypes.c_float, ctypes.c_int64])
-    declare_q4_1(lib)
+    declare_quant(lib)
     for flag in ("bf16_weight_matmul_uses_dpbf16", "bf16_packed_matmul_available"):
         getattr(lib, flag).restype = ctypes.c_int
         getattr(lib, flag).argtypes = []
@@ -217,11 +218,14 @@ def _build_and_load(folder: Path) -> ctypes.CDLL | None:
     return lib
 
 
-def declare_q4_1(lib: ctypes.CDLL) -> None:
-    """The argument types of ``q4_1.c``'s symbols on ``lib``."""
-    lib.q4_1_matmul.restype = lib.q4_1_dequantize.restype = lib.q4_1_simd.restype = ctypes.c_int
-    lib.q4_1_matmul.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    lib.q4_1_dequantize.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+def declare_quant(lib: ctypes.CDLL) -> None:
+    """The argument types of ``quant.c``'s symbols on ``lib``."""
+    for kind in ("q4_1", "q8_0"):
+        matmul, dequantize = getattr(lib, f"{kind}_matmul"), getattr(lib, f"{kind}_dequantize")
+        matmul.restype = dequantize.restype = ctypes.c_int
+        matmul.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        dequantize.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    lib.q4_1_simd.restype = ctypes.c_int
     lib.q4_1_simd.argtypes = []
 
 

@@ -1,0 +1,152 @@
+"""The quantized kernels (``native/quant.c``): products over Q4_1 and Q8_0 weights read as the
+GGUF file stores them equal the products over ``gguf``'s own dequantization of the same bytes, on
+the default model's shipped tensors and on made-up blocks (negative and subnormal scales), in the
+AVX2 path this CPU builds and in the plain C path built without it, for every remainder of their
+4-row tile; bad shapes are refused with the field named."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from inference.engine.backends import native
+from inference.engine.backends.native import quant
+from inference.engine.model_store import default_gguf_path
+
+CC = shutil.which("cc") or shutil.which("gcc")
+SOURCE = Path(native.__file__).with_name("quant.c")
+
+
+@pytest.fixture(scope="module")
+def lib():
+    if CC is None:
+        pytest.skip("no C compiler on this machine")
+    loaded = native.load()
+    assert loaded is not None, "a C compiler is present but the kernels did not build"
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def plain_lib(tmp_path_factory):
+    """quant.c alone, built for the x86-64 baseline (no AVX2): its plain C loops."""
+    if CC is None:
+        pytest.skip("no C compiler on this machine")
+    target = tmp_path_factory.mktemp("quant") / "quant_plain.so"
+    flags = ["-O2", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+    if subprocess.run([CC, "-march=x86-64", "-E", "-x", "c", "/dev/null"],
+                      capture_output=True).returncode == 0:
+        flags.append("-march=x86-64")
+    subprocess.run([CC, *flags, str(SOURCE), "-o", str(target), "-lm"], check=True)
+    loaded = ctypes.CDLL(str(target))
+    native.declare_quant(loaded)
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    """Three Q4_1 projections of the default model's wheel file and 700 rows of its Q8_0 tied
+    embedding: name -> (kind, uint8 blocks, dense fp32 from gguf's dequantization,
+    in_features)."""
+    reader = GGUFReader(str(default_gguf_path()))
+    out = {}
+    for t in reader.tensors:
+        if t.name in ("blk.0.attn_k.weight", "blk.3.ffn_down.weight", "blk.7.ffn_up.weight",
+                      "token_embd.weight"):
+            blocks = np.ascontiguousarray(t.data[:700])
+            dense = dequantize(blocks, t.tensor_type)
+            out[t.name] = (t.tensor_type.name.lower(), torch.from_numpy(blocks.copy()),
+                           torch.from_numpy(dense.copy()), dense.shape[1])
+    assert [kind for kind, *_ in out.values()].count("q4_1") == 3
+    assert out["token_embd.weight"][0] == "q8_0"
+    return out
+
+
+def made_up_blocks(kind: str, out_features: int, in_features: int, seed: int) -> torch.Tensor:
+    """Random codes with scales (and Q4_1's minimums) of every sign and size, subnormals
+    included."""
+    rng = np.random.default_rng(seed)
+    nb, size = in_features // 32, quant.BLOCK_BYTES[kind]
+    halves = 2 if kind == "q4_1" else 1
+    blocks = rng.integers(0, 256, size=(out_features, nb, size), dtype=np.uint8)
+    scales = rng.normal(0, 0.05, size=(out_features, nb, halves)).astype(np.float16)
+    scales[0, 0] = np.float16(3e-6)  # subnormal in fp16
+    scales[-1, -1] = -2.5
+    blocks[:, :, :2 * halves] = scales.view(np.uint8).reshape(out_features, nb, 2 * halves)
+    return torch.from_numpy(blocks.reshape(out_features, nb * size))
+
+
+def dense_of(kind: str, blocks: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(dequantize(blocks.numpy(), GGMLQuantizationType[kind.upper()]).copy())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16])
+def test_products_over_the_shipped_weights_equal_ggufs_dequantized_products(lib, shipped, rows):
+    torch.manual_seed(rows)
+    for name, (kind, blocks, dense, in_features) in shipped.items():
+        x = torch.randn(rows, in_features)
+        bias = torch.randn(dense.shape[0])
+        got = quant.quant_matmul(lib, kind, x, blocks, bias)
+        want = x.double() @ dense.double().T + bias.double()
+        assert got.shape == (rows, dense.shape[0])
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_dequantized_weights_are_ggufs_bit_for_bit(lib, shipped):
+    for kind, blocks, dense, in_features in shipped.values():
+        assert torch.equal(quant.dequantize(lib, kind, blocks, in_features), dense)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 7])
+def test_the_plain_path_and_the_simd_path_agree_on_made_up_blocks(lib, plain_lib, kind, rows):
+    assert not quant.simd(plain_lib)
+    blocks = made_up_blocks(kind, 40, 96, seed=rows)
+    dense = dense_of(kind, blocks)
+    assert torch.equal(quant.dequantize(plain_lib, kind, blocks, 96), dense)
+    assert torch.equal(quant.dequantize(lib, kind, blocks, 96), dense)
+    x = torch.randn(rows, 96, dtype=torch.float64).float()
+    want = x.double() @ dense.double().T
+    for which in (lib, plain_lib):
+        got = quant.quant_matmul(which, kind, x, blocks)
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_simd_path_is_what_an_avx2_cpu_builds(lib):
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    if not {"avx2", "f16c", "fma"} <= set(flags):
+        pytest.skip("this CPU has no AVX2 + F16C + FMA")
+    assert quant.simd(lib)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("in", "q4_1: in_features 40 is not a positive multiple of 32"),
+    ("bytes", r"q4_1: the weight must be a contiguous \[out, 40\] uint8"),
+    ("dtype", "uint8 CPU tensor"),
+    ("rows", r"x must be \[rows, in\] with rows >= 1"),
+    ("bias", r"bias must be \[8\]"),
+    ("kind", "unknown quantization 'q5_0'; choose from q4_1, q8_0"),
+])
+def test_shapes_the_kernel_cannot_take_are_refused(lib, case, message):
+    blocks = made_up_blocks("q4_1", 8, 64, seed=0)
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match=message):
+        if case == "in":
+            quant.quant_matmul(lib, "q4_1", torch.randn(2, 40), blocks)
+        elif case == "bytes":
+            quant.quant_matmul(lib, "q4_1", x, blocks[:, :30].contiguous())
+        elif case == "dtype":
+            quant.quant_matmul(lib, "q4_1", x, blocks.to(torch.int16))
+        elif case == "rows":
+            quant.quant_matmul(lib, "q4_1", x[:0], blocks)
+        elif case == "bias":
+            quant.quant_matmul(lib, "q4_1", x, blocks, torch.zeros(7))
+        else:
+            quant.quant_matmul(lib, "q5_0", x, blocks)
