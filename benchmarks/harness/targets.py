@@ -41,15 +41,19 @@ class RestTarget:
     """
 
     def __init__(self, base_url: str, keys: dict[str, str],
-                 model: str = "SmolLM2-135M-Instruct", timeout_s: float = 600):
+                 model: str = "SmolLM2-135M-Instruct", timeout_s: float = 600,
+                 keepalive: bool = True):
         import httpx
 
         self.url = base_url.rstrip("/") + "/v1/completions"
         self.keys = keys
         self.model = model
+        # keepalive False: a connection per request (llama-server closes kept-alive ones after a
+        # few requests, and a request sent as it closes fails).
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+            limits=httpx.Limits(max_connections=None,
+                                max_keepalive_connections=256 if keepalive else 0))
 
     async def __aenter__(self) -> RestTarget:
         return self

@@ -98,7 +98,8 @@ async def measure(url: str, keys: dict[str, str], args: argparse.Namespace,
                   system: str) -> dict[str, dict[str, Any]]:
     """Every workload through one system's endpoint: a warm-up, then the measured run."""
     out = {}
-    async with RestTarget(url, keys) as target:
+    # A connection per request for every system alike (llama-server closes kept-alive ones).
+    async with RestTarget(url, keys, keepalive=False) as target:
         for name, specs in runs.items():
             await run_load(target, warm[name], max_concurrency=concurrency(args, name),
                            desc=f"{system} {name} warm-up")

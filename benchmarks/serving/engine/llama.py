@@ -61,8 +61,11 @@ def run_llama_server(dtype: str, wl: Workload, plan: Workload) -> list[Trace]:
 async def _closed_loop(url: str, model: str, wl: Workload) -> list[Trace]:
     traces = [Trace(0.0, []) for _ in wl.requests]
     todo = iter(enumerate(wl.requests))
+    # A connection per request: llama-server (cpp-httplib) closes a kept-alive connection after
+    # a few requests, and a request sent on it as it closes fails ("Server disconnected").
     async with httpx.AsyncClient(timeout=httpx.Timeout(600),
-                                 limits=httpx.Limits(max_connections=None)) as client:
+                                 limits=httpx.Limits(max_connections=None,
+                                                     max_keepalive_connections=0)) as client:
 
         async def loop() -> None:
             for i, spec in todo:  # one shared iterator: each lane takes the next request

@@ -33,6 +33,7 @@ TARGETS = (
     Target("a", "generate:same", 1.2),
     Target("c", "generate:same", 1.2),
     Target("c", "llama_server:bfloat16", 0.95, engine_dtype="bfloat16"),
+    Target("c", "llama_server:q4_1", 1.2, engine_dtype="q4_1"),
 )
 
 
@@ -83,8 +84,8 @@ def check_targets(results: dict[str, dict[str, dict]], bf16_cpu: bool = True) ->
         ``workload``, ``peer`` (the label compared with), ``factor`` (needed), ``measured`` (the
         ratio, None where either side is missing or failed) and ``verdict`` (``PASS``, ``MISS``,
         ``n/a`` without a measurement, ``report`` for a bf16 target on a CPU without native
-        bf16). A target for another ``engine_dtype`` than the row's is left out, and one against
-        llama.cpp when the run had no such row.
+        bf16). A target for another ``engine_dtype`` than the row's is left out (a q4_1 row has
+        only its own), and one against llama.cpp when the run had no such row.
     """
     engines = list(dict.fromkeys(label for rows in results.values() for label in rows
                                  if label.split(":")[0] == "engine"))
@@ -95,8 +96,8 @@ def check_targets(results: dict[str, dict[str, dict]], bf16_cpu: bool = True) ->
                 continue
             rows = results[target.workload]
             dtype = (rows.get(engine) or {}).get("dtype")
-            if target.engine_dtype and dtype != target.engine_dtype:
-                continue
+            if target.engine_dtype != dtype and (target.engine_dtype or dtype == "q4_1"):
+                continue  # another dtype's target (transformers has no q4_1 peer)
             if target.peer.startswith("llama_server") and target.peer not in rows:
                 continue  # llama.cpp was not part of this run
             kind, _, want = target.peer.partition(":")

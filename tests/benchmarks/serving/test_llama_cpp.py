@@ -180,6 +180,14 @@ def test_ratios_and_the_single_stream_target_against_llama_cpp():
     assert not [c for c in check_targets({"c": fp32}) if c["peer"].startswith("llama")]
 
 
+def test_the_quantized_engine_is_held_to_the_q4_1_server_on_any_cpu():
+    rows = {"engine:q4_1": row(39.0, "q4_1"), "llama_server:q4_1": row(78.0, "q4_1"),
+            "generate:float32": row(20.0, "float32")}
+    checks = check_targets({"c": rows}, bf16_cpu=False)
+    assert [(c["engine"], c["peer"], c["verdict"]) for c in checks] == [
+        ("engine:q4_1", "llama_server:q4_1", "MISS")]  # 0.5 < 1.2; no transformers target
+
+
 def test_single_stream_bandwidth_is_weight_bytes_over_the_itl():
     rows = {"engine": row(60.0, "bfloat16", itl_s=0.0125), "generate:float32": {"error": "x"}}
     table = bandwidth_rows(rows, {"engine": 270_000_000}, read_gbs=27.0)

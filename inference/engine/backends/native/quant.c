@@ -80,14 +80,39 @@ static void block_values(const uint8_t *b, float *v) {
     }
 }
 
-int q4_1_dequantize(const uint8_t *w, float *out, int64_t out_features, int64_t in_features,
-                    int threads) {
+
+typedef void (*tile_fn)(const uint8_t *, int64_t, const float *, int64_t, int64_t, int,
+                        float *);
+typedef void (*values_fn)(const uint8_t *, float *);
+
+/* y = x W^T (+ bias) over blocks of block_bytes, each output feature's row tiles by tile. */
+static int matmul(tile_fn tile, int64_t block_bytes, const uint8_t *w, const float *x,
+                  const float *bias, float *y, int64_t rows, int64_t out_features,
+                  int64_t in_features, int threads) {
+    if (rows < 1 || out_features < 1 || in_features < 1 || in_features % QK) return 1;
+    const int64_t nb = in_features / QK;
+#pragma omp parallel for num_threads(threads > 0 ? threads : 1) schedule(static)
+    for (int64_t n = 0; n < out_features; n++) {
+        const uint8_t *wn = w + n * nb * block_bytes;
+        const float add = bias ? bias[n] : 0.0f;
+        float sums[ROW_TILE];
+        for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
+            const int nr = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
+            tile(wn, nb, x, in_features, r0, nr, sums);
+            for (int r = 0; r < nr; r++) y[(r0 + r) * out_features + n] = sums[r] + add;
+        }
+    }
+    return 0;
+}
+
+static int dequantize(values_fn values, int64_t block_bytes, const uint8_t *w, float *out,
+                      int64_t out_features, int64_t in_features, int threads) {
     if (out_features < 1 || in_features < 1 || in_features % QK) return 1;
     const int64_t nb = in_features / QK;
 #pragma omp parallel for num_threads(threads > 0 ? threads : 1) schedule(static)
     for (int64_t n = 0; n < out_features; n++)
         for (int64_t b = 0; b < nb; b++)
-            block_values(w + (n * nb + b) * BLOCK_BYTES, out + n * in_features + b * QK);
+            values(w + (n * nb + b) * block_bytes, out + n * in_features + b * QK);
     return 0;
 }
 
@@ -149,20 +174,13 @@ static void feature_tile(const uint8_t *wn, int64_t nb, const float *x, int64_t 
 
 int q4_1_matmul(const uint8_t *w, const float *x, const float *bias, float *y, int64_t rows,
                 int64_t out_features, int64_t in_features, int threads) {
-    if (rows < 1 || out_features < 1 || in_features < 1 || in_features % QK) return 1;
-    const int64_t nb = in_features / QK;
-#pragma omp parallel for num_threads(threads > 0 ? threads : 1) schedule(static)
-    for (int64_t n = 0; n < out_features; n++) {
-        const uint8_t *wn = w + n * nb * BLOCK_BYTES;
-        const float add = bias ? bias[n] : 0.0f;
-        float sums[ROW_TILE];
-        for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
-            const int nr = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
-            feature_tile(wn, nb, x, in_features, r0, nr, sums);
-            for (int r = 0; r < nr; r++) y[(r0 + r) * out_features + n] = sums[r] + add;
-        }
-    }
-    return 0;
+    return matmul(feature_tile, BLOCK_BYTES, w, x, bias, y, rows, out_features, in_features,
+                  threads);
+}
+
+int q4_1_dequantize(const uint8_t *w, float *out, int64_t out_features, int64_t in_features,
+                    int threads) {
+    return dequantize(block_values, BLOCK_BYTES, w, out, out_features, in_features, threads);
 }
 
 static void block_values_q8_0(const uint8_t *b, float *v) {
@@ -172,16 +190,6 @@ static void block_values_q8_0(const uint8_t *b, float *v) {
     for (int j = 0; j < QK; j++) v[j] = d * (float)(int8_t)b[2 + j];
 }
 
-int q8_0_dequantize(const uint8_t *w, float *out, int64_t out_features, int64_t in_features,
-                    int threads) {
-    if (out_features < 1 || in_features < 1 || in_features % QK) return 1;
-    const int64_t nb = in_features / QK;
-#pragma omp parallel for num_threads(threads > 0 ? threads : 1) schedule(static)
-    for (int64_t n = 0; n < out_features; n++)
-        for (int64_t b = 0; b < nb; b++)
-            block_values_q8_0(w + (n * nb + b) * Q8_BYTES, out + n * in_features + b * QK);
-    return 0;
-}
 
 /* Output feature n of a Q8_0 weight for rows r0 .. r0 + nr - 1 (nr <= ROW_TILE). */
 static void feature_tile_q8_0(const uint8_t *wn, int64_t nb, const float *x, int64_t in_features,
@@ -230,20 +238,13 @@ static void feature_tile_q8_0(const uint8_t *wn, int64_t nb, const float *x, int
 
 int q8_0_matmul(const uint8_t *w, const float *x, const float *bias, float *y, int64_t rows,
                 int64_t out_features, int64_t in_features, int threads) {
-    if (rows < 1 || out_features < 1 || in_features < 1 || in_features % QK) return 1;
-    const int64_t nb = in_features / QK;
-#pragma omp parallel for num_threads(threads > 0 ? threads : 1) schedule(static)
-    for (int64_t n = 0; n < out_features; n++) {
-        const uint8_t *wn = w + n * nb * Q8_BYTES;
-        const float add = bias ? bias[n] : 0.0f;
-        float sums[ROW_TILE];
-        for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
-            const int nr = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
-            feature_tile_q8_0(wn, nb, x, in_features, r0, nr, sums);
-            for (int r = 0; r < nr; r++) y[(r0 + r) * out_features + n] = sums[r] + add;
-        }
-    }
-    return 0;
+    return matmul(feature_tile_q8_0, Q8_BYTES, w, x, bias, y, rows, out_features, in_features,
+                  threads);
+}
+
+int q8_0_dequantize(const uint8_t *w, float *out, int64_t out_features, int64_t in_features,
+                    int threads) {
+    return dequantize(block_values_q8_0, Q8_BYTES, w, out, out_features, in_features, threads);
 }
 
 /* 1 where the AVX2 path was compiled in, 0 where the plain loop computes. */
