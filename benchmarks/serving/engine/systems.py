@@ -63,7 +63,8 @@ def parse_system(text: str) -> System:
     if dtype == "auto" and kind == "engine":
         return System(kind, "auto")
     if dtype not in DTYPE_NAMES:
-        allowed = ", ".join([*(["auto"] if kind == "engine" else []), *DTYPES])
+        allowed = ", ".join([*(["auto"] if kind == "engine" else []), *DTYPES,
+                             *(["q4_1"] if kind == "engine" else [])])
         raise ValueError(f"unknown dtype {dtype!r} in {text.strip()!r}; choose from {allowed}")
     return System(kind, DTYPE_NAMES[dtype])
 

@@ -123,3 +123,31 @@ def test_unpermuting_undoes_llama_cpps_permutation():
     permuted = w.reshape(heads, 2, rows // heads // 2, 5).swapaxes(1, 2).reshape(w.shape)
     assert not torch.equal(permuted, w)
     assert torch.equal(quantized.unpermute_rows(permuted, heads), w)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"quantized_weights": "/models/x.gguf"}, "QUANTIZED_WEIGHTS is set but QUANTIZATION is empty"),
+    ({"quantization": "q4_1", "device": "cuda"}, "DEVICE must be auto or cpu"),
+])
+def test_settings_that_would_be_ignored_are_refused(settings, message):
+    with pytest.raises(ValidationError, match=message):
+        EngineConfig(**settings)
+
+
+@pytest.mark.model
+def test_a_file_whose_tensors_do_not_fit_the_heads_is_a_load_error(monkeypatch):
+    def misfit(blocks, n_head):
+        raise RuntimeError("shape '[9, 3, 2, 40]' is invalid for input of size 2560")
+
+    monkeypatch.setattr(quantized, "unpermute_rows", misfit)
+    with pytest.raises(ModelLoadError, match=r"layer 0 of .* does not fit the model \(9 heads\)"):
+        TransformersBackend.from_pretrained(resolve_model_path(""), device="cpu",
+                                            quantization="q4_1",
+                                            quantized_weights=default_gguf_path())
+
+
+def test_a_quantized_backend_refuses_another_dtype():
+    with pytest.raises(ModelLoadError, match="computes in float32, not bfloat16"):
+        TransformersBackend.from_pretrained(resolve_model_path(""), device="cpu",
+                                            dtype="bfloat16", quantization="q4_1",
+                                            quantized_weights=default_gguf_path())

@@ -170,7 +170,10 @@ class TransformersBackend(_Forward, ModelBackend):
         Raises:
             ModelLoadError: as :meth:`from_config`, and for a GGUF file that is not this model's.
         """
-        dev = resolve_device(device)
+        if quantization and dtype not in ("auto", "float32"):
+            raise ModelLoadError(f"QUANTIZATION={quantization} computes in float32, not {dtype}")
+        # Quantized weights run on the CPU kernels: "auto" is the CPU even where a GPU is.
+        dev = resolve_device("cpu" if quantization and device == "auto" else device)
         torch_dtype = torch.float32 if quantization else resolve_dtype(dtype, dev)
         path = str(path)
         model = load_model(path, dev, torch_dtype)

@@ -84,7 +84,8 @@ def load_q4_1(backend: Any, gguf_path: str | Path) -> None:
     try:
         reader = GGUFReader(str(gguf_path))
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"QUANTIZATION=q4_1: cannot read {str(gguf_path)!r}: {exc}") from exc
+        raise ModelLoadError(f"QUANTIZATION=q4_1: cannot read {str(gguf_path)!r} as a GGUF "
+                             f"file ({type(exc).__name__}: {exc})") from exc
     tensors = {t.name: t for t in reader.tensors}
 
     def blocks(i: int, name: str) -> torch.Tensor:
@@ -97,9 +98,14 @@ def load_q4_1(backend: Any, gguf_path: str | Path) -> None:
 
     for i, layer in enumerate(backend._layers):
         raw = {name: blocks(i, name) for name in _NAMES}
-        qkv = torch.cat([unpermute_rows(raw["attn_q"], backend.num_heads),
-                         unpermute_rows(raw["attn_k"], backend.num_kv_heads), raw["attn_v"]])
-        gate_up = torch.cat([raw["ffn_gate"], raw["ffn_up"]])
+        try:
+            qkv = torch.cat([unpermute_rows(raw["attn_q"], backend.num_heads),
+                             unpermute_rows(raw["attn_k"], backend.num_kv_heads),
+                             raw["attn_v"]])
+            gate_up = torch.cat([raw["ffn_gate"], raw["ffn_up"]])
+        except (RuntimeError, ValueError) as exc:  # rows that do not fit the model's heads
+            raise ModelLoadError(f"QUANTIZATION=q4_1: layer {i} of {str(gguf_path)!r} does not "
+                                 f"fit the model ({backend.num_heads} heads): {exc}") from exc
         specs = ((qkv, layer.w_qkv, layer.b_qkv), (raw["attn_output"], layer.w_o, layer.b_o),
                  (gate_up, layer.w_gate_up, layer.b_gate_up),
                  (raw["ffn_down"], layer.w_down, layer.b_down))
