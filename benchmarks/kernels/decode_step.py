@@ -12,8 +12,11 @@ are decoded under four settings, interleaved so that machine noise hits them ali
 * ``gemm+native``: projections as ``gemm`` and attention read in place from the KV pool by the
   native kernel (``TransformersBackend.native_attention``), the default in fp32;
 * ``packed+native``: also, in bf16 on a CPU with AVX512-BF16, the projections and LM head on the
-  native packed kernel (``TransformersBackend.packed_gemm``), the default there (elsewhere the
-  same as ``gemm+native``).
+  native packed kernel (``TransformersBackend.packed_gemm``), elsewhere the same as
+  ``gemm+native``;
+* ``fused``: also each layer one native call (``TransformersBackend.fused_decode``,
+  :mod:`inference.engine.backends.native.decode`), the default in bf16 on a CPU with
+  AVX512-BF16 (elsewhere the same as ``gemm+native``).
 
 ``--dtype both`` (the default) loads the model twice, in fp32 and in bf16, and interleaves the two
 as well; it also counts the rows whose bf16 greedy token is fp32's.
@@ -58,6 +61,8 @@ SETTINGS = {
                     "native_attention": True, "packed_gemm": False},
     "packed+native": {"small_batch_gemm": True, "attention_groups": None,
                       "native_attention": True, "packed_gemm": True},
+    "fused": {"small_batch_gemm": True, "attention_groups": None, "native_attention": True,
+              "packed_gemm": True, "fused_decode": True},
 }
 
 
@@ -148,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         # The packed weights exist only where the kernel is available (bf16, AVX512-BF16).
         backend.packed_gemm = setting["packed_gemm"] and any(
             layer.packed is not None for layer in backend._layers)
+        backend.fused_decode = setting.get("fused_decode", False)
 
     results = []
     print(f"{'rows':>4} {'mean ctx':>8} {'dtype':>5} "
@@ -189,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append({"rows": count, "bf16_over_fp32": ratio,
                             "bf16_top1_equals_fp32_rows": agree})
     for backend in backends.values():
-        use(backend, "gemm+native")
+        use(backend, "fused")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v
                                              for k, v in vars(args).items()},

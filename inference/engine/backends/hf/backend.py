@@ -31,6 +31,7 @@ from inference.engine.backends.hf.loading import (
     resolve_dtype,
 )
 from inference.engine.backends.hf.quantized import load_q4_1
+from inference.engine.backends.native import decode as native_decode
 from inference.engine.backends.native import gemm as native_gemm
 from inference.engine.backends.native import prefill as prefill_kernel
 from inference.engine.model_store import ModelLoadError, default_gguf_path, resolve_model_path
@@ -120,6 +121,14 @@ class TransformersBackend(_Forward, ModelBackend):
             self._load_native()
         # [max_model_len, head_dim] each
         self._cos, self._sin = _rotary_tables(inner, self.max_model_len, self.device, self.dtype)
+        # Decode passes one native call per layer (bf16 packed projections; native.decode).
+        self.fused_decode = True
+        self._decode_layers = None
+        if self.packed_gemm and native_decode.supported(self._native, self.dtype, self._layers,
+                                                        self._act, self.head_dim):
+            self._decode_layers = native_decode.DecodeLayers(
+                self._native, self._layers, n_heads=self.num_heads, kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim, scale=self.scale, cos=self._cos, sin=self._sin)
         self._model = model
         self._kv: torch.Tensor | None = None
         self.num_blocks = 0

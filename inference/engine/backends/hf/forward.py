@@ -95,6 +95,8 @@ class _Forward:
     # the LM head over the GGUF file's Q8_0 embedding (QUANTIZATION=q4_1, hf.quantized), or None
     _lm_head_q: Any = None
     yield_check: Callable[[], bool] | None = None  # ModelBackend's: asked before each layer
+    fused_decode: bool = False  # decode passes through _decode_layers (native.decode)
+    _decode_layers: Any = None
 
     def _forward(self, b: _Batch) -> torch.Tensor:
         """Run the decoder over batch ``b``: write its new tokens' K/V into the pool and return
@@ -116,6 +118,18 @@ class _Forward:
         packed_gemm = self.packed_gemm
         h = F.embedding(b.tokens, self._embed)  # [N, hidden]
         give_way = self.yield_check
+        fused, part = self._decode_layers, b.parts[0]
+        if (fused is not None and packed_gemm and self.fused_decode and len(b.parts) == 1
+                and part.tables is not None and part.lengths is not None
+                and part.row_offsets is None and num_tokens == b.rows):
+            # A decode pass: one native call per layer (native.decode).
+            if fused.pool is not kv_all:
+                fused.bind(kv_all)
+            for i in range(len(self._layers)):
+                if give_way is not None and give_way():
+                    raise PassYielded(f"stopped before layer {i}")
+                fused(i, h, part.tables, part.lengths)
+            return self._logits(h.index_select(0, b.logit_index), linear)
         for i, layer in enumerate(self._layers):
             if give_way is not None and give_way():
                 raise PassYielded(f"stopped before layer {i}")

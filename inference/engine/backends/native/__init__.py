@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("paged_attention.c", "bf16_head.c", "bf16_gemm.c",
-                             "prefill_attention.c", "quant.c"))
+                             "prefill_attention.c", "quant.c", "decode_layer.c"))
 REPO_ROOT = Path(__file__).resolve().parents[4]
 # Compiled with -ffast-math (vectorised dot products and expf) but linked without it: linking
 # with it adds start-up code that flushes subnormal floats to zero for the whole process.
@@ -71,7 +71,8 @@ GEMM_SYMBOL = "bf16_packed_matmul"  # bf16_gemm.c; called by inference.engine.ba
 PREFILL_SYMBOL = "prefill_attention_bf16"
 # quant.c; called by inference.engine.backends.native.quant
 QUANT_SYMBOLS = ("q4_1_matmul", "q4_1_dequantize", "q8_0_matmul", "q8_0_dequantize")
-ALL_SYMBOLS = (*SYMBOLS.values(), HEAD_SYMBOL, GEMM_SYMBOL, PREFILL_SYMBOL, *QUANT_SYMBOLS)
+ALL_SYMBOLS = (*SYMBOLS.values(), HEAD_SYMBOL, GEMM_SYMBOL, PREFILL_SYMBOL, *QUANT_SYMBOLS,
+               "decode_layer_bf16")
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}

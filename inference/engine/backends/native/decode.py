@@ -1,0 +1,151 @@
+"""A bf16 model's decode pass on a CPU with AVX512-BF16, one native call per layer.
+
+:class:`DecodeLayers` runs ``decode_layer.c``: for a pass in which every row decodes one token,
+a layer's RMSNorms, projections (over the weights packed for
+:mod:`inference.engine.backends.native.gemm`), rotary embedding, K/V write, paged decode
+attention, SiLU-gated MLP and residual adds are one C call instead of some thirty PyTorch
+operations. At one row (a single stream) those operations' dispatch cost about a quarter of a
+step; the arithmetic and its roundings are the PyTorch pass's (see ``decode_layer.c``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+SYMBOL = "decode_layer_bf16"
+
+_ERRORS = {
+    1: "a row length is below 1 or beyond its block table or the rotary tables",
+    2: "out of memory for the layer's activations",
+    3: "a block table names a block outside the pool",
+    4: "a model size the kernels do not take",
+    5: "the kernel library was built without AVX512-BF16",
+}
+
+
+class _LayerT(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "ln1_w", "ln2_w", "w_qkv", "w_o", "w_gate_up", "w_down", "b_qkv", "b_o", "b_gate_up",
+        "b_down", "pool")] + [("eps1", ctypes.c_double), ("eps2", ctypes.c_double)]
+
+
+class _DimsT(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in (
+        "hidden", "n_heads", "kv_heads", "head_dim", "intermediate", "num_blocks",
+        "block_size", "max_positions")] + [("scale", ctypes.c_double)]
+
+
+def declare(lib: ctypes.CDLL) -> None:
+    """The argument types of ``decode_layer.c``'s symbol on ``lib``."""
+    fn = getattr(lib, SYMBOL)
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 3
+
+
+def supported(lib: Any, dtype: torch.dtype, layers: Sequence[Any], activation: Any,
+              head_dim: int) -> bool:
+    """Whether :class:`DecodeLayers` runs a model: ``lib`` built with AVX512-BF16, bf16 weights,
+    every layer's projections packed (``layer.packed``), no q/k norms, SiLU, an even head size
+    up to 1,024."""
+    return (bool(lib) and bool(lib.bf16_packed_matmul_available()) and dtype == torch.bfloat16
+            and activation is torch.nn.functional.silu and head_dim % 2 == 0
+            and 0 < head_dim <= 1024 and len(layers) > 0
+            and all(layer.packed is not None and layer.q_norm is None and layer.k_norm is None
+                    for layer in layers))
+
+
+def _bias(projection: Any) -> int | None:
+    return None if projection.bias is None else projection.bias.data_ptr()
+
+
+class DecodeLayers:
+    """Every layer of a model with packed bf16 projections, for decode passes.
+
+    Built once (the layer descriptors hold the weights' addresses; the weights must outlive it);
+    :meth:`bind` points it at a KV pool, :meth:`__call__` runs one layer.
+    """
+
+    def __init__(self, lib: ctypes.CDLL, layers: Sequence[Any], *, n_heads: int, kv_heads: int,
+                 head_dim: int, scale: float, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Describe ``layers`` (each with ``packed``: four
+        :class:`~inference.engine.backends.native.gemm.PackedLinear`) for ``lib``.
+
+        ``cos``/``sin``: ``[positions, head_dim]`` bf16 rotary tables.
+
+        Raises:
+            ValueError: for rotary tables of another dtype or width.
+        """
+        if (cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16 or cos.dim() != 2
+                or cos.shape != sin.shape or cos.shape[1] != head_dim):
+            raise ValueError(f"decode layers: rotary tables must be [positions, {head_dim}] "
+                             f"bf16, got {tuple(cos.shape)} {cos.dtype}")
+        declare(lib)
+        self._fn = getattr(lib, SYMBOL)
+        self._cos, self._sin = cos.contiguous(), sin.contiguous()
+        self._keep: list[torch.Tensor] = []
+        self._layers: list[_LayerT] = []
+        first = layers[0].packed
+        self._hidden = first[0].in_features
+        self._intermediate = first[3].in_features
+        self._dims = (n_heads, kv_heads, head_dim, scale)
+        for layer in layers:
+            ln1 = layer.ln1_w.detach().to(torch.bfloat16).contiguous()
+            ln2 = layer.ln2_w.detach().to(torch.bfloat16).contiguous()
+            self._keep += [ln1, ln2]
+            qkv, o, gate_up, down = layer.packed
+            self._layers.append(_LayerT(
+                ln1.data_ptr(), ln2.data_ptr(), qkv.packed.data_ptr(), o.packed.data_ptr(),
+                gate_up.packed.data_ptr(), down.packed.data_ptr(), _bias(qkv), _bias(o),
+                _bias(gate_up), _bias(down), None, float(layer.ln1_eps), float(layer.ln2_eps)))
+        self._pool: torch.Tensor | None = None
+        self._dims_t: _DimsT | None = None
+        self._pool_ptrs: list[int] = []
+
+    def bind(self, kv: torch.Tensor) -> None:
+        """Use ``kv [layers, 2 * kv_heads, num_blocks, block_size, head_dim]`` bf16 (contiguous)
+        as the KV pool.
+
+        Raises:
+            ValueError: for a pool of another dtype, layer count or head shape.
+        """
+        n_heads, kv_heads, head_dim, scale = self._dims
+        if (kv.dtype != torch.bfloat16 or kv.dim() != 5 or not kv.is_contiguous()
+                or kv.shape[0] != len(self._layers) or kv.shape[1] != 2 * kv_heads
+                or kv.shape[4] != head_dim):
+            raise ValueError(f"decode layers: the pool must be a contiguous [{len(self._layers)}"
+                             f", {2 * kv_heads}, blocks, block_size, {head_dim}] bf16 tensor, "
+                             f"got {tuple(kv.shape)} {kv.dtype}")
+        self._pool = kv
+        self._dims_t = _DimsT(self._hidden, n_heads, kv_heads, head_dim, self._intermediate,
+                              kv.shape[2], kv.shape[3], self._cos.shape[0], scale)
+        step = kv.stride(0) * kv.element_size()
+        self._pool_ptrs = [kv.data_ptr() + i * step for i in range(kv.shape[0])]
+        for layer, ptr in zip(self._layers, self._pool_ptrs, strict=True):
+            layer.pool = ptr
+
+    @property
+    def pool(self) -> torch.Tensor | None:
+        """The pool :meth:`bind` was given, or None."""
+        return self._pool
+
+    def __call__(self, i: int, h: torch.Tensor, tables: torch.Tensor,
+                 lens: torch.Tensor) -> None:
+        """Run layer ``i`` over ``h [rows, hidden]`` bf16 (contiguous; overwritten with the
+        layer's output), each row's new token at position ``lens[r] - 1``, its K/V written to
+        the pool's slot that ``tables [rows, max_blocks]`` int64 names.
+
+        Raises:
+            ValueError: for a length or block id the pool cannot hold, or unsupported sizes.
+            MemoryError: if the kernel cannot allocate its activations.
+        """
+        rc = self._fn(ctypes.byref(self._layers[i]), ctypes.byref(self._dims_t), h.data_ptr(),
+                      self._cos.data_ptr(), self._sin.data_ptr(), tables.data_ptr(),
+                      lens.data_ptr(), tables.shape[1], h.shape[0], torch.get_num_threads())
+        if rc == 2:
+            raise MemoryError(f"decode layers: {_ERRORS[2]}")
+        if rc:
+            raise ValueError(f"decode layers: {_ERRORS.get(rc, f'error {rc}')}")

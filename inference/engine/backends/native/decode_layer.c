@@ -1,0 +1,183 @@
+/*
+ * One decoder layer of a decode pass (one new token per row) of a bf16 model on a CPU with
+ * AVX512-BF16, in one call: the work that the forward pass otherwise spreads over some thirty
+ * PyTorch operations per layer, each with its own dispatch and temporary tensors.
+ *
+ *   decode_layer_bf16(layer, dims, h, cos, sin, tables, lens, max_blocks, rows, threads)
+ *     layer   the layer's weights (layer_t below): RMSNorm weights, the four projections packed
+ *             for bf16_packed_matmul (bf16_gemm.c) with their fp32 biases or NULL, and this
+ *             layer's slice of the KV pool [2 * kv_heads][num_blocks][block_size][head_dim]
+ *     dims    the model's sizes (dims_t below)
+ *     h       [rows][hidden] bf16, the residual stream: read, and overwritten with the layer's
+ *             output
+ *     cos, sin [max_positions][head_dim] bf16 rotary tables (rotate-half layout)
+ *     tables  [rows][max_blocks] int64 block ids; lens [rows] int64 tokens each row attends to,
+ *             its new token (at position lens - 1) included
+ *
+ * The steps and their roundings are those of the PyTorch pass in bf16 (forward.py): RMSNorm
+ * computed in fp32, times its weight, rounded once to bf16; the fused q/k/v
+ * projection; rotary embedding as x cos + rotate_half(x) sin with each product and the sum
+ * rounded; the new token's K and V written to the pool at its slot; decode attention over the
+ * pool (paged_decode_attention_bf16); the output projection added to the residual (rounded);
+ * RMSNorm; gate/up projection; SiLU(gate) (in fp32, rounded) times up (rounded); the down
+ * projection added to the residual. Only the order of the fp32 sums inside a norm may differ from
+ * PyTorch's.
+ *
+ * Return codes: 0 done; 1 a length below 1 or beyond its block table or the rotary tables; 2 out of memory; 3 a block
+ * id outside the pool; 4 a size the kernels do not take (a projection's width not a multiple of
+ * 64, an odd input width); 5 built without AVX512-BF16 (nothing computed, nothing written).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    const uint16_t *ln1_w, *ln2_w;                           /* [hidden] bf16 */
+    const uint16_t *w_qkv, *w_o, *w_gate_up, *w_down;        /* packed, bf16_gemm.c's layout */
+    const float *b_qkv, *b_o, *b_gate_up, *b_down;           /* fp32, or NULL */
+    uint16_t *pool;                                          /* this layer's KV pool */
+    double eps1, eps2;
+} layer_t;
+
+typedef struct {
+    int64_t hidden, n_heads, kv_heads, head_dim, intermediate, num_blocks, block_size;
+    int64_t max_positions; /* rows of the rotary tables */
+    double scale;
+} dims_t;
+
+int bf16_packed_matmul(const uint16_t *wp, const uint16_t *x, const float *bias, void *y,
+                       int64_t rows, int64_t parts, int64_t out_features, int64_t in_features,
+                       int64_t y_f32, int64_t threads);
+int bf16_packed_matmul_available(void);
+int paged_decode_attention_bf16(const uint16_t *q, const uint16_t *pool, const int64_t *tables,
+                                const int64_t *lens, uint16_t *out, int64_t rows,
+                                int64_t kv_heads, int64_t group, int64_t head_dim,
+                                int64_t num_blocks, int64_t block_size, int64_t max_blocks,
+                                float scale);
+
+static inline float to_f32(uint16_t b)
+{
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, as PyTorch rounds; a NaN stays a quiet NaN. */
+static inline uint16_t to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)0x7fc0u;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* y = bf16(x * rsqrt(mean(x^2) + eps) * w), per row of n, in fp32 as PyTorch's fused RMSNorm */
+static void rms_norm(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t rows, int64_t n,
+                     double eps)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * n;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < n; i++) {
+            const float v = to_f32(xr[i]);
+            sum += v * v;
+        }
+        const float inv = 1.0f / sqrtf(sum / (float)n + (float)eps);
+        for (int64_t i = 0; i < n; i++)
+            y[r * n + i] = to_bf16(to_f32(xr[i]) * inv * to_f32(w[i]));
+    }
+}
+
+/* h = bf16(h + d), elementwise */
+static void add_residual(uint16_t *h, const uint16_t *d, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) h[i] = to_bf16(to_f32(h[i]) + to_f32(d[i]));
+}
+
+/* x [heads][D] at one position: x cos + rotate_half(x) sin, each product and the sum rounded */
+static void rotate(uint16_t *x, int64_t heads, int64_t D, const uint16_t *cos,
+                   const uint16_t *sin)
+{
+    const int64_t half = D / 2;
+    float tmp[1024];
+    for (int64_t hd = 0; hd < heads; hd++) {
+        uint16_t *xh = x + hd * D;
+        for (int64_t d = 0; d < D; d++) tmp[d] = to_f32(xh[d]);
+        for (int64_t d = 0; d < D; d++) {
+            const float rot = d < half ? -tmp[d + half] : tmp[d - half];
+            const float a = to_f32(to_bf16(tmp[d] * to_f32(cos[d])));
+            const float b = to_f32(to_bf16(rot * to_f32(sin[d])));
+            xh[d] = to_bf16(a + b);
+        }
+    }
+}
+
+int decode_layer_bf16(const layer_t *L, const dims_t *M, uint16_t *h, const uint16_t *cos,
+                      const uint16_t *sin, const int64_t *tables, const int64_t *lens,
+                      int64_t max_blocks, int64_t rows, int64_t threads)
+{
+    if (rows == 0) return 0;
+    if (!bf16_packed_matmul_available()) return 5;
+    const int64_t H = M->hidden, NH = M->n_heads, KV = M->kv_heads, D = M->head_dim;
+    const int64_t I = M->intermediate, bs = M->block_size, nb = M->num_blocks;
+    const int64_t qkv_w = (NH + 2 * KV) * D;
+    if (rows < 0 || D < 2 || D % 2 != 0 || D > 1024 || KV < 1 || NH % KV != 0 || bs < 1
+        || H % 64 != 0 || qkv_w % 64 != 0 || (NH * D) % 64 != 0 || (2 * I) % 64 != 0
+        || I % 2 != 0)
+        return 4;
+    /* The new tokens' slots: checked before anything is written. */
+    for (int64_t r = 0; r < rows; r++) {
+        if (lens[r] < 1 || lens[r] > M->max_positions || (lens[r] - 1) / bs >= max_blocks)
+            return 1;
+        const int64_t block = tables[r * max_blocks + (lens[r] - 1) / bs];
+        if (block < 0 || block >= nb) return 3;
+    }
+    const size_t n_x = (size_t)(rows * H), n_qkv = (size_t)(rows * qkv_w);
+    const size_t n_o = (size_t)(rows * NH * D), n_gu = (size_t)(rows * 2 * I);
+    uint16_t *buf = (uint16_t *)malloc(sizeof(uint16_t) * (n_x * 2 + n_qkv + n_o * 2 + n_gu
+                                                           + (size_t)(rows * I)));
+    if (buf == NULL) return 2;
+    uint16_t *x = buf, *d = x + n_x, *qkv = d + n_x, *q = qkv + n_qkv, *o = q + n_o;
+    uint16_t *gu = o + n_o, *act = gu + n_gu;
+    int rc = 0;
+
+    rms_norm(h, L->ln1_w, x, rows, H, L->eps1);
+    rc = bf16_packed_matmul(L->w_qkv, x, L->b_qkv, qkv, rows, 1, qkv_w, H, 0, threads);
+    if (rc) { rc = rc == 3 ? 5 : 4; goto done; }
+    const int64_t head_stride = nb * bs * D;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t pos = lens[r] - 1;
+        uint16_t *row = qkv + r * qkv_w;
+        rotate(row, NH + KV, D, cos + pos * D, sin + pos * D);
+        memcpy(q + r * NH * D, row, sizeof(uint16_t) * (size_t)(NH * D));
+        const int64_t slot = tables[r * max_blocks + pos / bs] * bs + pos % bs;
+        for (int64_t j = 0; j < 2 * KV; j++)  /* K heads, then V heads */
+            memcpy(L->pool + j * head_stride + slot * D, row + (NH + j) * D,
+                   sizeof(uint16_t) * (size_t)D);
+    }
+    rc = paged_decode_attention_bf16(q, L->pool, tables, lens, o, rows, KV, NH / KV, D, nb, bs,
+                                     max_blocks, (float)M->scale);
+    if (rc) goto done;
+    rc = bf16_packed_matmul(L->w_o, o, L->b_o, d, rows, 1, H, NH * D, 0, threads);
+    if (rc) { rc = rc == 3 ? 5 : 4; goto done; }
+    add_residual(h, d, (int64_t)n_x);
+
+    rms_norm(h, L->ln2_w, x, rows, H, L->eps2);
+    rc = bf16_packed_matmul(L->w_gate_up, x, L->b_gate_up, gu, rows, 1, 2 * I, H, 0, threads);
+    if (rc) { rc = rc == 3 ? 5 : 4; goto done; }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < I; i++) {
+            const float g = to_f32(gu[r * 2 * I + i]);
+            const float s = to_f32(to_bf16(g / (1.0f + expf(-g))));
+            act[r * I + i] = to_bf16(s * to_f32(gu[r * 2 * I + I + i]));
+        }
+    rc = bf16_packed_matmul(L->w_down, act, L->b_down, d, rows, 1, H, I, 0, threads);
+    if (rc) { rc = rc == 3 ? 5 : 4; goto done; }
+    add_residual(h, d, (int64_t)n_x);
+done:
+    free(buf);
+    return rc;
+}

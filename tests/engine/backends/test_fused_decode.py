@@ -1,0 +1,139 @@
+"""A bf16 model's decode passes through one native call per layer
+(:mod:`inference.engine.backends.native.decode`): the same K/V and logits as the PyTorch pass over
+the same packed weights, refusals that write nothing, and where it runs.
+
+Both paths round at the same points (see ``decode_layer.c``); they differ only in the order of
+the fp32 sums inside a norm and in the last bit of ``exp`` in SiLU, so a rare bf16 value lands on
+its neighbour and spreads through later layers, as far as the packed kernel's own tolerances
+(``test_bf16_gemm.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inference.engine.backends.base import DecodeRow, PrefillChunk
+from inference.engine.backends.hf import TransformersBackend
+from inference.engine.backends.native import decode as native_decode
+from inference.engine.model_store import resolve_model_path
+from tests.engine.backends.test_bf16 import assert_argmax_agrees_except_near_ties
+from tests.engine.backends.test_bf16_gemm import (
+    PLAIN_MAX_ABS,
+    PLAIN_MEAN_ABS,
+    tiny_bf16_backend,
+)
+
+
+@pytest.fixture(scope="module")
+def bf16() -> TransformersBackend:
+    b = TransformersBackend.from_pretrained(resolve_model_path(""), device="cpu",
+                                            dtype="bfloat16")
+    if b._decode_layers is None:
+        assert not b.packed_gemm, "the default model packs but its decode passes are not fused"
+        pytest.skip("no packed bf16 kernel on this CPU (no AVX512-BF16 or no C compiler)")
+    return b
+
+
+def decode_run(b: TransformersBackend, corpus_ids: list[int], *, fused: bool,
+               steps: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits ``[steps * 5, vocab]`` of 5 rows (contexts 1 to 301 tokens) decoded ``steps``
+    times, teacher-forced, and the KV pool afterwards."""
+    b.allocate_kv_pool(130, 16)
+    lengths = (1, 17, 64, 130, 301)
+    tables = {r: list(range(1 + 25 * r, 26 + 25 * r)) for r in range(len(lengths))}
+    b.fused_decode = True
+    b.prefill([PrefillChunk(f"r{r}", corpus_ids[r * 50:r * 50 + n], 0, tables[r])
+               for r, n in enumerate(lengths)])
+    b.fused_decode = fused
+    try:
+        out = [b.decode([DecodeRow(f"r{r}", corpus_ids[r * 50 + n + step], n + step, tables[r])
+                         for r, n in enumerate(lengths)]) for step in range(steps)]
+    finally:
+        b.fused_decode = True
+    assert b._kv is not None
+    return torch.cat(out), b._kv.clone()
+
+
+@pytest.mark.model
+def test_a_fused_decode_pass_writes_the_same_kv_and_gives_the_same_logits(bf16, corpus_ids):
+    fused_logits, fused_kv = decode_run(bf16, corpus_ids, fused=True)
+    torch_logits, torch_kv = decode_run(bf16, corpus_ids, fused=False)
+    # Layer 0's K/V: the same roundings of the same products.
+    same = (fused_kv[0] == torch_kv[0]).float().mean().item()
+    assert same > 0.999, f"layer 0's K/V equal in {same:.4%} of elements"
+    diff = (fused_logits - torch_logits).abs()
+    stats = f"max {diff.max().item():.3f}, mean {diff.mean().item():.3f}"
+    assert diff.max().item() < PLAIN_MAX_ABS, stats
+    assert diff.mean().item() < PLAIN_MEAN_ABS, stats
+    assert_argmax_agrees_except_near_ties(torch_logits, fused_logits, "fused vs PyTorch decode")
+
+
+@pytest.mark.model
+def test_a_bad_block_table_is_refused_before_anything_is_written(bf16, corpus_ids):
+    bf16.allocate_kv_pool(8, 16)
+    bf16.prefill([PrefillChunk("r", corpus_ids[:20], 0, [1, 2])])
+    assert bf16._kv is not None
+    before = bf16._kv.clone()
+    # Position 40 needs a third block the table does not have; a block id outside the pool.
+    for row, match in ((DecodeRow("r", 5, 40, [1, 2]), "block table"),
+                       (DecodeRow("r", 5, 20, [1, 99]), "outside the pool")):
+        with pytest.raises(ValueError, match=match):
+            bf16.decode([row])
+        assert torch.equal(bf16._kv, before)
+    # The kernel's own checks, called directly: lengths past the table, the rotary tables or
+    # below 1, and block ids outside the pool; the residual stream and the pool stay as they were.
+    h = torch.randn(1, bf16._layers[0].ln1_w.shape[0]).bfloat16()
+    h_before = h.clone()
+    table = torch.tensor([[1, 2]])
+    for lens, tables, match in (([41], table, "block table"), ([0], table, "block table"),
+                                ([bf16.max_model_len + 1], torch.ones(1, 9000, dtype=torch.int64),
+                                 "rotary"),
+                                ([20], torch.tensor([[1, -1]]), "outside the pool")):
+        with pytest.raises(ValueError, match=match):
+            bf16._decode_layers(0, h, tables, torch.tensor(lens))
+        assert torch.equal(bf16._kv, before) and torch.equal(h, h_before)
+    # The engine keeps serving: a good row after the refusals decodes.
+    logits = bf16.decode([DecodeRow("r", corpus_ids[20], 20, [1, 2])])
+    assert logits.shape == (1, bf16.vocab_size) and torch.isfinite(logits).all()
+
+
+@pytest.mark.model
+def test_projection_biases_and_a_single_kv_head_through_the_fused_pass():
+    b = tiny_bf16_backend(128, 2, 64, 1024)
+    if b._decode_layers is None:
+        pytest.skip("no packed bf16 kernel on this CPU")
+    for layer in b._layers:  # biases on every projection, as Qwen2's q/k/v have
+        for p in layer.packed:
+            p.bias = torch.randn(p.out_features) * 0.1
+    b._decode_layers = native_decode.DecodeLayers(
+        b._native, b._layers, n_heads=b.num_heads, kv_heads=b.num_kv_heads,
+        head_dim=b.head_dim, scale=b.scale, cos=b._cos, sin=b._sin)
+    b.allocate_kv_pool(16, 16)
+    b.prefill([PrefillChunk("r", list(range(5, 45)), 0, [0, 1, 2])])
+    kv0 = b._kv.clone()
+    rows = [DecodeRow("r", 7, 40, [0, 1, 2])]
+    fused = b.decode(rows)
+    b._kv.copy_(kv0)
+    b.fused_decode = False
+    plain = b.decode(rows)
+    torch.testing.assert_close(fused, plain, atol=0.05, rtol=0.02)
+
+
+def test_models_the_fused_pass_does_not_take_keep_the_pytorch_pass():
+    class Layer:
+        packed, q_norm, k_norm = (object(),) * 4, None, None
+
+    lib = type("Lib", (), {"bf16_packed_matmul_available": staticmethod(lambda: 1)})()
+    silu = torch.nn.functional.silu
+    assert native_decode.supported(lib, torch.bfloat16, [Layer()], silu, 64)
+    qk_norm = type("QKNorm", (Layer,), {"q_norm": (torch.ones(64), 1e-6)})()
+    plain = type("Plain", (Layer,), {"packed": None})()
+    for args in ((None, torch.bfloat16, [Layer()], silu, 64),
+                 (lib, torch.float32, [Layer()], silu, 64),
+                 (lib, torch.bfloat16, [qk_norm], silu, 64),
+                 (lib, torch.bfloat16, [Layer(), plain], silu, 64),
+                 (lib, torch.bfloat16, [Layer()], torch.nn.functional.gelu, 64),
+                 (lib, torch.bfloat16, [Layer()], silu, 63),
+                 (lib, torch.bfloat16, [], silu, 64)):
+        assert not native_decode.supported(*args)
