@@ -121,19 +121,62 @@ def test_projection_biases_and_a_single_kv_head_through_the_fused_pass():
 
 
 def test_models_the_fused_pass_does_not_take_keep_the_pytorch_pass():
+    bf16_proj = type("Packed", (), {"packed": torch.empty(0)})()
+    q4_proj = type("Quant", (), {"kind": "q4_1"})()
+
     class Layer:
-        packed, q_norm, k_norm = (object(),) * 4, None, None
+        packed, q_norm, k_norm = (bf16_proj,) * 4, None, None
+
+    class Q4Layer(Layer):
+        packed = (q4_proj,) * 4
 
     lib = type("Lib", (), {"bf16_packed_matmul_available": staticmethod(lambda: 1)})()
+    no_bf16 = type("Lib", (), {"bf16_packed_matmul_available": staticmethod(lambda: 0)})()
     silu = torch.nn.functional.silu
     assert native_decode.supported(lib, torch.bfloat16, [Layer()], silu, 64)
+    assert native_decode.supported(no_bf16, torch.float32, [Q4Layer()], silu, 64)
     qk_norm = type("QKNorm", (Layer,), {"q_norm": (torch.ones(64), 1e-6)})()
     plain = type("Plain", (Layer,), {"packed": None})()
+    q8 = type("Q8", (Layer,), {"packed": (type("Q", (), {"kind": "q8_0"})(),) * 4})()
     for args in ((None, torch.bfloat16, [Layer()], silu, 64),
+                 (no_bf16, torch.bfloat16, [Layer()], silu, 64),
                  (lib, torch.float32, [Layer()], silu, 64),
+                 (lib, torch.bfloat16, [Q4Layer()], silu, 64),
+                 (lib, torch.float32, [q8], silu, 64),
                  (lib, torch.bfloat16, [qk_norm], silu, 64),
                  (lib, torch.bfloat16, [Layer(), plain], silu, 64),
                  (lib, torch.bfloat16, [Layer()], torch.nn.functional.gelu, 64),
                  (lib, torch.bfloat16, [Layer()], silu, 63),
                  (lib, torch.bfloat16, [], silu, 64)):
         assert not native_decode.supported(*args)
+
+
+@pytest.mark.model
+def test_q4_1_decode_passes_through_one_call_per_layer_match_the_layer_by_layer_pass(corpus_ids):
+    from inference.engine.model_store import default_gguf_path
+
+    q4 = TransformersBackend.from_pretrained(resolve_model_path(""), device="cpu",
+                                             quantization="q4_1",
+                                             quantized_weights=default_gguf_path())
+    assert q4._decode_layers is not None and q4._decode_layers.max_rows == 8
+    fused_logits, fused_kv = decode_run(q4, corpus_ids, fused=True)
+    torch_logits, torch_kv = decode_run(q4, corpus_ids, fused=False)
+    # fp32 throughout: the same int8 codes but where a norm's order of sums moves a value
+    # across a code's rounding boundary.
+    assert (fused_kv[0] - torch_kv[0]).abs().max() < 0.05
+    diff = (fused_logits - torch_logits).abs()
+    stats = f"max {diff.max().item():.3f}, mean {diff.mean().item():.3f}"
+    assert diff.max().item() < PLAIN_MAX_ABS and diff.mean().item() < PLAIN_MEAN_ABS, stats
+    assert_argmax_agrees_except_near_ties(torch_logits, fused_logits, "q4_1 fused vs per layer")
+    # More rows than the kernel's fused products take: the PyTorch pass (dense products).
+    q4.allocate_kv_pool(40, 16)
+    rows = [DecodeRow(f"r{r}", corpus_ids[r], 0, [r]) for r in range(9)]
+    calls = []
+    real = native_decode.DecodeLayers.__call__
+    native_decode.DecodeLayers.__call__ = lambda self, *a: calls.append(a) or real(self, *a)
+    try:
+        q4.decode(rows)
+        q4.decode(rows[:8])
+    finally:
+        native_decode.DecodeLayers.__call__ = real
+    assert len(calls) == len(q4._layers)  # the 8-row pass only

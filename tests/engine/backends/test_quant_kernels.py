@@ -2,7 +2,9 @@
 GGUF file stores them equal the products over ``gguf``'s own dequantization of the same bytes, on
 the default model's shipped tensors and on made-up blocks (negative and subnormal scales), in the
 AVX2 path this CPU builds and in the plain C path built without it, for every remainder of their
-4-row tile; bad shapes are refused with the field named."""
+4-row tile; bad shapes are refused with the field named. The int8-activation products (llama.cpp's
+arithmetic: each block of 32 inputs as int8 codes and a scale) stay within the rounding of those
+codes of the exact product, in both paths."""
 
 from __future__ import annotations
 
@@ -117,6 +119,47 @@ def test_the_plain_path_and_the_simd_path_agree_on_made_up_blocks(lib, plain_lib
     for which in (lib, plain_lib):
         got = quant.quant_matmul(which, kind, x, blocks)
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+def int8_bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """``[rows, out]``: how far a product over x's int8 codes may be from the exact one. Each
+    x value is off by at most half its block's step ``max |x| / 127``, so output ``n`` by at
+    most ``sum_j |w_nj| step_j / 2``; plus fp32 summation noise."""
+    step = x.double().abs().view(x.shape[0], -1, 32).amax(-1) / 127  # [rows, blocks]
+    per_input = step.repeat_interleave(32, dim=1) / 2  # [rows, in]
+    exact_scale = x.double().abs() @ dense.double().abs().T
+    return per_input @ dense.double().abs().T * 1.001 + exact_scale * 1e-5 + 1e-6
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+def test_int8_activation_products_stay_within_the_codes_rounding(lib, plain_lib, kind, rows):
+    blocks = made_up_blocks(kind, 40, 96 if rows % 2 else 128, seed=rows)  # odd and even blocks
+    in_features = 96 if rows % 2 else 128
+    dense = dense_of(kind, blocks)
+    x = torch.randn(rows, in_features) * torch.logspace(-2, 2, in_features)  # blocks of any size
+    exact = x.double() @ dense.double().T
+    bound = int8_bound(x, dense)
+    for which in (lib, plain_lib):
+        got = quant.quant_matmul(which, kind, x, blocks, int8_activations=True)
+        assert got.shape == (rows, 40)
+        assert ((got.double() - exact).abs() <= bound).all()
+    # The codes' rounding is real: the fp32 path is far closer to the exact product.
+    fp32 = quant.quant_matmul(lib, kind, x, blocks)
+    assert (fp32.double() - exact).abs().max() < (got.double() - exact).abs().max() / 10
+    # A zero block (scale 0) gives exact zeros, not NaN.
+    zeros = quant.quant_matmul(lib, kind, torch.zeros(rows, in_features), blocks,
+                               int8_activations=True)
+    assert torch.equal(zeros, torch.zeros(rows, 40))
+
+
+def test_int8_activation_products_over_the_shipped_weights(lib, shipped):
+    torch.manual_seed(0)
+    for name, (kind, blocks, dense, in_features) in shipped.items():
+        x = torch.randn(3, in_features)
+        got = quant.quant_matmul(lib, kind, x, blocks, int8_activations=True)
+        exact = x.double() @ dense.double().T
+        assert ((got.double() - exact).abs() <= int8_bound(x, dense)).all(), name
 
 
 def test_the_simd_path_is_what_an_avx2_cpu_builds(lib):

@@ -121,14 +121,10 @@ class TransformersBackend(_Forward, ModelBackend):
             self._load_native()
         # [max_model_len, head_dim] each
         self._cos, self._sin = _rotary_tables(inner, self.max_model_len, self.device, self.dtype)
-        # Decode passes one native call per layer (bf16 packed projections; native.decode).
+        # Decode passes one native call per layer (bf16 packed or Q4_1 projections).
         self.fused_decode = True
         self._decode_layers = None
-        if self.packed_gemm and native_decode.supported(self._native, self.dtype, self._layers,
-                                                        self._act, self.head_dim):
-            self._decode_layers = native_decode.DecodeLayers(
-                self._native, self._layers, n_heads=self.num_heads, kv_heads=self.num_kv_heads,
-                head_dim=self.head_dim, scale=self.scale, cos=self._cos, sin=self._sin)
+        self._build_decode_layers()
         self._model = model
         self._kv: torch.Tensor | None = None
         self.num_blocks = 0
@@ -232,6 +228,16 @@ class TransformersBackend(_Forward, ModelBackend):
         logger.info("bf16 projections on the native packed kernel: %d of %d layers%s",
                     sum(layer.packed is not None for layer in self._layers), len(self._layers),
                     ", and the LM head" if self._lm_head_packed is not None else "")
+
+    def _build_decode_layers(self) -> None:
+        """Describe the layers for :mod:`inference.engine.backends.native.decode` where it
+        runs the model (its projections packed in bf16, or Q4_1 ones after
+        :func:`~inference.engine.backends.hf.quantized.load_q4_1`); else leave it None."""
+        if self.packed_gemm and native_decode.supported(self._native, self.dtype, self._layers,
+                                                        self._act, self.head_dim):
+            self._decode_layers = native_decode.DecodeLayers(
+                self._native, self._layers, n_heads=self.num_heads, kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim, scale=self.scale, cos=self._cos, sin=self._sin)
 
     @property
     def hf_model(self) -> Any:

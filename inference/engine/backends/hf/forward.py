@@ -121,7 +121,7 @@ class _Forward:
         fused, part = self._decode_layers, b.parts[0]
         if (fused is not None and packed_gemm and self.fused_decode and len(b.parts) == 1
                 and part.tables is not None and part.lengths is not None
-                and part.row_offsets is None and num_tokens == b.rows):
+                and part.row_offsets is None and num_tokens == b.rows <= fused.max_rows):
             # A decode pass: one native call per layer (native.decode).
             if fused.pool is not kv_all:
                 fused.bind(kv_all)

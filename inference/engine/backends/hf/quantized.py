@@ -21,7 +21,11 @@ overwritten with the file's dequantized values, so the passes that run dense (mo
 The LM head: where the model ties it to the embedding and the file stores ``token_embd`` as Q8_0
 (the default model's wheel does), decode passes compute it over those blocks too (1.06 bytes a
 weight against 4); otherwise it stays fp32. The embedding lookup and the norms stay fp32.
-Activations are fp32: ``QUANTIZATION=q4_1`` needs ``DTYPE`` ``auto`` or ``float32``.
+Activations are fp32 (``QUANTIZATION=q4_1`` needs ``DTYPE`` ``auto`` or ``float32``); inside the
+kernel's products (passes of up to :data:`FUSED_MAX_ROWS` rows) each projection's input is
+quantized to int8 codes per block of 32, as llama.cpp's products over these weights do (a decode
+step in about half the time; the quality gate ``benchmarks.kernels.quant_quality`` measures
+what it costs).
 """
 
 from __future__ import annotations
@@ -129,11 +133,12 @@ def load_q4_1(backend: Any, gguf_path: str | Path) -> None:
             with torch.no_grad():
                 dense.copy_(values)  # the dense passes compute the file's weights too
             linears.append(QuantLinear(lib, "q4_1", q4, in_features, bias, dense, _linear_cpu,
-                                       FUSED_MAX_ROWS))
+                                       FUSED_MAX_ROWS, int8_activations=True))
         layer.packed = tuple(linears)
     backend.packed_gemm = True
     backend._lm_head_q = _q8_0_head(backend, tensors, gguf_path)
     backend.quantization = "q4_1"
+    backend._build_decode_layers()
     logger.info("projections over Q4_1 weights from %s (%d layers; up to %d rows fused)",
                 gguf_path, len(backend._layers), FUSED_MAX_ROWS)
 
@@ -170,4 +175,4 @@ def _q8_0_head(backend: Any, tensors: dict[str, Any], gguf_path: str | Path) -> 
     with torch.no_grad():
         head.copy_(values)
     return QuantLinear(lib, "q8_0", blocks, head.shape[1], backend._lm_head_b, head, _linear_cpu,
-                       FUSED_MAX_ROWS)
+                       FUSED_MAX_ROWS, int8_activations=True)

@@ -70,13 +70,13 @@ GEMM_SYMBOL = "bf16_packed_matmul"  # bf16_gemm.c; called by inference.engine.ba
 # prefill_attention.c; called by inference.engine.backends.native.prefill
 PREFILL_SYMBOL = "prefill_attention_bf16"
 # quant.c; called by inference.engine.backends.native.quant
-QUANT_SYMBOLS = ("q4_1_matmul", "q4_1_dequantize", "q8_0_matmul", "q8_0_dequantize")
+QUANT_SYMBOLS = ("q4_1_matmul", "q4_1_dequantize", "q8_0_matmul", "q8_0_dequantize",
+                 "q4_1_q8_matmul", "q8_0_q8_matmul")
 ALL_SYMBOLS = (*SYMBOLS.values(), HEAD_SYMBOL, GEMM_SYMBOL, PREFILL_SYMBOL, *QUANT_SYMBOLS,
-               "decode_layer_bf16")
+               "decode_layer_bf16", "decode_layer_q4_1")
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
-
 
 DEFAULT_KERNEL_DIR = REPO_ROOT / ".cache" / "kernels"
 
@@ -223,8 +223,10 @@ def declare_quant(lib: ctypes.CDLL) -> None:
     """The argument types of ``quant.c``'s symbols on ``lib``."""
     for kind in ("q4_1", "q8_0"):
         matmul, dequantize = getattr(lib, f"{kind}_matmul"), getattr(lib, f"{kind}_dequantize")
-        matmul.restype = dequantize.restype = ctypes.c_int
-        matmul.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        q8 = getattr(lib, f"{kind}_q8_matmul")  # int8 activations
+        matmul.restype = dequantize.restype = q8.restype = ctypes.c_int
+        q8.argtypes = matmul.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [
+            ctypes.c_int]
         dequantize.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     lib.q4_1_simd.restype = ctypes.c_int
     lib.q4_1_simd.argtypes = []

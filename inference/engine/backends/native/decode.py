@@ -1,8 +1,10 @@
-"""A bf16 model's decode pass on a CPU with AVX512-BF16, one native call per layer.
+"""A model's decode pass one native call per layer: bf16 on a CPU with AVX512-BF16, or fp32 over
+Q4_1 projections (``QUANTIZATION=q4_1``).
 
 :class:`DecodeLayers` runs ``decode_layer.c``: for a pass in which every row decodes one token,
-a layer's RMSNorms, projections (over the weights packed for
-:mod:`inference.engine.backends.native.gemm`), rotary embedding, K/V write, paged decode
+a layer's RMSNorms, projections (bf16: over the weights packed for
+:mod:`inference.engine.backends.native.gemm`; fp32: over the GGUF file's Q4_1 blocks,
+:mod:`inference.engine.backends.native.quant`), rotary embedding, K/V write, paged decode
 attention, SiLU-gated MLP and residual adds are one C call instead of some thirty PyTorch
 operations. At one row (a single stream) those operations' dispatch cost about a quarter of a
 step; the arithmetic and its roundings are the PyTorch pass's (see ``decode_layer.c``).
@@ -11,12 +13,13 @@ step; the arithmetic and its roundings are the PyTorch pass's (see ``decode_laye
 from __future__ import annotations
 
 import ctypes
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-SYMBOL = "decode_layer_bf16"
+SYMBOLS = {torch.bfloat16: "decode_layer_bf16", torch.float32: "decode_layer_q4_1"}
 
 _ERRORS = {
     1: "a row length is below 1 or beyond its block table or the rotary tables",
@@ -36,26 +39,33 @@ class _LayerT(ctypes.Structure):
 class _DimsT(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in (
         "hidden", "n_heads", "kv_heads", "head_dim", "intermediate", "num_blocks",
-        "block_size", "max_positions")] + [("scale", ctypes.c_double)]
+        "block_size", "max_positions", "int8_activations")] + [("scale", ctypes.c_double)]
 
 
 def declare(lib: ctypes.CDLL) -> None:
     """The argument types of ``decode_layer.c``'s symbol on ``lib``."""
-    fn = getattr(lib, SYMBOL)
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 3
+    for symbol in SYMBOLS.values():
+        fn = getattr(lib, symbol)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 3
 
 
 def supported(lib: Any, dtype: torch.dtype, layers: Sequence[Any], activation: Any,
               head_dim: int) -> bool:
-    """Whether :class:`DecodeLayers` runs a model: ``lib`` built with AVX512-BF16, bf16 weights,
-    every layer's projections packed (``layer.packed``), no q/k norms, SiLU, an even head size
-    up to 1,024."""
-    return (bool(lib) and bool(lib.bf16_packed_matmul_available()) and dtype == torch.bfloat16
-            and activation is torch.nn.functional.silu and head_dim % 2 == 0
+    """Whether :class:`DecodeLayers` runs a model: every layer's projections (``layer.packed``)
+    bf16 packed (a bf16 model, ``lib`` built with AVX512-BF16) or Q4_1 blocks (an fp32 model),
+    no q/k norms, SiLU, an even head size up to 1,024."""
+    if not (lib and activation is torch.nn.functional.silu and head_dim % 2 == 0
             and 0 < head_dim <= 1024 and len(layers) > 0
             and all(layer.packed is not None and layer.q_norm is None and layer.k_norm is None
-                    for layer in layers))
+                    for layer in layers)):
+        return False
+    projections = [p for layer in layers for p in layer.packed]
+    if dtype == torch.bfloat16:
+        return (bool(lib.bf16_packed_matmul_available())
+                and all(isinstance(getattr(p, "packed", None), torch.Tensor)
+                        for p in projections))
+    return dtype == torch.float32 and all(getattr(p, "kind", "") == "q4_1" for p in projections)
 
 
 def _bias(projection: Any) -> int | None:
@@ -63,28 +73,40 @@ def _bias(projection: Any) -> int | None:
 
 
 class DecodeLayers:
-    """Every layer of a model with packed bf16 projections, for decode passes.
+    """Every layer of a model with packed bf16 or Q4_1 projections (:func:`supported`), for
+    decode passes of up to :attr:`max_rows` rows.
 
     Built once (the layer descriptors hold the weights' addresses; the weights must outlive it);
     :meth:`bind` points it at a KV pool, :meth:`__call__` runs one layer.
+
+    Attributes:
+        dtype: the activations' and the pool's dtype (bf16, or fp32 over Q4_1).
+        max_rows: most rows of a pass (Q4_1: the projections' ``fused_max_rows``, beyond which
+            the PyTorch pass runs them dense).
     """
 
     def __init__(self, lib: ctypes.CDLL, layers: Sequence[Any], *, n_heads: int, kv_heads: int,
                  head_dim: int, scale: float, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Describe ``layers`` (each with ``packed``: four
-        :class:`~inference.engine.backends.native.gemm.PackedLinear`) for ``lib``.
+        :class:`~inference.engine.backends.native.gemm.PackedLinear`, or four Q4_1
+        :class:`~inference.engine.backends.native.quant.QuantLinear`) for ``lib``.
 
-        ``cos``/``sin``: ``[positions, head_dim]`` bf16 rotary tables.
+        ``cos``/``sin``: ``[positions, head_dim]`` rotary tables, bf16 for packed layers, fp32
+        for Q4_1 ones.
 
         Raises:
             ValueError: for rotary tables of another dtype or width.
         """
-        if (cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16 or cos.dim() != 2
+        quantized = getattr(layers[0].packed[0], "kind", "") == "q4_1"
+        self.dtype = torch.float32 if quantized else torch.bfloat16
+        self.max_rows = (min(p.fused_max_rows for layer in layers for p in layer.packed)
+                         if quantized else sys.maxsize)
+        if (cos.dtype != self.dtype or sin.dtype != self.dtype or cos.dim() != 2
                 or cos.shape != sin.shape or cos.shape[1] != head_dim):
             raise ValueError(f"decode layers: rotary tables must be [positions, {head_dim}] "
-                             f"bf16, got {tuple(cos.shape)} {cos.dtype}")
+                             f"{self.dtype}, got {tuple(cos.shape)} {cos.dtype}")
         declare(lib)
-        self._fn = getattr(lib, SYMBOL)
+        self._fn = getattr(lib, SYMBOLS[self.dtype])
         self._cos, self._sin = cos.contiguous(), sin.contiguous()
         self._keep: list[torch.Tensor] = []
         self._layers: list[_LayerT] = []
@@ -92,36 +114,39 @@ class DecodeLayers:
         self._hidden = first[0].in_features
         self._intermediate = first[3].in_features
         self._dims = (n_heads, kv_heads, head_dim, scale)
+        self._int8 = int(quantized and bool(layers[0].packed[0].int8_activations))
         for layer in layers:
-            ln1 = layer.ln1_w.detach().to(torch.bfloat16).contiguous()
-            ln2 = layer.ln2_w.detach().to(torch.bfloat16).contiguous()
+            ln1 = layer.ln1_w.detach().to(self.dtype).contiguous()
+            ln2 = layer.ln2_w.detach().to(self.dtype).contiguous()
             self._keep += [ln1, ln2]
             qkv, o, gate_up, down = layer.packed
+            weights = [(p.blocks if quantized else p.packed).data_ptr()
+                       for p in (qkv, o, gate_up, down)]
             self._layers.append(_LayerT(
-                ln1.data_ptr(), ln2.data_ptr(), qkv.packed.data_ptr(), o.packed.data_ptr(),
-                gate_up.packed.data_ptr(), down.packed.data_ptr(), _bias(qkv), _bias(o),
+                ln1.data_ptr(), ln2.data_ptr(), *weights, _bias(qkv), _bias(o),
                 _bias(gate_up), _bias(down), None, float(layer.ln1_eps), float(layer.ln2_eps)))
         self._pool: torch.Tensor | None = None
         self._dims_t: _DimsT | None = None
         self._pool_ptrs: list[int] = []
 
     def bind(self, kv: torch.Tensor) -> None:
-        """Use ``kv [layers, 2 * kv_heads, num_blocks, block_size, head_dim]`` bf16 (contiguous)
-        as the KV pool.
+        """Use ``kv [layers, 2 * kv_heads, num_blocks, block_size, head_dim]`` (contiguous, in
+        :attr:`dtype`) as the KV pool.
 
         Raises:
             ValueError: for a pool of another dtype, layer count or head shape.
         """
         n_heads, kv_heads, head_dim, scale = self._dims
-        if (kv.dtype != torch.bfloat16 or kv.dim() != 5 or not kv.is_contiguous()
+        if (kv.dtype != self.dtype or kv.dim() != 5 or not kv.is_contiguous()
                 or kv.shape[0] != len(self._layers) or kv.shape[1] != 2 * kv_heads
                 or kv.shape[4] != head_dim):
             raise ValueError(f"decode layers: the pool must be a contiguous [{len(self._layers)}"
-                             f", {2 * kv_heads}, blocks, block_size, {head_dim}] bf16 tensor, "
+                             f", {2 * kv_heads}, blocks, block_size, {head_dim}] {self.dtype} "
+                             f"tensor, "
                              f"got {tuple(kv.shape)} {kv.dtype}")
         self._pool = kv
         self._dims_t = _DimsT(self._hidden, n_heads, kv_heads, head_dim, self._intermediate,
-                              kv.shape[2], kv.shape[3], self._cos.shape[0], scale)
+                              kv.shape[2], kv.shape[3], self._cos.shape[0], self._int8, scale)
         step = kv.stride(0) * kv.element_size()
         self._pool_ptrs = [kv.data_ptr() + i * step for i in range(kv.shape[0])]
         for layer, ptr in zip(self._layers, self._pool_ptrs, strict=True):
@@ -134,9 +159,9 @@ class DecodeLayers:
 
     def __call__(self, i: int, h: torch.Tensor, tables: torch.Tensor,
                  lens: torch.Tensor) -> None:
-        """Run layer ``i`` over ``h [rows, hidden]`` bf16 (contiguous; overwritten with the
-        layer's output), each row's new token at position ``lens[r] - 1``, its K/V written to
-        the pool's slot that ``tables [rows, max_blocks]`` int64 names.
+        """Run layer ``i`` over ``h [rows, hidden]`` in :attr:`dtype` (contiguous; overwritten
+        with the layer's output), each row's new token at position ``lens[r] - 1``, its K/V
+        written to the pool's slot that ``tables [rows, max_blocks]`` int64 names.
 
         Raises:
             ValueError: for a length or block id the pool cannot hold, or unsupported sizes.

@@ -33,16 +33,17 @@
 #include <string.h>
 
 typedef struct {
-    const uint16_t *ln1_w, *ln2_w;                           /* [hidden] bf16 */
-    const uint16_t *w_qkv, *w_o, *w_gate_up, *w_down;        /* packed, bf16_gemm.c's layout */
-    const float *b_qkv, *b_o, *b_gate_up, *b_down;           /* fp32, or NULL */
-    uint16_t *pool;                                          /* this layer's KV pool */
+    const void *ln1_w, *ln2_w;                      /* [hidden], the activations' dtype */
+    const void *w_qkv, *w_o, *w_gate_up, *w_down;   /* bf16 packed (bf16_gemm.c) or Q4_1 blocks */
+    const float *b_qkv, *b_o, *b_gate_up, *b_down;  /* fp32, or NULL */
+    void *pool;                                     /* this layer's KV pool */
     double eps1, eps2;
 } layer_t;
 
 typedef struct {
     int64_t hidden, n_heads, kv_heads, head_dim, intermediate, num_blocks, block_size;
-    int64_t max_positions; /* rows of the rotary tables */
+    int64_t max_positions;    /* rows of the rotary tables */
+    int64_t int8_activations; /* Q4_1 only: q4_1_q8_matmul (int8 activations), else q4_1_matmul */
     double scale;
 } dims_t;
 
@@ -50,6 +51,14 @@ int bf16_packed_matmul(const uint16_t *wp, const uint16_t *x, const float *bias,
                        int64_t rows, int64_t parts, int64_t out_features, int64_t in_features,
                        int64_t y_f32, int64_t threads);
 int bf16_packed_matmul_available(void);
+int paged_decode_attention(const float *q, const float *pool, const int64_t *tables,
+                           const int64_t *lens, float *out, int64_t rows, int64_t kv_heads,
+                           int64_t group, int64_t head_dim, int64_t num_blocks,
+                           int64_t block_size, int64_t max_blocks, float scale);
+int q4_1_matmul(const uint8_t *w, const float *x, const float *bias, float *y, int64_t rows,
+                int64_t out_features, int64_t in_features, int threads);
+int q4_1_q8_matmul(const uint8_t *w, const float *x, const float *bias, float *y, int64_t rows,
+                   int64_t out_features, int64_t in_features, int threads);
 int paged_decode_attention_bf16(const uint16_t *q, const uint16_t *pool, const int64_t *tables,
                                 const int64_t *lens, uint16_t *out, int64_t rows,
                                 int64_t kv_heads, int64_t group, int64_t head_dim,
@@ -115,6 +124,23 @@ static void rotate(uint16_t *x, int64_t heads, int64_t D, const uint16_t *cos,
     }
 }
 
+/* The sizes, and the new tokens' slots: checked before anything is written. */
+static int check(const dims_t *M, const int64_t *tables, const int64_t *lens, int64_t max_blocks,
+                 int64_t rows)
+{
+    const int64_t D = M->head_dim, KV = M->kv_heads, bs = M->block_size;
+    if (rows < 0 || D < 2 || D % 2 != 0 || D > 1024 || KV < 1 || M->n_heads % KV != 0 || bs < 1
+        || M->hidden < 1 || M->intermediate < 1)
+        return 4;
+    for (int64_t r = 0; r < rows; r++) {
+        if (lens[r] < 1 || lens[r] > M->max_positions || (lens[r] - 1) / bs >= max_blocks)
+            return 1;
+        const int64_t block = tables[r * max_blocks + (lens[r] - 1) / bs];
+        if (block < 0 || block >= M->num_blocks) return 3;
+    }
+    return 0;
+}
+
 int decode_layer_bf16(const layer_t *L, const dims_t *M, uint16_t *h, const uint16_t *cos,
                       const uint16_t *sin, const int64_t *tables, const int64_t *lens,
                       int64_t max_blocks, int64_t rows, int64_t threads)
@@ -124,17 +150,11 @@ int decode_layer_bf16(const layer_t *L, const dims_t *M, uint16_t *h, const uint
     const int64_t H = M->hidden, NH = M->n_heads, KV = M->kv_heads, D = M->head_dim;
     const int64_t I = M->intermediate, bs = M->block_size, nb = M->num_blocks;
     const int64_t qkv_w = (NH + 2 * KV) * D;
-    if (rows < 0 || D < 2 || D % 2 != 0 || D > 1024 || KV < 1 || NH % KV != 0 || bs < 1
-        || H % 64 != 0 || qkv_w % 64 != 0 || (NH * D) % 64 != 0 || (2 * I) % 64 != 0
+    if (H % 64 != 0 || qkv_w % 64 != 0 || (NH * D) % 64 != 0 || (2 * I) % 64 != 0
         || I % 2 != 0)
         return 4;
-    /* The new tokens' slots: checked before anything is written. */
-    for (int64_t r = 0; r < rows; r++) {
-        if (lens[r] < 1 || lens[r] > M->max_positions || (lens[r] - 1) / bs >= max_blocks)
-            return 1;
-        const int64_t block = tables[r * max_blocks + (lens[r] - 1) / bs];
-        if (block < 0 || block >= nb) return 3;
-    }
+    int rc = check(M, tables, lens, max_blocks, rows);
+    if (rc) return rc;
     const size_t n_x = (size_t)(rows * H), n_qkv = (size_t)(rows * qkv_w);
     const size_t n_o = (size_t)(rows * NH * D), n_gu = (size_t)(rows * 2 * I);
     uint16_t *buf = (uint16_t *)malloc(sizeof(uint16_t) * (n_x * 2 + n_qkv + n_o * 2 + n_gu
@@ -142,10 +162,9 @@ int decode_layer_bf16(const layer_t *L, const dims_t *M, uint16_t *h, const uint
     if (buf == NULL) return 2;
     uint16_t *x = buf, *d = x + n_x, *qkv = d + n_x, *q = qkv + n_qkv, *o = q + n_o;
     uint16_t *gu = o + n_o, *act = gu + n_gu;
-    int rc = 0;
 
-    rms_norm(h, L->ln1_w, x, rows, H, L->eps1);
-    rc = bf16_packed_matmul(L->w_qkv, x, L->b_qkv, qkv, rows, 1, qkv_w, H, 0, threads);
+    rms_norm(h, (const uint16_t *)L->ln1_w, x, rows, H, L->eps1);
+    rc = bf16_packed_matmul((const uint16_t *)L->w_qkv, x, L->b_qkv, qkv, rows, 1, qkv_w, H, 0, threads);
     if (rc) { rc = rc == 3 ? 5 : 4; goto done; }
     const int64_t head_stride = nb * bs * D;
     for (int64_t r = 0; r < rows; r++) {
@@ -155,18 +174,18 @@ int decode_layer_bf16(const layer_t *L, const dims_t *M, uint16_t *h, const uint
         memcpy(q + r * NH * D, row, sizeof(uint16_t) * (size_t)(NH * D));
         const int64_t slot = tables[r * max_blocks + pos / bs] * bs + pos % bs;
         for (int64_t j = 0; j < 2 * KV; j++)  /* K heads, then V heads */
-            memcpy(L->pool + j * head_stride + slot * D, row + (NH + j) * D,
+            memcpy((uint16_t *)L->pool + j * head_stride + slot * D, row + (NH + j) * D,
                    sizeof(uint16_t) * (size_t)D);
     }
-    rc = paged_decode_attention_bf16(q, L->pool, tables, lens, o, rows, KV, NH / KV, D, nb, bs,
+    rc = paged_decode_attention_bf16(q, (const uint16_t *)L->pool, tables, lens, o, rows, KV, NH / KV, D, nb, bs,
                                      max_blocks, (float)M->scale);
     if (rc) goto done;
-    rc = bf16_packed_matmul(L->w_o, o, L->b_o, d, rows, 1, H, NH * D, 0, threads);
+    rc = bf16_packed_matmul((const uint16_t *)L->w_o, o, L->b_o, d, rows, 1, H, NH * D, 0, threads);
     if (rc) { rc = rc == 3 ? 5 : 4; goto done; }
     add_residual(h, d, (int64_t)n_x);
 
-    rms_norm(h, L->ln2_w, x, rows, H, L->eps2);
-    rc = bf16_packed_matmul(L->w_gate_up, x, L->b_gate_up, gu, rows, 1, 2 * I, H, 0, threads);
+    rms_norm(h, (const uint16_t *)L->ln2_w, x, rows, H, L->eps2);
+    rc = bf16_packed_matmul((const uint16_t *)L->w_gate_up, x, L->b_gate_up, gu, rows, 1, 2 * I, H, 0, threads);
     if (rc) { rc = rc == 3 ? 5 : 4; goto done; }
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < I; i++) {
@@ -174,9 +193,94 @@ int decode_layer_bf16(const layer_t *L, const dims_t *M, uint16_t *h, const uint
             const float s = to_f32(to_bf16(g / (1.0f + expf(-g))));
             act[r * I + i] = to_bf16(s * to_f32(gu[r * 2 * I + I + i]));
         }
-    rc = bf16_packed_matmul(L->w_down, act, L->b_down, d, rows, 1, H, I, 0, threads);
+    rc = bf16_packed_matmul((const uint16_t *)L->w_down, act, L->b_down, d, rows, 1, H, I, 0, threads);
     if (rc) { rc = rc == 3 ? 5 : 4; goto done; }
     add_residual(h, d, (int64_t)n_x);
+done:
+    free(buf);
+    return rc;
+}
+
+/* y = x * rsqrt(mean(x^2) + eps) * w in fp32, per row of n */
+static void rms_norm_f32(const float *x, const float *w, float *y, int64_t rows, int64_t n,
+                         double eps)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < n; i++) sum += xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(sum / (float)n + (float)eps);
+        for (int64_t i = 0; i < n; i++) y[r * n + i] = xr[i] * inv * w[i];
+    }
+}
+
+/*
+ * The same layer in fp32 over Q4_1 projections (QUANTIZATION=q4_1): h, cos, sin, the norms'
+ * weights and the pool fp32, the projections over the GGUF blocks (quant.c: q4_1_q8_matmul with
+ * dims->int8_activations, else q4_1_matmul), the attention paged_decode_attention (fp32). Same
+ * arguments and return codes (5 never).
+ */
+int decode_layer_q4_1(const layer_t *L, const dims_t *M, float *h, const float *cos,
+                      const float *sin, const int64_t *tables, const int64_t *lens,
+                      int64_t max_blocks, int64_t rows, int64_t threads)
+{
+    if (rows == 0) return 0;
+    const int64_t H = M->hidden, NH = M->n_heads, KV = M->kv_heads, D = M->head_dim;
+    const int64_t I = M->intermediate, bs = M->block_size, nb = M->num_blocks;
+    const int64_t qkv_w = (NH + 2 * KV) * D;
+    if (H % 32 != 0 || (NH * D) % 32 != 0 || I % 32 != 0) return 4;
+    int rc = check(M, tables, lens, max_blocks, rows);
+    if (rc) return rc;
+    const size_t n_x = (size_t)(rows * H), n_qkv = (size_t)(rows * qkv_w);
+    const size_t n_o = (size_t)(rows * NH * D), n_gu = (size_t)(rows * 2 * I);
+    float *buf = (float *)malloc(sizeof(float) * (n_x * 2 + n_qkv + n_o * 2 + n_gu
+                                                  + (size_t)(rows * I)));
+    if (buf == NULL) return 2;
+    float *x = buf, *d = x + n_x, *qkv = d + n_x, *q = qkv + n_qkv, *o = q + n_o;
+    float *gu = o + n_o, *act = gu + n_gu;
+    const int nt = (int)threads;
+    int (*q4_1_matmul_fn)(const uint8_t *, const float *, const float *, float *, int64_t,
+                          int64_t, int64_t, int) = M->int8_activations ? q4_1_q8_matmul
+                                                                       : q4_1_matmul;
+
+    rms_norm_f32(h, (const float *)L->ln1_w, x, rows, H, L->eps1);
+    rc = q4_1_matmul_fn((const uint8_t *)L->w_qkv, x, L->b_qkv, qkv, rows, qkv_w, H, nt);
+    if (rc) { rc = rc == 2 ? 2 : 4; goto done; }
+    const int64_t half = D / 2, head_stride = nb * bs * D;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t pos = lens[r] - 1;
+        float *row = qkv + r * qkv_w;
+        const float *c = cos + pos * D, *s = sin + pos * D;
+        for (int64_t hd = 0; hd < NH + KV; hd++) {
+            float *xh = row + hd * D, tmp[1024];
+            memcpy(tmp, xh, sizeof(float) * (size_t)D);
+            for (int64_t i = 0; i < D; i++)
+                xh[i] = tmp[i] * c[i] + (i < half ? -tmp[i + half] : tmp[i - half]) * s[i];
+        }
+        memcpy(q + r * NH * D, row, sizeof(float) * (size_t)(NH * D));
+        const int64_t slot = tables[r * max_blocks + pos / bs] * bs + pos % bs;
+        for (int64_t j = 0; j < 2 * KV; j++)  /* K heads, then V heads */
+            memcpy((float *)L->pool + j * head_stride + slot * D, row + (NH + j) * D,
+                   sizeof(float) * (size_t)D);
+    }
+    rc = paged_decode_attention(q, (const float *)L->pool, tables, lens, o, rows, KV, NH / KV, D,
+                                nb, bs, max_blocks, (float)M->scale);
+    if (rc) goto done;
+    rc = q4_1_matmul_fn((const uint8_t *)L->w_o, o, L->b_o, d, rows, H, NH * D, nt);
+    if (rc) { rc = rc == 2 ? 2 : 4; goto done; }
+    for (size_t i = 0; i < n_x; i++) h[i] += d[i];
+
+    rms_norm_f32(h, (const float *)L->ln2_w, x, rows, H, L->eps2);
+    rc = q4_1_matmul_fn((const uint8_t *)L->w_gate_up, x, L->b_gate_up, gu, rows, 2 * I, H, nt);
+    if (rc) { rc = rc == 2 ? 2 : 4; goto done; }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < I; i++) {
+            const float g = gu[r * 2 * I + i];
+            act[r * I + i] = g / (1.0f + expf(-g)) * gu[r * 2 * I + I + i];
+        }
+    rc = q4_1_matmul_fn((const uint8_t *)L->w_down, act, L->b_down, d, rows, H, I, nt);
+    if (rc) { rc = rc == 2 ? 2 : 4; goto done; }
+    for (size_t i = 0; i < n_x; i++) h[i] += d[i];
 done:
     free(buf);
     return rc;

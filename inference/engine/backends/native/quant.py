@@ -11,8 +11,9 @@ BYTES]`` uint8 tensor, the layout ``gguf.GGUFReader`` gives a tensor's data:
   (``dequantize_row_q8_0``).
 
 :func:`quant_matmul` computes ``x W^T (+ bias)`` in the kernels of ``quant.c``, dequantizing
-each block inside them (AVX2 where the CPU has it, else plain C); :func:`dequantize` gives the
-weight in fp32, for products of many rows. :class:`QuantLinear` is one projection of the
+each block inside them (AVX2 where the CPU has it, else plain C), or with ``int8_activations``
+over int8 codes of ``x`` per block of 32 as llama.cpp does (integer dot products: VNNI or AVX2);
+:func:`dequantize` gives the weight in fp32, for products of many rows. :class:`QuantLinear` is one projection of the
 forward pass.
 """
 
@@ -55,8 +56,11 @@ def _threads(threads: int) -> int:
 
 
 def quant_matmul(lib: ctypes.CDLL, kind: str, x: torch.Tensor, weight: torch.Tensor,
-                 bias: torch.Tensor | None = None, *, threads: int = 0) -> torch.Tensor:
-    """``x W^T (+ bias)`` with ``W`` in ``kind`` blocks (``q4_1`` or ``q8_0``), in fp32.
+                 bias: torch.Tensor | None = None, *, threads: int = 0,
+                 int8_activations: bool = False) -> torch.Tensor:
+    """``x W^T (+ bias)`` with ``W`` in ``kind`` blocks (``q4_1`` or ``q8_0``), in fp32; with
+    ``int8_activations``, ``x`` quantized per block of 32 to int8 codes first and each block's
+    product an integer dot product, as llama.cpp computes it (``quant.c``: VNNI, or AVX2).
 
     Args:
         lib: the library :func:`inference.engine.backends.native.load` returned.
@@ -65,6 +69,8 @@ def quant_matmul(lib: ctypes.CDLL, kind: str, x: torch.Tensor, weight: torch.Ten
         weight: ``[out, in / 32 * BLOCK_BYTES[kind]]`` uint8: each row's blocks.
         bias: ``[out]`` or None.
         threads: OpenMP threads (0: ``torch.get_num_threads()``).
+        int8_activations: quantize ``x`` (each value off by up to half its block's
+            ``max |x| / 127``).
 
     Returns:
         ``[rows, out]`` fp32.
@@ -82,11 +88,14 @@ def quant_matmul(lib: ctypes.CDLL, kind: str, x: torch.Tensor, weight: torch.Ten
     if b is not None and b.shape != (out_features,):
         raise ValueError(f"{kind}: bias must be [{out_features}], not {tuple(b.shape)}")
     y = torch.empty(rows, out_features, dtype=torch.float32)
-    code = getattr(lib, f"{kind}_matmul")(weight.data_ptr(), x.data_ptr(),
-                                          0 if b is None else b.data_ptr(), y.data_ptr(), rows,
-                                          out_features, in_features, _threads(threads))
+    symbol = f"{kind}_q8_matmul" if int8_activations else f"{kind}_matmul"
+    code = getattr(lib, symbol)(weight.data_ptr(), x.data_ptr(),
+                                0 if b is None else b.data_ptr(), y.data_ptr(), rows,
+                                out_features, in_features, _threads(threads))
+    if code == 2:
+        raise MemoryError(f"{symbol}: out of memory for the activations' int8 codes")
     if code:
-        raise RuntimeError(f"{kind}_matmul failed ({code}): {_ERRORS.get(code, 'unknown')}")
+        raise RuntimeError(f"{symbol} failed ({code}): {_ERRORS.get(code, 'unknown')}")
     return y
 
 
@@ -128,11 +137,11 @@ class QuantLinear:
     """
 
     __slots__ = ("_dense_fn", "_lib", "bias", "blocks", "dense", "fused_max_rows",
-                 "in_features", "kind", "out_features")
+                 "in_features", "int8_activations", "kind", "out_features")
 
     def __init__(self, lib: ctypes.CDLL, kind: str, blocks: torch.Tensor, in_features: int,
                  bias: torch.Tensor | None, dense: torch.Tensor, dense_fn: Callable[..., Any],
-                 fused_max_rows: int) -> None:
+                 fused_max_rows: int, *, int8_activations: bool = False) -> None:
         """Raises:
             ValueError: ``blocks`` are not ``kind`` rows of ``in_features`` inputs, or ``dense``
                 or ``bias`` do not match them."""
@@ -146,8 +155,10 @@ class QuantLinear:
             raise ValueError(f"{kind}: bias must be [{self.out_features}], not "
                              f"{tuple(self.bias.shape)}")
         self.dense, self._dense_fn, self.fused_max_rows = dense, dense_fn, fused_max_rows
+        self.int8_activations = int8_activations
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.fused_max_rows:
             return self._dense_fn(x, self.dense, self.bias)
-        return quant_matmul(self._lib, self.kind, x, self.blocks, self.bias)
+        return quant_matmul(self._lib, self.kind, x, self.blocks, self.bias,
+                            int8_activations=self.int8_activations)
