@@ -13,8 +13,8 @@ BYTES]`` uint8 tensor, the layout ``gguf.GGUFReader`` gives a tensor's data:
 :func:`quant_matmul` computes ``x W^T (+ bias)`` in the kernels of ``quant.c``, dequantizing
 each block inside them (AVX2 where the CPU has it, else plain C), or with ``int8_activations``
 over int8 codes of ``x`` per block of 32 as llama.cpp does (integer dot products: VNNI or AVX2);
-:func:`dequantize` gives the weight in fp32, for products of many rows. :class:`QuantLinear` is one projection of the
-forward pass.
+:func:`dequantize` gives the weight in fp32, for products of many rows. :class:`QuantLinear` is
+one projection of the forward pass.
 """
 
 from __future__ import annotations
