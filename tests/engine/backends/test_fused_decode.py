@@ -89,10 +89,16 @@ def test_a_bad_block_table_is_refused_before_anything_is_written(bf16, corpus_id
     for lens, tables, match in (([41], table, "block table"), ([0], table, "block table"),
                                 ([bf16.max_model_len + 1], torch.ones(1, 9000, dtype=torch.int64),
                                  "rotary"),
-                                ([20], torch.tensor([[1, -1]]), "outside the pool")):
+                                ([20], torch.tensor([[1, -1]]), "outside the pool"),
+                                # the new token's block is good, an earlier one is not
+                                ([20], torch.tensor([[-1, 2]]), "outside the pool"),
+                                ([20], torch.tensor([[1, 2]], dtype=torch.int32), "int64"),
+                                ([20, 20], table, "lens")):
         with pytest.raises(ValueError, match=match):
             bf16._decode_layers(0, h, tables, torch.tensor(lens))
         assert torch.equal(bf16._kv, before) and torch.equal(h, h_before)
+    with pytest.raises(ValueError, match="h must be"):
+        bf16._decode_layers(0, h[:, :64].contiguous(), table, torch.tensor([20]))
     # The engine keeps serving: a good row after the refusals decodes.
     logits = bf16.decode([DecodeRow("r", corpus_ids[20], 20, [1, 2])])
     assert logits.shape == (1, bf16.vocab_size) and torch.isfinite(logits).all()

@@ -151,6 +151,11 @@ def test_int8_activation_products_stay_within_the_codes_rounding(lib, plain_lib,
     zeros = quant.quant_matmul(lib, kind, torch.zeros(rows, in_features), blocks,
                                int8_activations=True)
     assert torch.equal(zeros, torch.zeros(rows, 40))
+    # A NaN input reaches the output, as in the fp32 path, not a code of 0.
+    x[0, 5] = float("nan")
+    for which in (lib, plain_lib):
+        got = quant.quant_matmul(which, kind, x, blocks, int8_activations=True)
+        assert got[0].isnan().all() and not got[1:].isnan().any()
 
 
 def test_int8_activation_products_over_the_shipped_weights(lib, shipped):

@@ -152,6 +152,20 @@ class DecodeLayers:
         for layer, ptr in zip(self._layers, self._pool_ptrs, strict=True):
             layer.pool = ptr
 
+    def _check(self, h: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> None:
+        if self._dims_t is None:
+            raise ValueError("decode layers: no KV pool bound (bind first)")
+        rows = h.shape[0] if h.dim() == 2 else -1
+        if (h.dtype != self.dtype or h.dim() != 2 or h.shape[1] != self._hidden
+                or not h.is_contiguous() or tables.dtype != torch.int64 or tables.dim() != 2
+                or not tables.is_contiguous() or lens.dtype != torch.int64 or lens.dim() != 1
+                or not lens.is_contiguous() or tables.shape[0] != rows or lens.shape[0] != rows):
+            raise ValueError(f"decode layers: h must be a contiguous [rows, {self._hidden}] "
+                             f"{self.dtype} tensor, tables [rows, max_blocks] and lens [rows] "
+                             f"contiguous int64; got h {tuple(h.shape)} {h.dtype}, tables "
+                             f"{tuple(tables.shape)} {tables.dtype}, lens {tuple(lens.shape)} "
+                             f"{lens.dtype}")
+
     @property
     def pool(self) -> torch.Tensor | None:
         """The pool :meth:`bind` was given, or None."""
@@ -164,9 +178,13 @@ class DecodeLayers:
         written to the pool's slot that ``tables [rows, max_blocks]`` int64 names.
 
         Raises:
-            ValueError: for a length or block id the pool cannot hold, or unsupported sizes.
+            ValueError: before :meth:`bind`; for tensors of another dtype, layout or row count
+                (checked at layer 0, once a pass); for a length or block id the pool cannot
+                hold, or unsupported sizes.
             MemoryError: if the kernel cannot allocate its activations.
         """
+        if i == 0:
+            self._check(h, tables, lens)
         rc = self._fn(ctypes.byref(self._layers[i]), ctypes.byref(self._dims_t), h.data_ptr(),
                       self._cos.data_ptr(), self._sin.data_ptr(), tables.data_ptr(),
                       lens.data_ptr(), tables.shape[1], h.shape[0], torch.get_num_threads())

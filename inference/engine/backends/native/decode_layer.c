@@ -21,7 +21,7 @@
  * pool (paged_decode_attention_bf16); the output projection added to the residual (rounded);
  * RMSNorm; gate/up projection; SiLU(gate) (in fp32, rounded) times up (rounded); the down
  * projection added to the residual. Only the order of the fp32 sums inside a norm may differ from
- * PyTorch's.
+ * PyTorch's (and the last bit of exp in SiLU).
  *
  * Return codes: 0 done; 1 a length below 1 or beyond its block table or the rotary tables; 2 out of memory; 3 a block
  * id outside the pool; 4 a size the kernels do not take (a projection's width not a multiple of
@@ -94,7 +94,8 @@ static void rms_norm(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t 
             const float v = to_f32(xr[i]);
             sum += v * v;
         }
-        const float inv = 1.0f / sqrtf(sum / (float)n + (float)eps);
+        /* in double, then rounded: -ffast-math would take an approximate reciprocal root */
+        const float inv = (float)(1.0 / sqrt((double)(sum / (float)n) + (double)(float)eps));
         for (int64_t i = 0; i < n; i++)
             y[r * n + i] = to_bf16(to_f32(xr[i]) * inv * to_f32(w[i]));
     }
@@ -135,8 +136,10 @@ static int check(const dims_t *M, const int64_t *tables, const int64_t *lens, in
     for (int64_t r = 0; r < rows; r++) {
         if (lens[r] < 1 || lens[r] > M->max_positions || (lens[r] - 1) / bs >= max_blocks)
             return 1;
-        const int64_t block = tables[r * max_blocks + (lens[r] - 1) / bs];
-        if (block < 0 || block >= M->num_blocks) return 3;
+        for (int64_t j = 0; j <= (lens[r] - 1) / bs; j++) {  /* every block attention reads */
+            const int64_t block = tables[r * max_blocks + j];
+            if (block < 0 || block >= M->num_blocks) return 3;
+        }
     }
     return 0;
 }
@@ -150,7 +153,7 @@ int decode_layer_bf16(const layer_t *L, const dims_t *M, uint16_t *h, const uint
     const int64_t H = M->hidden, NH = M->n_heads, KV = M->kv_heads, D = M->head_dim;
     const int64_t I = M->intermediate, bs = M->block_size, nb = M->num_blocks;
     const int64_t qkv_w = (NH + 2 * KV) * D;
-    if (H % 64 != 0 || qkv_w % 64 != 0 || (NH * D) % 64 != 0 || (2 * I) % 64 != 0
+    if (H % 64 != 0 || qkv_w % 64 != 0 || (NH * D) % 2 != 0 || (2 * I) % 64 != 0
         || I % 2 != 0)
         return 4;
     int rc = check(M, tables, lens, max_blocks, rows);
@@ -209,7 +212,7 @@ static void rms_norm_f32(const float *x, const float *w, float *y, int64_t rows,
         const float *xr = x + r * n;
         float sum = 0.0f;
         for (int64_t i = 0; i < n; i++) sum += xr[i] * xr[i];
-        const float inv = 1.0f / sqrtf(sum / (float)n + (float)eps);
+        const float inv = (float)(1.0 / sqrt((double)(sum / (float)n) + (double)(float)eps));
         for (int64_t i = 0; i < n; i++) y[r * n + i] = xr[i] * inv * w[i];
     }
 }

@@ -313,8 +313,18 @@ static int quantize_rows(const float *x, int64_t rows, int64_t in_features, qx_t
         for (int64_t b = 0; b < nb; b++) {
             const float *xb = x + r * in_features + b * QK;
             float amax = 0.0f;
-            for (int j = 0; j < QK; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
-            const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+            int nan = 0;
+            for (int j = 0; j < QK; j++) {
+                uint32_t u;
+                memcpy(&u, &xb[j], sizeof u);
+                nan |= (u & 0x7fffffffu) > 0x7f800000u; /* bit test: -ffast-math drops isnan */
+                amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
+            }
+            /* A NaN input makes its block's scale NaN, so that it reaches the output as the
+             * fp32 path's would instead of vanishing in a code of 0. */
+            float d = amax / 127.0f;
+            if (nan) memcpy(&d, &(uint32_t){0x7fc00000u}, sizeof d);
+            const float id = d > 0.0f ? 1.0f / d : 0.0f;
             int8_t *qb = out->q + r * in_features + b * QK;
             int sum = 0;
             for (int j = 0; j < QK; j++) {
