@@ -107,11 +107,8 @@ class _Forward:
         n_heads, kv_heads, dim, group = self.num_heads, self.num_kv_heads, self.head_dim, self.group
         num_tokens = b.tokens.shape[0]
         qk_heads = n_heads + kv_heads
-        cos = self._cos[b.positions][:, None, :]  # [N, 1, D]
-        sin = self._sin[b.positions][:, None, :]
         half = dim // 2
         kv_all = self._kv  # [layers, 2 * kv_heads, blocks, block_size, D]
-        slot_rows = kv_all[0].numel() // dim
         native_lib, block_size, scale = self._native, self.block_size, self.scale
 
         linear = _linear_cpu if self.small_batch_gemm else F.linear
@@ -130,6 +127,10 @@ class _Forward:
                     raise PassYielded(f"stopped before layer {i}")
                 fused(i, h, part.tables, part.lengths)
             return self._logits(h.index_select(0, b.logit_index), linear)
+
+        cos = self._cos[b.positions][:, None, :]  # [N, 1, D]
+        sin = self._sin[b.positions][:, None, :]
+        slot_rows = kv_all[0].numel() // dim
         for i, layer in enumerate(self._layers):
             if give_way is not None and give_way():
                 raise PassYielded(f"stopped before layer {i}")
