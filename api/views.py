@@ -33,7 +33,7 @@ from gateway.credentials import authenticate_headers
 from gateway.errors import APIError, request_too_large, unexpected_error
 from gateway.events import Waiting
 from gateway.lifecycle import Generation
-from inference.protocol.events import ErrorInfo, Event, FinalEvent, TokenEvent
+from inference.protocol.events import ErrorInfo, Event, FinalEvent
 from inference.protocol.messages import Sampling
 from tenants.models import ApiKey
 
@@ -231,20 +231,22 @@ async def _stream(generation: Generation, shape: responses.ResponseShape,
                   worker_error: WorkerError) -> HttpResponse:
     conf = platform_settings()
     # The status waits (bounded) for the worker's first event; then a comment keeps a quiet
-    # stream open through proxies with an idle timeout.
-    events = generation.events(first_timeout_s=conf["STREAM_DECISION_TIMEOUT_S"],
-                               keepalive_s=conf["SSE_KEEPALIVE_S"])
+    # stream open through proxies with an idle timeout. The events each read found go out in
+    # one write (a worker sends a stream's tokens two at a time: inference.worker.publisher).
+    batches = generation.event_batches(first_timeout_s=conf["STREAM_DECISION_TIMEOUT_S"],
+                                       keepalive_s=conf["SSE_KEEPALIVE_S"])
     # The status is decided before the first byte: wait (bounded) for the worker's first event.
     try:
-        first = await anext(events)
+        first = await anext(batches)
     except BaseException:
         await generation.close()
         raise
-    if isinstance(first, FinalEvent) and first.error is not None and responses.failed(first):
+    if (not isinstance(first, Waiting) and isinstance(first[0], FinalEvent)
+            and first[0].error is not None and responses.failed(first[0])):
         await generation.close()
-        raise worker_error(first.error)
+        raise worker_error(first[0].error)
     response = StreamingHttpResponse(
-        _sse_events(generation, shape, first, events, worker_error),
+        _sse_events(generation, shape, first, batches, worker_error),
         content_type="text/event-stream",
     )
     response["Cache-Control"] = "no-cache"
@@ -255,33 +257,35 @@ async def _stream(generation: Generation, shape: responses.ResponseShape,
 async def _sse_events(
     generation: Generation,
     shape: responses.ResponseShape,
-    first: Event | Waiting,
-    events: AsyncIterator[Event | Waiting],
+    first: list[Event] | Waiting,
+    batches: AsyncIterator[list[Event] | Waiting],
     worker_error: WorkerError,
 ) -> AsyncIterator[str]:
+    """The SSE body: what each read of the worker's events found, in one write."""
     answer = responses.Choices(shape)
     try:
         for opening in responses.opening_chunks(shape):
             yield sse_data(opening)
-        event: Event | Waiting | None = first
-        while event is not None:
-            if isinstance(event, Waiting):
+        batch: list[Event] | Waiting | None = first
+        while batch is not None:
+            if isinstance(batch, Waiting):
                 yield KEEPALIVE
-            elif isinstance(event, TokenEvent):
-                for chunk in answer.chunks(event):
-                    yield sse_data(chunk)
-                generation.sent(event.seq)  # resumed once its chunks were handed to the client
-            else:
+                batch = await anext(batches, None)
+                continue
+            event = batch[-1]
+            if isinstance(event, FinalEvent):  # alone in its batch (Generation.event_batches)
                 if event.error is not None and responses.failed(event):
                     yield sse_data(worker_error(event.error).stream_body())
                     return
-                for chunk in [*answer.chunks(event), *answer.finish_chunks(event)]:
-                    yield sse_data(chunk)
+                out = [*answer.chunks(event), *answer.finish_chunks(event)]
                 if shape.include_usage:
-                    yield sse_data(responses.usage_chunk(shape, event))
-                yield DONE
+                    out.append(responses.usage_chunk(shape, event))
+                yield "".join([*map(sse_data, out), DONE])
                 return
-            event = await anext(events, None)
+            if text := "".join(sse_data(c) for e in batch for c in answer.chunks(e)):
+                yield text
+            generation.sent(event.seq)  # resumed once its chunks were handed to the client
+            batch = await anext(batches, None)
     except APIError as exc:
         yield sse_data(exc.stream_body())
     except Exception as exc:  # noqa: BLE001 - the status is sent: end with an error event

@@ -40,7 +40,7 @@ import redis.asyncio as aioredis
 
 from gateway.conf import platform_settings, redis_keys
 from gateway.errors import CLIENT_CLOSED_STATUS, APIError, final_status
-from inference.protocol.events import FinalEvent
+from inference.protocol.events import ErrorCode, ErrorInfo, FinalEvent, FinishReason
 from inference.protocol.keys import EVENTS_TTL_S
 
 # The loop's checkpoints are written at most this often (seconds).
@@ -101,6 +101,20 @@ def of_response(final: FinalEvent | None, failure: APIError | None, tokens: int,
     if failure is not None:
         return Delivery(tokens, failure.code or "error", failure.status)
     return Delivery(tokens, GONE if draining else LEFT, CLIENT_CLOSED_STATUS)
+
+
+def as_interrupted(final: FinalEvent) -> FinalEvent:
+    """``final`` as its client gets it when its reader never asked for an abort: a final
+    ``abort`` is then a retryable ``interrupted`` error, never a normal end (the server stopped
+    the request: a drain's end, or a worker that took its web process for gone)."""
+    if final.finish_reason is not FinishReason.ABORT:
+        return final
+    return final.model_copy(update={
+        "finish_reason": FinishReason.ERROR,
+        "error": ErrorInfo(code=ErrorCode.INTERRUPTED, retryable=True,
+                           message="the server stopped this request before it finished; "
+                                   "retry it",
+                           details={"completion_tokens": final.usage.completion_tokens})})
 
 
 def as_got(final: FinalEvent, tokens: int) -> FinalEvent:

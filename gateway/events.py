@@ -9,8 +9,9 @@ all the requests of an event loop are read together by its one reader (:mod:`gat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 import redis.exceptions
@@ -40,12 +41,38 @@ def lost_error() -> APIError:
                     "it.", code="service_unavailable", retry_after_s=1)
 
 
-async def events(
+def events(
     request_id: str, idle_timeout_s: float, first_timeout_s: float | None = None, *,
     keepalive_s: float | None = None, epoch: str | None = None,
     outage_tolerance_s: float = 10.0,
 ) -> AsyncIterator[Event | Waiting]:
-    """The request's events in order, up to and including the final one.
+    """The request's events in order, up to and including the final one, one at a time
+    (:func:`event_batches` flattened; the same arguments and errors)."""
+    return flattened(event_batches(request_id, idle_timeout_s, first_timeout_s,
+                                   keepalive_s=keepalive_s, epoch=epoch,
+                                   outage_tolerance_s=outage_tolerance_s))
+
+
+async def flattened(batches: AsyncGenerator[list[Event] | Waiting, None],
+                    ) -> AsyncIterator[Event | Waiting]:
+    """The events of ``batches`` one at a time (its :class:`Waiting` as they come); closing
+    this closes ``batches``."""
+    async with contextlib.aclosing(batches):
+        async for batch in batches:
+            if isinstance(batch, Waiting):
+                yield batch
+            else:
+                for event in batch:
+                    yield event
+
+
+async def event_batches(
+    request_id: str, idle_timeout_s: float, first_timeout_s: float | None = None, *,
+    keepalive_s: float | None = None, epoch: str | None = None,
+    outage_tolerance_s: float = 10.0,
+) -> AsyncIterator[list[Event] | Waiting]:
+    """The request's events in order, up to and including the final one, as they come: each
+    list what one read found (never empty; a streaming response sends it in one write).
 
     Args:
         idle_timeout_s: how long to wait for any event (seconds).
@@ -116,11 +143,14 @@ async def events(
                 beat_at = now + keepalive_s
             elif first_timeout_s is not None:
                 beat_at = None
+            batch: list[Event] = []
             for _entry_id, fields in entries:
-                event = decode_event(fields)
-                yield event
-                if event.type == "final":
-                    return
+                batch.append(decode_event(fields))
+                if batch[-1].type == "final":
+                    break
+            yield batch
+            if batch[-1].type == "final":
+                return
     finally:
         # Also on a cancellation (client disconnect) or a closed generator: stop reading it.
         subscription.close()

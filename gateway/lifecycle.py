@@ -8,7 +8,7 @@
    worker's context can hold is not queued either: its generation ends at once with the worker's
    own ``context_length_exceeded`` error (see :func:`context_refusal`), and a prompt far over
    the context is refused from its size in bytes, without being tokenized.
-2. :meth:`Generation.events` reads the worker's events (tokens, then one final event).
+2. :meth:`Generation.event_batches` reads the worker's events (tokens, then one final event).
 3. :meth:`Generation.close`, always called (also when the client went away), aborts the request in
    its worker if it has not finished, releases its concurrency lease and writes what its client
    got (:mod:`gateway.delivery`: the tokens it was sent, how its response ended). A *detachable*
@@ -40,7 +40,7 @@ from gateway.admission import Principal
 from gateway.clients import aredis
 from gateway.conf import platform_settings, redis_keys
 from gateway.errors import APIError
-from gateway.events import Waiting, events
+from gateway.events import Waiting, event_batches, flattened
 from gateway.tokens import PromptCount, count_chat_tokens, count_text_tokens
 from inference.protocol.events import ErrorCode, ErrorInfo, Event, FinalEvent, FinishReason
 from inference.protocol.messages import ChatTurn, RequestMessage, Sampling, batch_fairness_key
@@ -132,17 +132,20 @@ class Generation:
         """The tokens its client was sent so far (0 for an answer not streamed)."""
         return self._progress.sent if self._progress is not None else 0
 
-    async def events(self, first_timeout_s: float | None = None, *,
-                     keepalive_s: float | None = None) -> AsyncIterator[Event | Waiting]:
-        """The worker's events, up to and including the final one (kept as :attr:`final`).
+    def events(self, first_timeout_s: float | None = None, *,
+               keepalive_s: float | None = None) -> AsyncIterator[Event | Waiting]:
+        """:meth:`event_batches` one event at a time."""
+        return flattened(self.event_batches(first_timeout_s, keepalive_s=keepalive_s))
 
-        Args:
-            first_timeout_s: yield a :class:`~gateway.events.Waiting` when the first event
-                takes longer than this (seconds), then go on waiting.
-            keepalive_s: then yield one each time this long passes without an event.
-
-        An error, the worker's or this side's, says in its details how many tokens the client
-        got (``completion_tokens``: those it was sent of a stream, 0 of an answer not streamed).
+    async def event_batches(self, first_timeout_s: float | None = None, *,
+                            keepalive_s: float | None = None,
+                            ) -> AsyncIterator[list[Event] | Waiting]:
+        """The worker's events up to and including the final one (kept as :attr:`final`, alone
+        in its list), each list what one read found (:func:`gateway.events.event_batches`):
+        a :class:`~gateway.events.Waiting` once the first takes over ``first_timeout_s``, then
+        one each ``keepalive_s`` without an event. An error, the worker's or this side's, says
+        in its details how many tokens the client got (``completion_tokens``: those it was
+        sent of a stream, 0 of an answer not streamed).
 
         Raises:
             APIError: 504 ``worker_timeout`` after ``REQUEST_IDLE_TIMEOUT_S`` without an event;
@@ -150,37 +153,29 @@ class Generation:
         """
         if self._refusal is not None:
             self.final = self._refusal
-            yield self._refusal
+            yield [self._refusal]
             return
         conf = platform_settings()
         if self.streaming and self._progress is None:
             self._progress = event_reader.current().checkpoints.track(self.request_id)
         try:
-            async for event in events(self.request_id, conf["REQUEST_IDLE_TIMEOUT_S"],
-                                      first_timeout_s, keepalive_s=keepalive_s,
-                                      epoch=self.meta.get(admission.EPOCH_META_KEY),
-                                      outage_tolerance_s=conf["REDIS_OUTAGE_TOLERANCE_S"]):
-                if isinstance(event, FinalEvent):
-                    event = delivery.as_got(self._unasked_abort(event), self.client_tokens)
-                    self.final = event
-                yield event
+            async with contextlib.aclosing(event_batches(
+                    self.request_id, conf["REQUEST_IDLE_TIMEOUT_S"], first_timeout_s,
+                    keepalive_s=keepalive_s, epoch=self.meta.get(admission.EPOCH_META_KEY),
+                    outage_tolerance_s=conf["REDIS_OUTAGE_TOLERANCE_S"])) as batches:
+                async for batch in batches:
+                    if not isinstance(batch, Waiting) and isinstance(batch[-1], FinalEvent):
+                        if len(batch) > 1:  # the final counts the tokens sent before it
+                            yield batch[:-1]
+                        final = (batch[-1] if self._abort_requested
+                                 else delivery.as_interrupted(batch[-1]))
+                        batch = [delivery.as_got(final, self.client_tokens)]
+                        self.final = batch[0]
+                    yield batch
         except APIError as exc:
             self.failure = exc
             exc.details = {**(exc.details or {}), "completion_tokens": self.client_tokens}
             raise
-
-    def _unasked_abort(self, event: FinalEvent) -> FinalEvent:
-        """A final ``abort`` this side never asked for is an error to its client, never a normal
-        end: the server stopped the request (a drain's end, or a worker that took this process
-        for gone during an outage)."""
-        if event.finish_reason is not FinishReason.ABORT or self._abort_requested:
-            return event
-        return event.model_copy(update={
-            "finish_reason": FinishReason.ERROR,
-            "error": ErrorInfo(code=ErrorCode.INTERRUPTED, retryable=True,
-                               message="the server stopped this request before it finished; "
-                                       "retry it",
-                               details={"completion_tokens": event.usage.completion_tokens})})
 
     async def abort(self) -> None:
         """Ask the worker to stop generating; its final event (``abort``) follows. With Redis

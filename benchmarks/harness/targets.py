@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -76,7 +76,7 @@ class RestTarget:
                     result.status = "rejected" if resp.status_code == 429 else "error"
                     result.error = text[:300]
                     return
-                async for line in resp.aiter_lines():
+                async for read_at, line in _lines_by_read(resp, clock):
                     if not line.startswith("data: "):
                         continue
                     data = line[len("data: "):]
@@ -88,7 +88,9 @@ class RestTarget:
                         result.error = json.dumps(chunk["error"])[:300]
                         break
                     if chunk.get("choices") and chunk["choices"][0].get("text"):
-                        result.chunk_times_s.append(clock())
+                        # A chunk time per delivery: the tokens one read brought share one.
+                        if not result.chunk_times_s or result.chunk_times_s[-1] != read_at:
+                            result.chunk_times_s.append(read_at)
                         result.output_tokens += 1  # until the usage chunk says exactly
                     if chunk.get("usage"):
                         usage = chunk["usage"]
@@ -101,6 +103,21 @@ class RestTarget:
             result.error = f"{type(exc).__name__}: {exc}"[:300]
         finally:
             result.ended_s = clock()
+
+
+async def _lines_by_read(resp: Any,
+                         clock: Callable[[], float]) -> AsyncIterator[tuple[float, str]]:
+    """The lines of a streamed response, each with the ``clock()`` of the network read that
+    completed it: the tokens a server sends in one write (several SSE events) are one delivery,
+    and the ITL is measured between deliveries."""
+    rest = ""
+    async for text in resp.aiter_text():
+        at = clock()
+        *lines, rest = (rest + text).split("\n")
+        for line in lines:
+            yield at, line.rstrip("\r")
+    if rest:
+        yield clock(), rest
 
 
 @dataclass

@@ -83,6 +83,8 @@ class WorkerBridge:
         heartbeat_ttl_s: the workers' heartbeat TTL (``WORKER_HEARTBEAT_TTL_S``): with
             ``web_ttl_s``, it sets how long Redis may go without answering this worker before
             its sight of Redis breaks (half the shorter one).
+        event_hold_s: how long a tick's token events may wait for the next tick's
+            (``EVENT_HOLD_MS``; :mod:`inference.worker.publisher`).
 
     Attributes:
         state, intake, publisher, recovery, origins: the collaborators (module docstring).
@@ -91,7 +93,7 @@ class WorkerBridge:
     def __init__(self, engine: LLMEngine, client: redis.Redis, keys: Keys, worker_id: str, *,
                  prefetch: int, batch_prefetch: int | None = None,
                  usage_sink: UsageSink | None = None, web_ttl_s: float = 10.0,
-                 heartbeat_ttl_s: float = 10.0):
+                 heartbeat_ttl_s: float = 10.0, event_hold_s: float = 0.0):
         self.engine = engine
         self.client = client
         self.keys = keys
@@ -99,7 +101,8 @@ class WorkerBridge:
         self.queue = FairQueue(client, keys, worker_id, engine.config.scheduling_policy)
         self.state = WorkerState(usage_sink, sight_gap_s=min(web_ttl_s, heartbeat_ttl_s) / 2)
         self.origins = WebOrigins(self.state, client, keys, web_ttl_s)
-        self.publisher = EventPublisher(self.state, engine, self.queue, client, keys)
+        self.publisher = EventPublisher(self.state, engine, self.queue, client, keys,
+                                        hold_s=event_hold_s)
         self.intake = Intake(self.state, engine, self.queue, client, keys,
                              publisher=self.publisher, origins=self.origins, prefetch=prefetch,
                              batch_prefetch=batch_prefetch)
@@ -137,10 +140,10 @@ class WorkerBridge:
         thread)."""
         self.publisher.on_events(events)
 
-    def flush_events(self) -> None:
+    def flush_events(self, *, held: bool = True) -> None:
         """:meth:`EventPublisher.flush_events`: write the events that wait (raises while Redis
-        is unreachable)."""
-        self.publisher.flush_events()
+        is unreachable; ``held`` False: not a tick the publisher holds)."""
+        self.publisher.flush_events(held=held)
 
     def start_publisher(self) -> None:
         """:meth:`EventPublisher.start_publisher`: write events on a thread of their own."""

@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                           prefetch=settings.worker_prefetch,
                           batch_prefetch=settings.batch_prefetch(), usage_sink=usage_sink,
                           web_ttl_s=settings.web_heartbeat_ttl_s,
-                          heartbeat_ttl_s=settings.worker_heartbeat_ttl_s)
+                          heartbeat_ttl_s=settings.worker_heartbeat_ttl_s,
+                          event_hold_s=settings.event_hold_ms / 1000)
     pubsub = client.pubsub(ignore_subscribe_messages=True)
     pubsub.subscribe(**{bridge.keys.control: bridge.on_control})
 
@@ -227,7 +228,7 @@ def serve(bridge: WorkerBridge, stop: threading.Event, *, heartbeat_ttl_s: float
                     not bridge.busy() or time.monotonic() >= drain_until):
                 break
             try:
-                bridge.flush_events()
+                bridge.flush_events(held=False)
                 bridge.poll(poll_block_ms)
                 bridge.reconcile_queue()
                 bridge.charge_service()

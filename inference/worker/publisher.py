@@ -9,6 +9,13 @@ records the next ``seq`` of each request, and ends a request with its final even
 outage is ridden out here: events wait, in order, in a buffer and are written when Redis is back,
 at most once each (the main thread's :meth:`EventPublisher.flush_events`).
 
+With a hold (``EVENT_HOLD_MS``), a tick whose events are all tokens after a request's first
+waits for the next tick's and goes out with them, in one write: each stream then gets its
+tokens two at a time, and every web process reads, frames and sends them together (a per-write
+cost on each side). A token waits at most one tick and at most the hold; a first token, a final
+event, or a tick that finds a held one goes out at once, as does everything on
+:meth:`EventPublisher.flush_events` (a preempted request's hand-back, a stop).
+
 A write that finds a request no longer this worker's tells why: Redis lost its data (the
 ``lost_sink`` the bridge sets, :meth:`inference.worker.recovery.Recovery.check_data_loss`, moves
 every live request to the wiped ones, whose final events are then written without ownership,
@@ -57,6 +64,8 @@ class EventPublisher:
         queue: the shared queue's client (its ``write_events`` script).
         client: a Redis client (``decode_responses=False``).
         keys: key names.
+        hold_s: how long a tick's token events may wait for the next tick's (seconds; 0: never
+            held; module docstring).
 
     Attributes:
         lost_sink: called on the writing thread when a write finds requests no longer this
@@ -64,9 +73,12 @@ class EventPublisher:
     """
 
     def __init__(self, state: WorkerState, engine: LLMEngine, queue: FairQueue,
-                 client: redis.Redis, keys: Keys):
+                 client: redis.Redis, keys: Keys, hold_s: float = 0.0):
         self.state = state
         self.engine = engine
+        self.hold_s = hold_s
+        self._ticks = 0  # ticks whose events wait in _unsent (guarded by _unsent_lock)
+        self._held_at: float | None = None  # monotonic time the held tick's events began waiting
         self.queue = queue
         self.client = client
         self.keys = keys
@@ -110,11 +122,14 @@ class EventPublisher:
 
     def _publish_loop(self) -> None:
         while not self._publisher_stop:
-            self._publish_now.wait()
+            held_at = self._held_at
+            self._publish_now.wait(None if held_at is None
+                                   else max(0.0, held_at + self.hold_s - time.monotonic()))
             self._publish_now.clear()
             try:  # e.g. Redis lost after a write, reading the epoch: the thread goes on
                 with self._send_lock:
-                    self._send_unsent()
+                    if not self._holds():
+                        self._send_unsent()
             except Exception:  # noqa: BLE001
                 log.exception("event publisher: write failed")
 
@@ -133,23 +148,46 @@ class EventPublisher:
                 self.queue.nudge()
         with self._unsent_lock:
             self._unsent.extend(tagged)
+            self._ticks += 1
         if self._publisher is not None:
             self._publish_now.set()
             return
         with self._send_lock:
             self._send_unsent()
 
-    def flush_events(self) -> None:
+    def flush_events(self, *, held: bool = True) -> None:
         """Write the events that wait, the publisher's included (main thread; raises while Redis
-        is unreachable). Returns once every event handed over before the call is written."""
+        is unreachable). Returns once every event handed over before the call is written;
+        ``held`` False leaves a tick the publisher holds (module docstring) to it (the main
+        loop's flush, which writes what an outage kept back)."""
         with self._send_lock:
-            if self._unsent:
-                self._send_unsent(raise_errors=True)
+            if not self._unsent:
+                return
+            if not held:
+                with self._unsent_lock:
+                    if (self._held_at is not None and self._ticks == 1
+                            and time.monotonic() < self._held_at + self.hold_s):
+                        return
+            self._send_unsent(raise_errors=True)
+
+    def _holds(self) -> bool:
+        """Whether the waiting events wait on for the next tick's (the publisher thread, holding
+        ``_send_lock``; module docstring): a tick of tokens after each request's first, alone,
+        is held; a held one goes once another tick's events come or its hold is over."""
+        with self._unsent_lock:
+            if self._held_at is not None:
+                return self._ticks == 1 and time.monotonic() < self._held_at + self.hold_s
+            if (self.hold_s <= 0 or self._ticks != 1 or self._publisher_stop
+                    or not all(isinstance(e, TokenEvent) and e.seq > 0 for e, _ in self._unsent)):
+                return False
+            self._held_at = time.monotonic()
+            return True
 
     def _send_unsent(self, raise_errors: bool = False) -> None:
         """Write the waiting events (the caller holds ``_send_lock``)."""
         with self._unsent_lock:
             events, self._unsent = self._unsent, []
+            self._ticks, self._held_at = 0, None
         if not events:
             return
         counts = self.state.unstarted_prompts((e.request_id, take) for e, take in events)

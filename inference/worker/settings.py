@@ -50,6 +50,10 @@ class WorkerSettings(PlatformSettings, EngineConfig):
     # How long a stopping worker lets its engine finish a tick before ending what is in flight.
     shutdown_timeout_s: float = Field(10.0, ge=0)
     poll_block_ms: int = Field(50, ge=1)
+    # How long a tick's token events (after each request's first) may wait for the next tick's,
+    # to go out with them: two tokens a write per stream, halving the web tier's cost per token
+    # (inference.worker.publisher). A token waits at most one tick; 0: every tick at once.
+    event_hold_ms: int = Field(250, ge=0)
 
     def batch_prefetch(self) -> int:
         """``WORKER_BATCH_PREFETCH``, or ``MAX_BATCH_SIZE`` when it is not set."""

@@ -264,3 +264,46 @@ def test_omitting_max_tokens_fits_the_default_answer_to_a_small_token_limit(
     # The reservation (the web tier's prompt count plus the capped default) fit in 100.
     again = post(client, raw, {**body, "max_tokens": 100})
     assert again.status_code == 429 and error_of(again)["code"] == "rate_limit_exceeded"
+
+
+def test_a_stream_whose_worker_holds_ticks_gets_each_token_once_two_to_a_write(
+        client, tenant_key, redis_prefix, settings):
+    """A worker that sends a stream's tokens two at a time (``EVENT_HOLD_MS``): each write of the
+    SSE body carries what one read found, so most carry two tokens; the client gets every token
+    once, in order, the same answer as without the hold, and the first token alone."""
+    from tests.support.platform import InProcessWorker
+
+    def is_token(chunk: dict) -> bool:  # a token's chunk (not the opening, the end or usage)
+        return bool(chunk["choices"]) and "role" not in chunk["choices"][0]["delta"] and (
+            chunk["choices"][0]["finish_reason"] is None)
+
+    body = chat(max_tokens=24, stream=True, temperature=0)
+    answers = {}
+    for hold_s in (0.0, 5.0):
+        worker = InProcessWorker(redis_prefix, settings.REDIS_URL, max_model_len=256,
+                                 max_batch_size=4, event_hold_s=hold_s,
+                                 reference_step_delay_s=0.02).start()
+        try:
+            async def go():
+                response = await AsyncClient().post(
+                    CHAT, json.dumps(body), content_type="application/json",
+                    headers={"Authorization": f"Bearer {tenant_key[2]}"})
+                return [part async for part in response.streaming_content]
+
+            writes = async_to_sync(go)()
+        finally:
+            worker.stop()
+        frames = [read_sse(w) for w in writes]
+        chunks = [json.loads(f) for write in frames for f in write if f != "[DONE]"]
+        deltas = [c["choices"][0]["delta"]["content"] for c in chunks if is_token(c)]
+        answers[hold_s] = "".join(deltas)
+        tokens_per_write = [sum(1 for f in write if f != "[DONE]" and is_token(json.loads(f)))
+                            for write in frames]
+        if hold_s:
+            token_writes = [n for n in tokens_per_write if n]
+            assert token_writes[0] == 1, "the first token waited for the second"
+            assert token_writes.count(2) >= 8, tokens_per_write
+            assert sum(token_writes) == 24
+        else:
+            assert max(tokens_per_write) == 1
+    assert answers[5.0] == answers[0.0] and len(answers[0.0]) > 0

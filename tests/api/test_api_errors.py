@@ -228,15 +228,17 @@ def test_unexpected_exception_gets_json_500_and_is_logged(client, tenant_key, mo
 
 def test_redis_trouble_mid_stream_ends_with_an_error_event(tenant_key, inproc_worker,
                                                            monkeypatch):
-    real_events = lifecycle.events
+    real_batches = lifecycle.event_batches
 
     async def events_then_lost(*args, **kwargs):
-        async for event in real_events(*args, **kwargs):
-            yield event
-            if event.type == "token":
+        async for batch in real_batches(*args, **kwargs):
+            tokens = [] if not isinstance(batch, list) else [
+                i for i, event in enumerate(batch) if event.type == "token"]
+            yield batch[:tokens[0] + 1] if tokens else batch
+            if tokens:  # the connection fails after the first token reached the client
                 raise redis.exceptions.ConnectionError("Connection reset by peer")
 
-    monkeypatch.setattr(lifecycle, "events", events_then_lost)
+    monkeypatch.setattr(lifecycle, "event_batches", events_then_lost)
     response, content = post_stream(tenant_key[2], chat(max_tokens=8, stream=True))
     assert response.status_code == 200
     frames = read_sse(content)

@@ -90,7 +90,7 @@ class InProcessWorker:
     def __init__(self, prefix: str, redis_url: str, *, prefetch: int = 1,
                  worker_id: str = "inproc", heartbeat_ttl_s: float = 3600,
                  heartbeat_interval_s: float = 0.05, drain_s: float = 5, web_ttl_s: float = 10,
-                 **engine_settings: Any):
+                 event_hold_s: float = 0.0, **engine_settings: Any):
         import threading
 
         from inference.engine.config import EngineConfig
@@ -107,7 +107,8 @@ class InProcessWorker:
         self.keys = Keys(prefix)
         self.bridge = WorkerBridge(self.engine, self.client, self.keys, worker_id,
                                    prefetch=prefetch, usage_sink=self._report,
-                                   web_ttl_s=web_ttl_s, heartbeat_ttl_s=heartbeat_ttl_s)
+                                   web_ttl_s=web_ttl_s, heartbeat_ttl_s=heartbeat_ttl_s,
+                                   event_hold_s=event_hold_s)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
