@@ -212,10 +212,12 @@ async def _complete(relay: Relay) -> HttpResponse:
 async def _stream(relay: Relay) -> HttpResponse:
     conf = platform_settings()
     generation = relay.generation
-    events = generation.events(first_timeout_s=conf["STREAM_DECISION_TIMEOUT_S"],
-                               keepalive_s=conf["SSE_KEEPALIVE_S"])
+    # What each read of the worker's events found goes out in one write (as the completions'
+    # stream: api.views).
+    batches = generation.event_batches(first_timeout_s=conf["STREAM_DECISION_TIMEOUT_S"],
+                                       keepalive_s=conf["SSE_KEEPALIVE_S"])
     try:
-        first = await anext(events)
+        first = await anext(batches)
     except asyncio.CancelledError:
         await asyncio.shield(relay.cancelled(sent=False))
         raise
@@ -223,10 +225,11 @@ async def _stream(relay: Relay) -> HttpResponse:
         await asyncio.shield(generation.close())
         await _refused(relay, exc if isinstance(exc, APIError) else unexpected_error(exc))
         raise
-    if isinstance(first, FinalEvent) and first.error is not None and failed(first):
+    if (not isinstance(first, Waiting) and isinstance(first[0], FinalEvent)
+            and first[0].error is not None and failed(first[0])):
         await generation.close()
-        raise await _refused(relay, relay.error(first.error))
-    response = StreamingHttpResponse(_sse(relay, first, events),
+        raise await _refused(relay, relay.error(first[0].error))
+    response = StreamingHttpResponse(_sse(relay, first, batches),
                                      content_type="text/event-stream")
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"
@@ -244,35 +247,34 @@ class _Sequence:
         return sse_event(event["type"], event)
 
 
-async def _sse(relay: Relay, first: Any, events: AsyncIterator[Any]) -> AsyncIterator[str]:
+async def _sse(relay: Relay, first: Any, batches: AsyncIterator[Any]) -> AsyncIterator[str]:
     generation, seq = relay.generation, _Sequence()
     try:
-        yield seq.frame({"type": "response.created", "response": relay.body})
-        yield seq.frame({"type": "response.in_progress", "response": relay.body})
-        event = first
-        while event is not None:
-            if isinstance(event, Waiting):
+        yield (seq.frame({"type": "response.created", "response": relay.body})
+               + seq.frame({"type": "response.in_progress", "response": relay.body}))
+        batch = first
+        while batch is not None:
+            if isinstance(batch, Waiting):
                 yield KEEPALIVE
-            elif isinstance(event, TokenEvent):
-                for out in relay.output.feed(event):
-                    yield seq.frame(out)
-                generation.sent(event.seq)  # resumed once its events were handed over
+            elif isinstance(batch[-1], TokenEvent):  # a final comes alone (event_batches)
+                if text := "".join(seq.frame(out) for event in batch
+                                   for out in relay.output.feed(event)):
+                    yield text
+                generation.sent(batch[-1].seq)  # resumed once its events were handed over
             else:
+                event = batch[-1]
                 failure = relay.error(event.error) if event.error is not None and failed(
                     event) else None
-                if failure is None:
-                    for out in relay.output.feed(event):
-                        yield seq.frame(out)
-                for frame in await _end_frames(relay, seq, event, failure):
-                    yield frame
+                if failure is None and (text := "".join(
+                        seq.frame(out) for out in relay.output.feed(event))):
+                    yield text
+                yield "".join(await _end_frames(relay, seq, event, failure))
                 return
-            event = await anext(events, None)
+            batch = await anext(batches, None)
     except APIError as exc:
-        for frame in await _end_frames(relay, seq, None, exc):
-            yield frame
+        yield "".join(await _end_frames(relay, seq, None, exc))
     except Exception as exc:  # noqa: BLE001 - the status is sent: end with response.failed
-        for frame in await _end_frames(relay, seq, None, unexpected_error(exc)):
-            yield frame
+        yield "".join(await _end_frames(relay, seq, None, unexpected_error(exc)))
     finally:
         await asyncio.shield(relay.cancelled(sent=True))
 
