@@ -145,7 +145,12 @@ async def event_batches(
                 beat_at = None
             batch: list[Event] = []
             for _entry_id, fields in entries:
-                batch.append(decode_event(fields))
+                try:
+                    batch.append(decode_event(fields))
+                except ValueError:  # pydantic's: the events before it are still handed over
+                    if batch:
+                        yield batch
+                    raise
                 if batch[-1].type == "final":
                     break
             yield batch

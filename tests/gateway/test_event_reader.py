@@ -320,3 +320,21 @@ async def test_keepalives_go_out_on_time_while_redis_does_not_answer(keys, quiet
     assert len(waits) >= 4, f"keep-alives during a 3.5 s stall: {len(waits)}"
     assert max(b - a for a, b in zip([stopped, *waits], [*waits, resumed], strict=True)) < 1.5
     assert sum(kind == "event" for _, kind in seen) == 6  # nothing lost or repeated
+
+
+async def test_what_one_read_finds_comes_as_one_list_and_an_invalid_entry_after_it(keys, writer):
+    """A worker's write of two ticks at once is read as one list (one SSE write); an entry that
+    is not an event fails the read, after the events before it were handed over."""
+    import pydantic
+
+    from gateway.events import event_batches
+
+    [request_id] = new_ids(1)
+    await tick(writer, keys, [request_id], 0)
+    await tick(writer, keys, [request_id], 1)
+    await writer.xadd(keys.events(request_id), {"data": b'{"type": "token"}'})
+    got = []
+    with pytest.raises(pydantic.ValidationError):
+        async for batch in event_batches(request_id, 30):
+            got.append([event.seq for event in batch])
+    assert got == [[0, 1]]
