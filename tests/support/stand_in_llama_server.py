@@ -7,7 +7,9 @@ Run as ``python stand_in_llama_server.py -m FILE --port P ...``. It writes its f
 it stops, the most requests it held at once to ``$STAND_IN_LOG`` (JSON). ``$STAND_IN_MODE``:
 ``ok`` (default), ``merge`` (the first two tokens in one chunk, as the real server sends the two
 tokens of one multi-byte character), ``short`` (stops one token early), ``exit`` (exits at once
-with status 3) or ``add_bos`` (counts one prompt token more than it was sent).
+with status 3), ``segv`` (kills itself with SIGSEGV at start unless given ``--no-repack``, as the
+real server's AMX repacking did on a Sapphire Rapids Xeon), ``segv_always``, or ``add_bos``
+(counts one prompt token more than it was sent).
 """
 
 from __future__ import annotations
@@ -92,7 +94,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     for flag in ("-m", "--host", "--port", "-t", "-tb", "-np", "-c", "-a"):
         parser.add_argument(flag)
+    parser.add_argument("--no-repack", action="store_true")
     args = parser.parse_args()
+    if MODE == "segv_always" or (MODE == "segv" and not args.no_repack):
+        print("stand-in: crashing at start as asked", flush=True)
+        os.kill(os.getpid(), signal.SIGSEGV)
     if MODE == "exit":
         print("stand-in: failing at start as asked", flush=True)
         sys.exit(3)

@@ -64,6 +64,23 @@ def test_a_server_that_exits_at_start_is_an_error_with_its_log(stand_in, monkeyp
         pass
 
 
+def test_a_server_killed_by_a_signal_at_start_runs_again_without_repacking(stand_in,
+                                                                          monkeypatch, capsys):
+    monkeypatch.setenv("STAND_IN_MODE", "segv")
+    with llama_server.LlamaServer("q4_1", parallel=2, ctx_per_slot=64) as server:
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        assert server.repack is False
+    assert "--no-repack" in stand_in()["argv"]
+    assert "starting it again with --no-repack" in capsys.readouterr().err
+
+
+def test_a_server_that_crashes_without_repacking_too_is_an_error(stand_in, monkeypatch):
+    monkeypatch.setenv("STAND_IN_MODE", "segv_always")
+    with pytest.raises(RuntimeError, match="(?s)exited with -11.*crashing at start"), \
+            llama_server.LlamaServer("q4_1", parallel=1, ctx_per_slot=64):
+        pass
+
+
 def workload(concurrency: int) -> Workload:
     specs = [Spec(list(range(10 + i, 30 + i)), 5 + i) for i in range(6)]
     return Workload("t", "test", specs, concurrency)
