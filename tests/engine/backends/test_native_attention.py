@@ -94,6 +94,41 @@ def test_bf16_kernel_is_the_fp32_result_rounded_once_to_bf16(lib, kv_heads, grou
     assert (got == ref.bfloat16()).float().mean().item() > 0.995
 
 
+def few_rows_case(lens, kv_heads, group, dim, block, dtype=torch.float32):
+    """q, pool, tables, lens and scale of the rows ``lens``, their blocks shuffled."""
+    torch.manual_seed(sum(lens) + kv_heads)
+    need = [-(-n // block) for n in lens]
+    pool = torch.randn(2 * kv_heads, sum(need) + 3, block, dim).to(dtype)
+    ids = torch.randperm(pool.shape[1]).tolist()
+    tables, used = [], 0
+    for n in need:
+        tables.append(ids[used:used + n] + [0] * (max(need) - n))
+        used += n
+    q = torch.randn(len(lens), kv_heads, group, dim).to(dtype)
+    return q, pool, torch.tensor(tables), torch.tensor(lens), dim ** -0.5
+
+
+# Rows too few to keep the threads busy: each row's context is split into parts merged at the
+# end. Long rows of many parts, a row shorter than one part beside a long one (its other parts
+# empty), lengths on and beside a block boundary, one token.
+FEW_ROWS = [([2000], 1, 3, 64, 16), ([1, 700], 1, 3, 64, 16), ([1031], 3, 3, 64, 16),
+            ([64, 65, 63], 1, 4, 32, 16), ([1], 1, 1, 64, 16), ([4096], 2, 2, 128, 32)]
+
+
+@pytest.mark.parametrize("lens, kv_heads, group, dim, block", FEW_ROWS)
+def test_a_few_rows_split_over_the_threads_give_the_same_attention(lib, lens, kv_heads, group,
+                                                                  dim, block):
+    q, pool, tables, lens, scale = few_rows_case(lens, kv_heads, group, dim, block)
+    got = native.paged_decode_attention(lib, q, pool, tables, lens, scale)
+    torch.testing.assert_close(got, reference(q, pool, tables, lens, scale),
+                               atol=1e-5, rtol=1e-5)
+    qb, poolb = q.bfloat16(), pool.bfloat16()
+    got = native.paged_decode_attention(lib, qb, poolb, tables, lens, scale)
+    ref = reference(qb.float(), poolb.float(), tables, lens, scale)
+    err = (got.float() - ref).abs()
+    assert (err <= ref.abs() * 2**-8 + 1e-5).all(), f"max error {err.max().item():.2e}"
+
+
 def test_kernel_refuses_lengths_and_block_ids_outside_the_pool(lib):
     pool = torch.zeros(2, 4, 16, 8)
     q = torch.zeros(1, 1, 1, 8)

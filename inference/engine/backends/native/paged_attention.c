@@ -27,10 +27,13 @@
  * Return codes: 0 done; 1 a length below 1 or beyond its block table; 2 out of memory (or a
  * score buffer too large for size_t); 3 a block id outside the pool.
  *
- * Work is split over (row, KV head) pairs with OpenMP; loaded into a process that already holds
- * PyTorch, it shares PyTorch's OpenMP runtime and thread pool.
+ * Work is split over (row, KV head) pairs with OpenMP, and a row's context over parts of whole
+ * blocks when the pairs are fewer than the threads (attend); loaded into a process that already
+ * holds PyTorch, it shares PyTorch's OpenMP runtime and thread pool.
  */
+#include <float.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -79,10 +82,24 @@ static int check_tables(const int64_t *tables, const int64_t *lens, int64_t rows
     return 0;
 }
 
+/* A row's context is split into parts of at least this many blocks only while the (row, KV head)
+ * pairs alone are too few (under four per thread) to keep every thread busy to the end. */
+#define MIN_PART_BLOCKS 4
+
 /*
  * The body of both entry points: q, pool and out point to float (bf16 == 0) or uint16_t
  * (bf16 == 1) elements. `bf16` is tested once per head or block, never per element: the inner
  * loops are the same fp32 loops for both.
+ *
+ * Work items are (row, KV head, part): a part is a run of whole blocks of the row's context.
+ * With four (row, KV head) pairs a thread or more, each row is one part. With fewer (a single
+ * stream has kv_heads pairs: 3 on 2 threads leave one thread idle a third of the time), each row's context is
+ * split into parts of at least MIN_PART_BLOCKS blocks, about four items per thread, as in
+ * flash-decoding (Dao, Haziza, Massa and Sizov, "Flash-Decoding for long-context inference",
+ * 2023): each part computes its scores' maximum m, its sum of exp(score - m) l and its
+ * unnormalised output sum_t exp(score_t - m) v_t; the parts of a row and head are then merged
+ * exactly: M = max m_s, out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s. A row of one
+ * part gives out = acc * (1 / l), the one-pass result.
  */
 static int attend(const void *q, const void *pool, const int64_t *tables, const int64_t *lens,
                   void *out, int64_t rows, int64_t kv_heads, int64_t group, int64_t head_dim,
@@ -96,109 +113,184 @@ static int attend(const void *q, const void *pool, const int64_t *tables, const 
     const int64_t D = head_dim, G = group, bs = block_size;
     const int64_t block_stride = bs * D;
     const int64_t head_stride = num_blocks * block_stride;
+    const int64_t pairs = rows * kv_heads;
+    const int64_t threads = omp_get_max_threads();
+    const int64_t max_nb = (max_len - 1) / bs + 1;
+    int64_t parts = 1;
+    if (pairs < 4 * threads) {
+        parts = (4 * threads + pairs - 1) / pairs;
+        const int64_t most = (max_nb + MIN_PART_BLOCKS - 1) / MIN_PART_BLOCKS;
+        if (parts > most) parts = most;
+        if (parts < 1) parts = 1;
+    }
+    /* blocks per part; a row of fewer blocks has fewer parts (the others empty) */
+    const int64_t part_nb = (max_nb + parts - 1) / parts;
+    const int64_t part_len = part_nb * bs;
+    const int64_t items = pairs * parts;
+    /* per item: m[G], l[G], acc[G * D] (only when a row has several parts) */
+    float *partial = NULL;
+    if (parts > 1) {
+        partial = (float *)malloc(sizeof(float) * (size_t)(items * G * (D + 2)));
+        if (partial == NULL) return 2;
+    }
     int failed = 0;
 
 #pragma omp parallel
     {
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(G * max_len));
-        float *inv = (float *)malloc(sizeof(float) * (size_t)G);
-        /* bf16 only: the head's queries and output accumulator, and one widened K or V block */
-        float *qbuf = bf16 ? (float *)malloc(sizeof(float) * (size_t)(2 * G * D)) : NULL;
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(G * part_len));
+        float *acc = (float *)malloc(sizeof(float) * (size_t)(G * D + 2 * G));
+        /* bf16 only: the head's queries and one widened K or V block */
+        float *qbuf = bf16 ? (float *)malloc(sizeof(float) * (size_t)(G * D)) : NULL;
         float *kvbuf = bf16 ? (float *)malloc(sizeof(float) * (size_t)block_stride) : NULL;
-        const int ok = scores != NULL && inv != NULL && (!bf16 || (qbuf != NULL && kvbuf != NULL));
+        const int ok = scores != NULL && acc != NULL && (!bf16 || (qbuf != NULL && kvbuf != NULL));
         if (!ok) {
 #pragma omp atomic write
             failed = 2;
         }
-#pragma omp for collapse(2) schedule(dynamic, 1)
-        for (int64_t r = 0; r < rows; r++) {
-            for (int64_t h = 0; h < kv_heads; h++) {
-                if (!ok) continue;
-                const int64_t L = lens[r];
-                const int64_t *table = tables + r * max_blocks;
-                const int64_t qo = (r * kv_heads + h) * G * D; /* element offset of q and out */
-                const int64_t ko = h * head_stride, vo = (kv_heads + h) * head_stride;
-                const float *qh;
-                float *oh;
-                if (bf16) {
-                    widen((const uint16_t *)q + qo, qbuf, G * D);
-                    qh = qbuf;
-                    oh = qbuf + G * D;
-                } else {
-                    qh = (const float *)q + qo;
-                    oh = (float *)out + qo;
-                }
-
-                /* scores[g, t] = q[g] . k[t] * scale */
-                for (int64_t t0 = 0; t0 < L; t0 += bs) {
-                    const int64_t block_off = table[t0 / bs] * block_stride;
-                    const int64_t n = (L - t0 < bs) ? L - t0 : bs;
-                    const float *kb;
-                    if (bf16) {
-                        widen((const uint16_t *)pool + ko + block_off, kvbuf, n * D);
-                        kb = kvbuf;
-                    } else {
-                        kb = (const float *)pool + ko + block_off;
-                    }
-                    for (int64_t i = 0; i < n; i++) {
-                        const float *k = kb + i * D;
-                        for (int64_t g = 0; g < G; g++) {
-                            const float *qg = qh + g * D;
-                            float s = 0.0f;
-                            for (int64_t d = 0; d < D; d++) s += qg[d] * k[d];
-                            scores[g * L + t0 + i] = s * scale;
-                        }
-                    }
-                }
-                /* softmax over t, per query head */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            if (!ok) continue;
+            const int64_t pair = it / parts, part = it % parts;
+            const int64_t r = pair / kv_heads, h = pair % kv_heads;
+            const int64_t L = lens[r];
+            const int64_t t_begin = part * part_len;
+            const int64_t t_end = (t_begin + part_len < L) ? t_begin + part_len : L;
+            float *m = acc + G * D, *l = m + G;
+            float *dst = parts > 1 ? partial + it * G * (D + 2) : NULL;
+            if (t_begin >= t_end) {  /* an empty part of a short row: merged as nothing */
                 for (int64_t g = 0; g < G; g++) {
-                    float *sg = scores + g * L;
-                    float m = sg[0];
-                    for (int64_t t = 1; t < L; t++) m = sg[t] > m ? sg[t] : m;
-                    float sum = 0.0f;
-                    for (int64_t t = 0; t < L; t++) {
-                        sg[t] = expf(sg[t] - m);
-                        sum += sg[t];
-                    }
-                    inv[g] = 1.0f / sum;
+                    dst[g] = -FLT_MAX;
+                    dst[G + g] = 0.0f;
                 }
-                /* out[g] = sum_t p[g, t] v[t] */
-                memset(oh, 0, sizeof(float) * (size_t)(G * D));
-                for (int64_t t0 = 0; t0 < L; t0 += bs) {
-                    const int64_t block_off = table[t0 / bs] * block_stride;
-                    const int64_t n = (L - t0 < bs) ? L - t0 : bs;
-                    const float *vb;
-                    if (bf16) {
-                        widen((const uint16_t *)pool + vo + block_off, kvbuf, n * D);
-                        vb = kvbuf;
-                    } else {
-                        vb = (const float *)pool + vo + block_off;
-                    }
-                    for (int64_t i = 0; i < n; i++) {
-                        const float *v = vb + i * D;
-                        for (int64_t g = 0; g < G; g++) {
-                            const float p = scores[g * L + t0 + i];
-                            float *og = oh + g * D;
-                            for (int64_t d = 0; d < D; d++) og[d] += p * v[d];
-                        }
-                    }
-                }
+                memset(dst + 2 * G, 0, sizeof(float) * (size_t)(G * D));
+                continue;
+            }
+            const int64_t n_t = t_end - t_begin;
+            const int64_t *table = tables + r * max_blocks;
+            const int64_t qo = (r * kv_heads + h) * G * D; /* element offset of q and out */
+            const int64_t ko = h * head_stride, vo = (kv_heads + h) * head_stride;
+            const float *qh;
+            if (bf16) {
+                widen((const uint16_t *)q + qo, qbuf, G * D);
+                qh = qbuf;
+            } else {
+                qh = (const float *)q + qo;
+            }
+
+            /* scores[g, t - t_begin] = q[g] . k[t] * scale */
+            for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
+                const int64_t block_off = table[t0 / bs] * block_stride;
+                const int64_t n = (t_end - t0 < bs) ? t_end - t0 : bs;
+                const float *kb;
                 if (bf16) {
-                    uint16_t *ob = (uint16_t *)out + qo;
-                    for (int64_t g = 0; g < G; g++)
-                        for (int64_t d = 0; d < D; d++)
-                            ob[g * D + d] = f32_to_bf16(oh[g * D + d] * inv[g]);
+                    widen((const uint16_t *)pool + ko + block_off, kvbuf, n * D);
+                    kb = kvbuf;
                 } else {
-                    for (int64_t g = 0; g < G; g++)
-                        for (int64_t d = 0; d < D; d++) oh[g * D + d] *= inv[g];
+                    kb = (const float *)pool + ko + block_off;
+                }
+                for (int64_t i = 0; i < n; i++) {
+                    const float *k = kb + i * D;
+                    for (int64_t g = 0; g < G; g++) {
+                        const float *qg = qh + g * D;
+                        float s = 0.0f;
+                        for (int64_t d = 0; d < D; d++) s += qg[d] * k[d];
+                        scores[g * n_t + t0 - t_begin + i] = s * scale;
+                    }
+                }
+            }
+            /* softmax's parts over t, per query head */
+            for (int64_t g = 0; g < G; g++) {
+                float *sg = scores + g * n_t;
+                float mx = sg[0];
+                for (int64_t t = 1; t < n_t; t++) mx = sg[t] > mx ? sg[t] : mx;
+                float sum = 0.0f;
+                for (int64_t t = 0; t < n_t; t++) {
+                    sg[t] = expf(sg[t] - mx);
+                    sum += sg[t];
+                }
+                m[g] = mx;
+                l[g] = sum;
+            }
+            /* acc[g] = sum_t p[g, t] v[t] */
+            memset(acc, 0, sizeof(float) * (size_t)(G * D));
+            for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
+                const int64_t block_off = table[t0 / bs] * block_stride;
+                const int64_t n = (t_end - t0 < bs) ? t_end - t0 : bs;
+                const float *vb;
+                if (bf16) {
+                    widen((const uint16_t *)pool + vo + block_off, kvbuf, n * D);
+                    vb = kvbuf;
+                } else {
+                    vb = (const float *)pool + vo + block_off;
+                }
+                for (int64_t i = 0; i < n; i++) {
+                    const float *v = vb + i * D;
+                    for (int64_t g = 0; g < G; g++) {
+                        const float p = scores[g * n_t + t0 - t_begin + i];
+                        float *og = acc + g * D;
+                        for (int64_t d = 0; d < D; d++) og[d] += p * v[d];
+                    }
+                }
+            }
+            if (parts > 1) {
+                memcpy(dst, m, sizeof(float) * (size_t)G);
+                memcpy(dst + G, l, sizeof(float) * (size_t)G);
+                memcpy(dst + 2 * G, acc, sizeof(float) * (size_t)(G * D));
+            } else if (bf16) {
+                uint16_t *ob = (uint16_t *)out + qo;
+                for (int64_t g = 0; g < G; g++) {
+                    const float inv = 1.0f / l[g];
+                    for (int64_t d = 0; d < D; d++) ob[g * D + d] = f32_to_bf16(acc[g * D + d] * inv);
+                }
+            } else {
+                float *oh = (float *)out + qo;
+                for (int64_t g = 0; g < G; g++) {
+                    const float inv = 1.0f / l[g];
+                    for (int64_t d = 0; d < D; d++) oh[g * D + d] = acc[g * D + d] * inv;
+                }
+            }
+        }
+        /* merge each (row, KV head)'s parts (several parts only) */
+        if (parts > 1) {
+#pragma omp for schedule(static)
+            for (int64_t pair = 0; pair < pairs; pair++) {
+                if (!ok) continue;
+                const int64_t qo = pair * G * D;
+                const float *first = partial + pair * parts * G * (D + 2);
+                for (int64_t g = 0; g < G; g++) {
+                    float mx = -FLT_MAX;
+                    for (int64_t s = 0; s < parts; s++) {
+                        const float ms = first[s * G * (D + 2) + g];
+                        mx = ms > mx ? ms : mx;
+                    }
+                    float denom = 0.0f;
+                    float *o = acc;  /* the merged output of query head g */
+                    memset(o, 0, sizeof(float) * (size_t)D);
+                    for (int64_t s = 0; s < parts; s++) {
+                        const float *ps = first + s * G * (D + 2);
+                        if (ps[G + g] == 0.0f) continue;  /* an empty part */
+                        const float w = expf(ps[g] - mx);
+                        denom += w * ps[G + g];
+                        const float *as = ps + 2 * G + g * D;
+                        for (int64_t d = 0; d < D; d++) o[d] += w * as[d];
+                    }
+                    const float inv = 1.0f / denom;
+                    if (bf16) {
+                        uint16_t *ob = (uint16_t *)out + qo + g * D;
+                        for (int64_t d = 0; d < D; d++) ob[d] = f32_to_bf16(o[d] * inv);
+                    } else {
+                        float *oh = (float *)out + qo + g * D;
+                        for (int64_t d = 0; d < D; d++) oh[d] = o[d] * inv;
+                    }
                 }
             }
         }
         free(scores);
-        free(inv);
+        free(acc);
         free(qbuf);
         free(kvbuf);
     }
+    free(partial);
     return failed;
 }
 
