@@ -222,3 +222,28 @@ def test_the_real_server_answers_the_engine_benchmarks_client():
     finally:
         engine_llama.close()
     assert [len(t.token_times) for t in traces] == [8, 4]
+
+
+def summary(tok_s: float, itl_ms: float, tpot_ms: float) -> dict:
+    """A run's summary as :func:`benchmarks.harness.metrics.summarize` gives it (what the
+    comparison reads)."""
+    ms = {"median": 0.0, "p99": 0.0}
+    return {"output_throughput": tok_s, "request_throughput": tok_s / 128,
+            "ttft_ms": dict(ms), "itl_ms": {"median": itl_ms, "p99": itl_ms},
+            "tpot_ms": {"median": tpot_ms, "p99": tpot_ms}, "total_input_tokens": 1024,
+            "total_output_tokens": 1024, "requests": 8, "completed": 8}
+
+
+def test_the_single_stream_is_judged_per_chunk_and_shown_per_token_and_the_peer_flags_shown():
+    # The platform's chunks carry two tokens (its worker holds a tick): 21 ms between chunks,
+    # 10.5 ms a token; the server sends one token a chunk.
+    results = {"platform_q4_1": {"single": summary(95.0, 21.0, 10.5)},
+               "llama_q4_1": {"single": {**summary(78.0, 10.3, 10.3),
+                                         "peer_flags": "--no-repack"}}}
+    lines = llama_cpp.verdicts(results, {"avx512_bf16": True})
+    assert lines[0].startswith("single: platform_q4_1 >= 1.20x llama_q4_1: 1.22x  PASS")
+    assert "ITL p50 21.0 ms <= llama_q4_1's 10.3 ms  MISS (per delivered chunk)" in lines[1]
+    assert "per token (TPOT p50): 10.5 ms against 10.3 ms" in lines[2]
+    rows = {r["system"]: r for r in llama_cpp.table_rows(results)}
+    assert rows["llama_q4_1"]["flags"] == "--no-repack" and rows["platform_q4_1"]["flags"] == ""
+    assert rows["platform_q4_1"]["TPOT p50 ms"] == 10.5
