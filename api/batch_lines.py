@@ -26,7 +26,7 @@ from api import file_store
 from api.file_checks import JSON_KINDS
 from api.models import Batch, BatchLine, StoredFile
 from gateway.errors import APIError
-from gateway.storable import storable, storable_text
+from gateway.storable import holds_lone_surrogate, storable, storable_text
 
 LINE_FIELDS = frozenset({"custom_id", "method", "url", "body"})
 # Lines validation reads at least per step, and between two looks at the clock (read_some).
@@ -89,8 +89,8 @@ def write_files(row: Batch) -> None:
             setattr(row, field, made.pk)
 
 
-def _refused(message: str, param: str) -> dict[str, Any]:
-    return APIError(400, message, param=param, code="invalid_value").body()
+def _refused(message: str, param: str, code: str = "invalid_value") -> dict[str, Any]:
+    return APIError(400, message, param=param, code=code).body()
 
 
 def file_lines(found: StoredFile) -> Iterator[bytes]:
@@ -130,12 +130,18 @@ def parse_line(row: Batch, index: int, value: Any) -> BatchLine:
         problem = _refused(f"Line {index + 1} is not a JSON object.", "line")
     elif "custom_id" not in value:
         problem = _refused(f"Line {index + 1}: missing required parameter 'custom_id' (a "
-                           f"non-empty string, unique in the file).", "custom_id")
+                           f"non-empty string, unique in the file).", "custom_id",
+                           "missing_required_parameter")
     elif not isinstance(value["custom_id"], str) or not value["custom_id"]:
         kind = ("an empty string" if value["custom_id"] == ""
                 else f"a JSON {JSON_KINDS.get(type(value['custom_id']), 'value')}")
         problem = _refused(f"Line {index + 1}: invalid type for 'custom_id': expected a "
                            f"non-empty string, but got {kind}.", "custom_id")
+    elif not _storable_id(value["custom_id"]):
+        # Stored as it is or not at all: a NUL (which the database cannot keep) would be
+        # stored as U+FFFD, and the answer's custom_id would then not be the one sent.
+        problem = _refused(f"Line {index + 1}: invalid value for 'custom_id': it must not hold "
+                           f"U+0000 (NUL) or a lone UTF-16 surrogate.", "custom_id")
     elif value.get("method") != "POST":
         problem = _refused(f"Line {index + 1}: invalid value for 'method': expected 'POST'.",
                            "method")
@@ -145,19 +151,30 @@ def parse_line(row: Batch, index: int, value: Any) -> BatchLine:
     elif not isinstance(value.get("body"), dict):
         problem = _refused(f"Line {index + 1}: invalid value for 'body': expected a JSON object "
                            f"(the request).", "body")
+    elif holds_lone_surrogate(value["body"]):
+        # Refused here, as its endpoint refuses such a request: stored, it would be changed.
+        problem = _refused(f"Line {index + 1}: invalid value for 'body': not valid Unicode text "
+                           f"(it holds a lone UTF-16 surrogate).", "body")
     elif extra := sorted(set(value) - LINE_FIELDS):
         problem = _refused(f"Line {index + 1}: unknown parameter "
                            f"'{storable_text(extra[0])[:80]}'.", storable_text(extra[0])[:80])
     else:
         problem = None
-    if isinstance(value, dict) and isinstance(value.get("custom_id"), str):
-        line.custom_id = storable_text(value["custom_id"])
+    if isinstance(value, dict) and isinstance(value.get("custom_id"), str) and _storable_id(
+            value["custom_id"]):
+        line.custom_id = value["custom_id"]
     if problem is None:
         line.body = storable(value["body"])
     else:
         line.state = BatchLine.State.FAILED
         line.result = output_line(line, 400, problem)
     return line
+
+
+def _storable_id(custom_id: str) -> bool:
+    """Whether ``custom_id`` can be stored and written back exactly (no NUL, no lone
+    surrogate)."""
+    return storable_text(custom_id) == custom_id
 
 
 def _duplicate(row: Batch, index: int, custom_id: str, first: int) -> None:
@@ -168,8 +185,9 @@ def _duplicate(row: Batch, index: int, custom_id: str, first: int) -> None:
 
 def read_some(row: Batch, most: int, until: float | None = None) -> None:
     """Read the next ``most`` lines of the batch's input file into its lines, fewer once
-    ``time.monotonic()`` passes ``until`` (at least :data:`MIN_READ` of them); the batch goes
-    ``in_progress`` once the whole file is read, or ends ``failed``."""
+    ``time.monotonic()`` passes ``until`` (at least :data:`MIN_READ` of them); once the whole
+    file is read its ``total`` is set and the batch goes ``in_progress`` (one cancelled
+    meanwhile stays ``cancelling``), or ends ``failed``."""
     found = StoredFile.objects.filter(tenant_id=row.tenant_id, pk=row.input_file_id).first()
     if found is None:
         fail(row, "invalid_file", f"The input file '{row.input_file_id}' was deleted before the "
@@ -215,8 +233,9 @@ def read_some(row: Batch, most: int, until: float | None = None) -> None:
         if row.total == 0:
             fail(row, "empty_file", "The input file holds no request.")
             return
-        row.status = Batch.Status.IN_PROGRESS
-        row.in_progress_at = timezone.now()
+        if row.status == Batch.Status.VALIDATING:
+            row.status = Batch.Status.IN_PROGRESS
+            row.in_progress_at = timezone.now()
     row.save(update_fields=["read_lines", "total", "status", "in_progress_at"])
 
 

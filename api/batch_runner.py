@@ -171,10 +171,16 @@ class _Step:
                                                     BatchLine.State.RUNNING)).exists():
                     batch_lines.begin_finalizing(self.row, Batch.Status.COMPLETED)
         elif status == Batch.Status.CANCELLING:
-            self.stop(Batch.Status.CANCELLED, "batch_cancelled",
-                      "This request was not executed: its batch was cancelled.",
-                      "This request was stopped before it finished: its batch was cancelled "
-                      "(billed its prompt only).")
+            if self.row.total == 0:
+                # Cancelled while validating (a file read whole has a line at least): the rest
+                # of it is read first, as many lines a step, so that each of its lines ends in
+                # one of the two files.
+                batch_lines.read_some(self.row, self.conf["BATCH_VALIDATE_LINES"], self.until)
+            if self.row.status == Batch.Status.CANCELLING and self.row.total > 0:
+                self.stop(Batch.Status.CANCELLED, "batch_cancelled",
+                          "This request was not executed: its batch was cancelled.",
+                          "This request was stopped before it finished: its batch was "
+                          "cancelled (billed its prompt only).")
         if self.row.status == Batch.Status.FINALIZING and (
                 status == Batch.Status.FINALIZING or time.monotonic() < self.until):
             batch_lines.finalize(self.row)
@@ -206,6 +212,8 @@ class _Step:
             self.fed_all = True
             return
         principal = batch_store.principal(self.row)
+        if principal is None:  # its tenant is deactivated: its lines wait (the window runs)
+            return
         context = run_sync(lifecycle.served_context())
         try:
             for line in waiting:

@@ -163,14 +163,20 @@ def cancel(tenant_id: int, batch_id: str) -> Batch:
     return row
 
 
-def principal(batch: Batch) -> Principal:
+def principal(batch: Batch) -> Principal | None:
     """Whom ``batch``'s lines are admitted as: the key that created it (its limits), or its
-    tenant when that key is gone."""
-    key = (ApiKey.objects.select_related("tenant__tier").filter(pk=batch.api_key_id).first()
+    tenant when that key is gone or revoked (a batch is its tenant's, as its files are: every
+    key of the tenant sees it); None while the tenant is deactivated (no line of it is fed until
+    it is active again or the batch's window ends)."""
+    key = (ApiKey.objects.select_related("tenant__tier")
+           .filter(pk=batch.api_key_id, revoked_at__isnull=True).first()
            if batch.api_key_id else None)
+    tenant = key.tenant if key is not None else (
+        Tenant.objects.select_related("tier").get(pk=batch.tenant_id))
+    if not tenant.is_active:
+        return None
     if key is not None:
         return Principal.for_api_key(key)
-    tenant = Tenant.objects.select_related("tier").get(pk=batch.tenant_id)
     return Principal(tenant=tenant, scope=f"batch-{batch.pk}")
 
 

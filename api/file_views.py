@@ -120,6 +120,12 @@ def _upload(request: HttpRequest, tenant_id: int, api_key_id: int) -> dict[str, 
     return file_store.file_object(row)
 
 
+# The purposes a list may filter by: OpenAI's (a purpose this server does not store lists
+# nothing) and the output files' own; another value is a 400 naming it.
+LISTED_PURPOSES = (*file_checks.OPENAI_PURPOSES, file_checks.OUTPUT_PURPOSE, "assistants_output",
+                   "fine-tune-results")
+
+
 def _list_params(request: HttpRequest) -> dict[str, Any]:
     raw = request.GET.get("limit")
     try:
@@ -133,7 +139,11 @@ def _list_params(request: HttpRequest) -> dict[str, Any]:
     if order not in ("asc", "desc"):
         raise APIError(400, "Invalid value for 'order': expected 'asc' or 'desc'.",
                        param="order", code="invalid_value")
-    return {"purpose": request.GET.get("purpose") or None, "limit": limit, "order": order,
+    purpose = request.GET.get("purpose") or None
+    if purpose is not None and purpose not in LISTED_PURPOSES:
+        raise APIError(400, f"Invalid value for 'purpose': expected one of "
+                            f"{', '.join(LISTED_PURPOSES)}.", param="purpose", code="invalid_value")
+    return {"purpose": purpose, "limit": limit, "order": order,
             "after": request.GET.get("after") or None}
 
 

@@ -181,6 +181,96 @@ def test_batch_lines_are_batch_work_with_their_own_fairness_key(tenant_key, inpr
     assert message.queue_deadline_s == 0 and message.origin == ""
 
 
+@pytest.mark.parametrize("steps_before", [0, 1])
+def test_a_batch_cancelled_while_validating_ends_every_line_in_the_error_file(
+        settings, tenant_key, steps_before):
+    # Cancelled before its first step, or after a step read part of its file: the rest of the
+    # file is read, a line that fails validation keeps its own error, every other line is
+    # cancelled; nothing ran.
+    settings.LLM_PLATFORM = {**settings.LLM_PLATFORM, "BATCH_VALIDATE_LINES": 4}
+    tenant, key, raw = tenant_key
+    lines = [line(f"r{i}", f"Tell me about {i}") for i in range(10)]
+    lines.insert(5, {"custom_id": "no-body", "method": "POST", "url": CHAT})
+    made = in_process(raw, lambda client: create_batch(client, lines))
+    for _ in range(steps_before):
+        batch_runner.advance_all()
+    assert Batch.objects.get(pk=made.id).status == "validating"
+
+    async def cancel(client):
+        return await client.batches.cancel(made.id)
+
+    assert in_process(raw, cancel).status == "cancelling"
+    row = run_until_ended(made.id)
+    assert row.status == "cancelled" and row.in_progress_at is None
+    out, err = outputs(raw, row)
+    assert out == []
+    assert sorted(e["custom_id"] for e in err) == sorted(g["custom_id"] for g in lines)
+    refused = [e for e in err if e["error"] is None]  # its validation's 400, as an endpoint's
+    assert [(e["custom_id"], e["response"]["status_code"]) for e in refused] == [("no-body", 400)]
+    assert {e["error"]["code"] for e in err if e["error"]} == {"batch_cancelled"}
+    assert (row.completed, row.failed, row.total) == (0, 11, 11)
+    assert not BatchLine.objects.filter(batch_id=made.id).exclude(request_id="").exists()
+
+
+def test_a_deactivated_tenants_batch_feeds_no_line_until_it_is_active_again(
+        settings, tenant_key, inproc_worker):
+    settings.LLM_PLATFORM = {**settings.LLM_PLATFORM, "BATCH_LINES_IN_FLIGHT": 2}
+    tenant, key, raw = tenant_key
+    lines = [line(f"r{i}", f"Tell me about {i}") for i in range(8)]
+    made = in_process(raw, lambda client: create_batch(client, lines))
+    step_until(made.id, lambda: BatchLine.objects.filter(batch_id=made.id,
+                                                         state="done").count() >= 2)
+    tenant.is_active = False
+    tenant.save(update_fields=["is_active"])
+    # What it had admitted finishes; nothing more is sent while it is deactivated.
+    step_until(made.id, lambda: not BatchLine.objects.filter(batch_id=made.id,
+                                                             state="running").exists())
+    sent = BatchLine.objects.filter(batch_id=made.id).exclude(request_id="").count()
+    for _ in range(10):
+        batch_runner.advance_all()
+        time.sleep(0.02)
+    assert BatchLine.objects.filter(batch_id=made.id).exclude(request_id="").count() == sent < 8
+    assert Batch.objects.get(pk=made.id).status == "in_progress"
+    tenant.is_active = True
+    tenant.save(update_fields=["is_active"])
+    row = run_until_ended(made.id)
+    assert (row.status, row.completed, row.failed) == ("completed", 8, 0)
+
+
+def test_a_batch_whose_key_is_revoked_runs_on_as_its_tenants(tenant_key, inproc_worker):
+    # A batch is its tenant's (every key of the tenant sees it): revoking the key that created
+    # it does not stop it; its remaining lines are admitted as the tenant.
+    tenant, key, raw = tenant_key
+    lines = [line(f"r{i}", f"Tell me about {i}") for i in range(4)]
+    made = in_process(raw, lambda client: create_batch(client, lines))
+    key.revoked_at = timezone.now()
+    key.save(update_fields=["revoked_at"])
+    row = run_until_ended(made.id)
+    assert (row.status, row.completed) == ("completed", 4)
+
+
+def test_ids_and_bodies_that_cannot_be_stored_exactly_are_refused_by_line(tenant_key,
+                                                                         inproc_worker):
+    # A NUL would be stored as U+FFFD (its answer's custom_id then not the one sent, and
+    # "a\x00" the duplicate of "a\ufffd"); a lone surrogate cannot be stored at all (PostgreSQL's
+    # jsonb refuses the escape: the step failed on it, every step, and the batch never ended).
+    tenant, key, raw = tenant_key
+    lines = [line("nul\x00", "x"), line("lone\ud800", "x"), line("body", "Hi \udfff there"),
+             line("nul\ufffd", "y"), {"method": "POST", "url": CHAT, "body": {}}]
+    made = in_process(raw, lambda client: create_batch(client, lines))
+    row = run_until_ended(made.id)
+    assert (row.status, row.completed, row.failed) == ("completed", 1, 4)
+    out, err = outputs(raw, row)
+    assert [o["custom_id"] for o in out] == ["nul\ufffd"]
+    refused = [(e["custom_id"], e["response"]["status_code"], e["response"]["body"]["error"])
+               for e in err]
+    assert [(cid, status, error["param"], error["code"]) for cid, status, error in refused] == [
+        (None, 400, "custom_id", "invalid_value"), (None, 400, "custom_id", "invalid_value"),
+        ("body", 400, "body", "invalid_value"),
+        (None, 400, "custom_id", "missing_required_parameter")]
+    assert "U+0000" in refused[0][2]["message"] and "surrogate" in refused[2][2]["message"]
+
+
 def test_cancel_mid_run_keeps_finished_lines_and_ends_the_rest(settings, tenant_key,
                                                                inproc_worker):
     settings.LLM_PLATFORM = {**settings.LLM_PLATFORM, "BATCH_LINES_IN_FLIGHT": 2}
@@ -342,16 +432,18 @@ def test_batches_list_in_pages_newest_first(tenant_key):
     assert [b.id for b in rest.data] == [made[0].id] and not rest.has_more
 
 
-def test_a_nul_character_in_a_line_is_kept_as_u_fffd_never_a_stuck_batch(tenant_key,
-                                                                          inproc_worker):
+def test_a_nul_character_in_a_lines_body_is_kept_as_u_fffd_never_a_stuck_batch(
+        tenant_key, inproc_worker):
+    # A NUL in a request's text is kept as U+FFFD, as its endpoint keeps it (one in a custom_id
+    # is refused: the test above).
     tenant, key, raw = tenant_key
-    lines = [line("nul\u0000id", "Hello\u0000there"),
+    lines = [line("nul-in-body", "Hello\u0000there"),
              {"custom_id": "odd", "method": "POST", "url": CHAT, "body": {}, "x\u0000": 1}]
     made = in_process(raw, lambda client: create_batch(client, lines))
     row = run_until_ended(made.id)
     assert row.status == "completed" and (row.completed, row.failed) == (1, 1)
     out, err = outputs(raw, row)
-    assert [o["custom_id"] for o in out] == ["nul\ufffdid"]
+    assert [o["custom_id"] for o in out] == ["nul-in-body"]
     assert err[0]["response"]["body"]["error"]["param"] == "x\ufffd"
 
 

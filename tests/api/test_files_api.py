@@ -127,6 +127,9 @@ def test_the_list_pages_with_limit_order_after_and_purpose(tenant_key):
     assert error.status_code == 400 and error.body["param"] == "order"
     error = refused(raw, lambda c: c.files.list(after="file-nothing"))
     assert error.status_code == 404 and error.body["param"] == "after"
+    error = refused(raw, lambda c: c.files.list(purpose="bogus"))
+    assert error.status_code == 400 and error.body["param"] == "purpose"
+    assert in_process(raw, lambda c: c.files.list(purpose="assistants")).data == []
 
 
 def test_every_key_of_the_tenant_sees_a_file_and_another_tenant_gets_404(tenant_key,
