@@ -183,16 +183,22 @@ def _duplicate(row: Batch, index: int, custom_id: str, first: int) -> None:
          f"custom_id must be unique in a batch.", index + 1)
 
 
-def read_some(row: Batch, most: int, until: float | None = None) -> None:
+def read_some(row: Batch, most: int, until: float | None = None, *,
+              gone_fails: bool = True) -> bool:
     """Read the next ``most`` lines of the batch's input file into its lines, fewer once
     ``time.monotonic()`` passes ``until`` (at least :data:`MIN_READ` of them); once the whole
     file is read its ``total`` is set and the batch goes ``in_progress`` (one cancelled
-    meanwhile stays ``cancelling``), or ends ``failed``."""
+    meanwhile stays ``cancelling``), or ends ``failed``; returns whether the file is read whole.
+    A file deleted (or whose bytes are gone) before it was read whole fails the batch, or, with
+    ``gone_fails`` False (a batch cancelled meanwhile), ends its reading with the lines read so
+    far (``total``; True)."""
     found = StoredFile.objects.filter(tenant_id=row.tenant_id, pk=row.input_file_id).first()
     if found is None:
+        if not gone_fails:
+            return _read_so_far(row)
         fail(row, "invalid_file", f"The input file '{row.input_file_id}' was deleted before the "
-                                  f"batch read it.")
-        return
+                                  f"batch read {'all of ' if row.read_lines else ''}it.")
+        return False
     start = row.read_lines
     made: list[BatchLine] = []
     seen: dict[str, int] = {}
@@ -210,33 +216,44 @@ def read_some(row: Batch, most: int, until: float | None = None) -> None:
                 value = json.loads(raw)
             except (ValueError, RecursionError):
                 fail(row, "invalid_json", f"Line {index + 1} is not valid JSON.", index + 1)
-                return
+                return False
             line = parse_line(row, index, value)
             if line.custom_id in seen:
                 _duplicate(row, index, line.custom_id, seen[line.custom_id])
-                return
+                return False
             if line.custom_id:
                 seen[line.custom_id] = index
             made.append(line)
     except FileNotFoundError:
+        if not gone_fails:
+            return _read_so_far(row)
         fail(row, "invalid_file", "The input file's bytes are gone from the storage.")
-        return
+        return False
     earlier = (BatchLine.objects.filter(batch=row, custom_id__in=list(seen))
                .values_list("custom_id", "index").first())
     if earlier is not None:
         _duplicate(row, seen[earlier[0]], earlier[0], earlier[1])
-        return
+        return False
     BatchLine.objects.bulk_create(made)
     row.read_lines = start + len(made)
     if whole:
         row.total = row.read_lines
-        if row.total == 0:
+        if row.total == 0 and gone_fails:
             fail(row, "empty_file", "The input file holds no request.")
-            return
+            return False
         if row.status == Batch.Status.VALIDATING:
             row.status = Batch.Status.IN_PROGRESS
             row.in_progress_at = timezone.now()
     row.save(update_fields=["read_lines", "total", "status", "in_progress_at"])
+    return whole
+
+
+def _read_so_far(row: Batch) -> bool:
+    """End the reading of a cancelled batch's input file that is gone: its lines are those read
+    so far."""
+    row.total = row.read_lines
+    row.save(update_fields=["total"])
+    return True
 
 
 def begin_finalizing(row: Batch, ends_as: str) -> None:

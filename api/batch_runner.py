@@ -171,12 +171,12 @@ class _Step:
                                                     BatchLine.State.RUNNING)).exists():
                     batch_lines.begin_finalizing(self.row, Batch.Status.COMPLETED)
         elif status == Batch.Status.CANCELLING:
-            if self.row.total == 0:
-                # Cancelled while validating (a file read whole has a line at least): the rest
-                # of it is read first, as many lines a step, so that each of its lines ends in
-                # one of the two files.
-                batch_lines.read_some(self.row, self.conf["BATCH_VALIDATE_LINES"], self.until)
-            if self.row.status == Batch.Status.CANCELLING and self.row.total > 0:
+            # Cancelled while validating: the rest of the file is read first, as many lines a
+            # step, so that each of its lines ends in one of the two files (a file deleted
+            # meanwhile: those read so far).
+            read = self.row.total > 0 or batch_lines.read_some(
+                self.row, self.conf["BATCH_VALIDATE_LINES"], self.until, gone_fails=False)
+            if self.row.status == Batch.Status.CANCELLING and read:
                 self.stop(Batch.Status.CANCELLED, "batch_cancelled",
                           "This request was not executed: its batch was cancelled.",
                           "This request was stopped before it finished: its batch was "

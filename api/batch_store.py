@@ -24,7 +24,7 @@ from api.schemas import metadata_bounds
 from gateway import batch_metrics
 from gateway.admission import Principal
 from gateway.errors import APIError
-from gateway.storable import holds_nul
+from gateway.storable import holds_nul, storable
 from tenants.models import ApiKey, Tenant
 
 # The endpoints a batch may run (each line's ``url`` must be its batch's).
@@ -107,7 +107,7 @@ def create(body: dict[str, Any], *, tenant_id: int, api_key_id: int) -> Batch:
     return Batch.objects.create(
         id=new_id(), tenant_id=tenant_id, api_key_id=api_key_id, endpoint=req.endpoint,
         input_file_id=found.pk, completion_window=req.completion_window,
-        metadata=req.metadata, created_at=now,
+        metadata=storable(req.metadata), created_at=now,  # a NUL as U+FFFD, as all text stored
         expires_at=now + timedelta(seconds=COMPLETION_WINDOWS[req.completion_window]))
 
 

@@ -212,6 +212,38 @@ def test_a_batch_cancelled_while_validating_ends_every_line_in_the_error_file(
     assert not BatchLine.objects.filter(batch_id=made.id).exclude(request_id="").exists()
 
 
+def test_a_batch_cancelled_while_validating_whose_file_is_then_deleted_ends_cancelled(
+        settings, tenant_key):
+    # The lines read before the file went end in the error file; the batch is cancelled, not
+    # failed (a batch still validating whose file is deleted fails: nobody cancelled it).
+    settings.LLM_PLATFORM = {**settings.LLM_PLATFORM, "BATCH_VALIDATE_LINES": 4}
+    tenant, key, raw = tenant_key
+    lines = [line(f"r{i}", f"Tell me about {i}") for i in range(10)]
+    made = in_process(raw, lambda client: create_batch(client, lines))
+    batch_runner.advance_all()  # 4 lines read
+
+    async def cancel_then_delete(client):
+        await client.batches.cancel(made.id)
+        return await client.files.delete(made.input_file_id)
+
+    assert in_process(raw, cancel_then_delete).deleted is True
+    row = run_until_ended(made.id)
+    assert (row.status, row.completed, row.failed, row.total) == ("cancelled", 0, 4, 4)
+    out, err = outputs(raw, row)
+    assert [e["custom_id"] for e in err] == ["r0", "r1", "r2", "r3"] and out == []
+    assert {e["error"]["code"] for e in err} == {"batch_cancelled"}
+
+
+def test_metadata_holding_a_nul_is_stored_with_u_fffd(tenant_key):
+    tenant, key, raw = tenant_key
+
+    async def calls(client):
+        made = await create_batch(client, [line("a", "Hi")], metadata={"k\x00": "v\x00"})
+        return await client.batches.retrieve(made.id)
+
+    assert in_process(raw, calls).metadata == {"k\ufffd": "v\ufffd"}
+
+
 def test_a_deactivated_tenants_batch_feeds_no_line_until_it_is_active_again(
         settings, tenant_key, inproc_worker):
     settings.LLM_PLATFORM = {**settings.LLM_PLATFORM, "BATCH_LINES_IN_FLIGHT": 2}
