@@ -23,6 +23,7 @@ from django.db import connection
 from django.utils import timezone
 
 from api import file_store
+from api.fields import NOT_UNICODE_MESSAGE
 from api.file_checks import JSON_KINDS
 from api.models import Batch, BatchLine, StoredFile
 from gateway.errors import APIError
@@ -153,8 +154,8 @@ def parse_line(row: Batch, index: int, value: Any) -> BatchLine:
                            f"(the request).", "body")
     elif holds_lone_surrogate(value["body"]):
         # Refused here, as its endpoint refuses such a request: stored, it would be changed.
-        problem = _refused(f"Line {index + 1}: invalid value for 'body': not valid Unicode text "
-                           f"(it holds a lone UTF-16 surrogate).", "body")
+        problem = _refused(f"Line {index + 1}: invalid value for 'body': {NOT_UNICODE_MESSAGE}.",
+                           "body")
     elif extra := sorted(set(value) - LINE_FIELDS):
         problem = _refused(f"Line {index + 1}: unknown parameter "
                            f"'{storable_text(extra[0])[:80]}'.", storable_text(extra[0])[:80])

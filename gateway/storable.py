@@ -20,7 +20,10 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 def storable_text(text: str) -> str:
     """``text`` with each NUL and each lone surrogate replaced by U+FFFD (the same string when
-    it holds none)."""
+    it holds none). ASCII text (most of it, and a large prompt's) is only searched for a NUL:
+    the pattern's pass over 2 MB takes about 5 ms, ``in`` a hundredth of one."""
+    if text.isascii():
+        return text.replace(NUL, REPLACEMENT) if NUL in text else text
     return _UNSTORABLE.sub(REPLACEMENT, text)
 
 
