@@ -7,16 +7,16 @@ batch in progress when enough of its lines ended: :mod:`api.batch_pace`).
   file: a duplicate fails the batch, as OpenAI's), ``method`` ``POST``, the batch's ``url`` and
   a ``body`` object; a line that does not goes to the error file (HTTP 400 naming the field).
   A file that cannot be read as JSONL fails the batch, its reason in ``errors``.
-- **In progress.** At most ``BATCH_LINES_IN_FLIGHT`` lines of a batch are in Redis and the
-  workers at once. A line is checked as its endpoint checks a request (a 400 naming the field
-  goes to the error file), counted, and admitted through the same lifecycle as an interactive
-  request (:func:`gateway.lifecycle.start`) as *batch work*: its own class in the fair order,
-  its own fairness key, no ``MAX_QUEUE_WAIT_S``, and the batch's ``expires_at`` as its
-  deadline (``docs/design.md``, "The batch service class"). A refusal by a rate or concurrency
-  limit (429) or no live worker (503) leaves the line waiting for a later step; a token-budget
-  refusal goes to the error file. A line's answer is read from its request's event stream once
-  its final event is there, and becomes its output line (the body the endpoint would have
-  answered) or its error line.
+- **In progress.** At most ``BATCH_LINES_IN_FLIGHT`` lines of a batch are in Redis and the workers
+  at once. A line is checked as its endpoint checks a request (a 400 naming the field, or the 404
+  of a model its batch's key may not call, goes to the error file), counted with its model's
+  tokenizer, and admitted through the same lifecycle as an interactive request
+  (:func:`gateway.lifecycle.start`) as *batch work*: its own class in the fair order, its own
+  fairness key, no ``MAX_QUEUE_WAIT_S``, and the batch's ``expires_at`` as its deadline
+  (``docs/design.md``, "The batch service class"). A refusal by a rate or concurrency limit (429)
+  or no live worker (503) leaves the line waiting for a later step; a token-budget refusal goes to
+  the error file. A line's answer is read from its request's event stream once its final event is
+  there, and becomes its output line (the body the endpoint would have answered) or its error line.
 - **Finalizing.** The output and error files are written (``batch_output`` files of the
   tenant), then the batch ends ``completed``, ``expired`` (its window ran out: the lines not
   finished are aborted and go to the error file, ``batch_expired``) or ``cancelled`` (the same,
@@ -55,7 +55,7 @@ from api import batch_lines, batch_pace, batch_store, responses, views
 from api.batch_lines import error_line, output_line
 from api.models import Batch, BatchLine
 from api.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, validate
-from gateway import admission, delivery, grace, lifecycle, usage
+from gateway import admission, delivery, grace, lifecycle, model_registry, usage
 from gateway.admission import Principal
 from gateway.clients import run_sync, sync_redis
 from gateway.conf import platform_settings, redis_keys
@@ -189,14 +189,13 @@ class _Step:
     # -- in progress ------------------------------------------------------------------------
 
     def _request(self, body: dict[str, Any]) -> GenerationRequest:
-        """The line's body checked as its endpoint checks a request.
+        """The line's body checked as its endpoint checks a request (its model apart).
 
         Raises:
-            APIError: as the endpoint answers (400 naming the field, 404 for another model).
+            APIError: as the endpoint answers (400 naming the field).
         """
         chat = self.row.endpoint == "/v1/chat/completions"
         req = validate(ChatCompletionRequest if chat else CompletionRequest, body)
-        views.check_model(req.model)
         if req.stream:
             raise APIError(400, "Invalid value for 'stream': a batch's requests are answered "
                                 "whole; leave it out or send false.", param="stream",
@@ -214,10 +213,10 @@ class _Step:
         principal = batch_store.principal(self.row)
         if principal is None:  # its tenant is deactivated: its lines wait (the window runs)
             return
-        context = run_sync(lifecycle.served_context())
+        access = batch_store.model_access(self.row)
         try:
             for line in waiting:
-                if time.monotonic() > self.until or not self.send(line, principal, context):
+                if time.monotonic() > self.until or not self.send(line, principal, access):
                     return
             # Every slot filled, or no line left waiting (lines refused at once free theirs).
             self.fed_all = (len(waiting) < room
@@ -225,19 +224,20 @@ class _Step:
         finally:
             self.save_lines()
 
-    def send(self, line: BatchLine, principal: Principal, context: int | None) -> bool:
+    def send(self, line: BatchLine, principal: Principal, access: model_registry.Access) -> bool:
         """Admit ``line``'s request; False when a limit held it back (try again later)."""
         row = self.row
         line.request_id = f"{row.pk}-{line.index}-{line.attempt}"
         try:
             req = self._request(line.body)
+            model = model_registry.find(model_registry.read_served_models(), access, req.model)
+            context = run_sync(lifecycle.served_context(model.name))
             chat = isinstance(req, ChatCompletionRequest)
             messages = [m.as_dict() for m in req.messages] if chat else None
-            tools = req.prompt_tools if chat else None
-            prompt = None if chat else req.prompt
+            tools, prompt = (req.prompt_tools, None) if chat else (None, req.prompt)
             try:
                 count = measure_here(messages, prompt, None if context is None else context - 1,
-                                     tools)
+                                     tools, folder=model.tokenizer_folder)
             except ValueError as exc:
                 raise APIError(400, f"Invalid value for 'messages': {exc}", param="messages",
                                code="invalid_value") from exc
@@ -250,7 +250,7 @@ class _Step:
                 principal, request_id=line.request_id, messages=messages, prompt=prompt,
                 tools=tools, sampling=Sampling(**req.sampling(req.requested_max_tokens)),
                 default_max_tokens=self.conf["DEFAULT_MAX_TOKENS"], user=req.user,
-                meta={"model": req.model, "public_id": public_id, "stream": False,
+                meta={"model": model.name, "public_id": public_id, "stream": False,
                       "batch_id": row.pk},
                 prompt_tokens=count.tokens, batch_deadline_at=row.expires_at.timestamp()))
         except APIError as exc:

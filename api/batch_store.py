@@ -24,6 +24,7 @@ from api.schemas import metadata_bounds
 from gateway import batch_metrics
 from gateway.admission import Principal
 from gateway.errors import APIError
+from gateway.model_registry import Access
 from gateway.storable import holds_nul, storable
 from tenants.models import ApiKey, Tenant
 
@@ -178,6 +179,16 @@ def principal(batch: Batch) -> Principal | None:
     if key is not None:
         return Principal.for_api_key(key)
     return Principal(tenant=tenant, scope=f"batch-{batch.pk}")
+
+
+def model_access(batch: Batch) -> Access:
+    """The models ``batch``'s lines may name: those its tenant's and its creating key's
+    ``allowed_models`` allow (the key's even once revoked; once deleted, the tenant's alone)."""
+    tenant_rules = Tenant.objects.filter(pk=batch.tenant_id).values_list(
+        "allowed_models", flat=True).first()
+    key_rules = (ApiKey.objects.filter(pk=batch.api_key_id).values_list(
+        "allowed_models", flat=True).first() if batch.api_key_id else None)
+    return Access(tenant_rules or "", key_rules or "")
 
 
 def count(row: Batch) -> None:

@@ -122,8 +122,9 @@ def usage_chunk(shape: ResponseShape, final: FinalEvent) -> dict[str, Any]:
             "model": shape.model, "choices": [], "usage": usage_body(final.usage)}
 
 
-def model_object(name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "llm-platform"}
+def model_object(name: str, created: int = 0) -> dict[str, Any]:
+    """A model as ``GET /v1/models`` lists it (``created``: a unix time, 0 when unknown)."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "llm-platform"}
 
 
 @dataclass(frozen=True)

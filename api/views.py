@@ -33,6 +33,8 @@ from gateway.credentials import authenticate_headers
 from gateway.errors import APIError, request_too_large, unexpected_error
 from gateway.events import Waiting
 from gateway.lifecycle import Generation
+from gateway.model_registry import ModelEntry, callable_models, resolve_model
+from gateway.tokenizer_folders import use_tokenizer
 from inference.protocol.events import ErrorInfo, Event, FinalEvent
 from inference.protocol.messages import Sampling
 from tenants.models import ApiKey
@@ -103,19 +105,6 @@ async def authenticate(request: HttpRequest) -> ApiKey:
     return await authenticate_headers(request.headers)
 
 
-# Longest model name repeated back in a 404 (a longer one is cut).
-MAX_ECHOED_NAME = 64
-
-
-def check_model(name: str) -> str:
-    served = platform_settings()["SERVED_MODEL_NAME"]
-    if name != served:
-        shown = name if len(name) <= MAX_ECHOED_NAME else name[:MAX_ECHOED_NAME] + "..."
-        raise APIError(404, f"The model '{shown}' does not exist; this server serves '{served}'.",
-                       param="model", code="model_not_found")
-    return served
-
-
 @api_view("POST")
 async def chat_completions(request: HttpRequest) -> HttpResponse:
     """``POST /v1/chat/completions``.
@@ -125,7 +114,7 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
     """
     key = await authenticate(request)
     req = validate(ChatCompletionRequest, parse_json_body(read_body(request)))
-    model = check_model(req.model)
+    model = await resolve_model(key, req.model)
     messages = [m.as_dict() for m in req.messages]
     return await _generate(request, key, req, model, messages=messages, tools=req.prompt_tools)
 
@@ -140,7 +129,7 @@ async def completions(request: HttpRequest) -> HttpResponse:
     """
     key = await authenticate(request)
     req = validate(CompletionRequest, parse_json_body(read_body(request)))
-    model = check_model(req.model)
+    model = await resolve_model(key, req.model)
     return await _generate(request, key, req, model, prompt=req.prompt)
 
 
@@ -148,21 +137,21 @@ async def _generate(
     request: HttpRequest,
     key: ApiKey,
     req: GenerationRequest,
-    model: str,
+    model: ModelEntry,
     *,
     messages: list[dict[str, Any]] | None = None,
     prompt: str | None = None,
     tools: list[dict[str, Any]] | None = None,
 ) -> HttpResponse:
     request_id = uuid.uuid4().hex
-    shape = response_shape(req, model, request_id, chat=messages is not None,
+    shape = response_shape(req, model.name, request_id, chat=messages is not None,
                            tools=tools is not None)
-    generation = await lifecycle.start(
-        Principal.for_api_key(key), request_id=request_id, messages=messages, prompt=prompt,
-        tools=tools,
-        sampling=Sampling(**req.sampling(req.requested_max_tokens)),
-        default_max_tokens=platform_settings()["DEFAULT_MAX_TOKENS"], user=req.user,
-        meta={"model": model, "public_id": shape.id, "stream": bool(req.stream)})
+    with use_tokenizer(model.tokenizer_folder):  # its prompt is counted with its model's
+        generation = await lifecycle.start(
+            Principal.for_api_key(key), request_id=request_id, messages=messages, prompt=prompt,
+            tools=tools, sampling=Sampling(**req.sampling(req.requested_max_tokens)),
+            default_max_tokens=platform_settings()["DEFAULT_MAX_TOKENS"], user=req.user,
+            meta={"model": model.name, "public_id": shape.id, "stream": bool(req.stream)})
     on_error = functools.partial(worker_error, req)
     limits = ratelimits.response_headers(generation.meta)
     try:
@@ -318,17 +307,19 @@ async def not_found(request: HttpRequest, path: str = "") -> HttpResponse:
 
 @api_view("GET")
 async def list_models(request: HttpRequest) -> HttpResponse:
-    """``GET /v1/models``: the one served model."""
-    await authenticate(request)
-    served = platform_settings()["SERVED_MODEL_NAME"]
-    return JsonResponse({"object": "list", "data": [responses.model_object(served)]})
+    """``GET /v1/models``: the models served that the key may call (the default model first,
+    then by name)."""
+    models = await callable_models(await authenticate(request))
+    return JsonResponse({"object": "list",
+                         "data": [responses.model_object(m.name, m.created) for m in models]})
 
 
 @api_view("GET")
 async def retrieve_model(request: HttpRequest, model: str) -> HttpResponse:
-    """``GET /v1/models/{model}``."""
-    await authenticate(request)
-    return JsonResponse(responses.model_object(check_model(model)))
+    """``GET /v1/models/{model}``: 404 ``model_not_found`` alike for a model not served and one
+    the key may not call."""
+    entry = await resolve_model(await authenticate(request), model)
+    return JsonResponse(responses.model_object(entry.name, entry.created))
 
 
 async def _is_staff(request: HttpRequest) -> bool:
@@ -339,7 +330,9 @@ async def _is_staff(request: HttpRequest) -> bool:
 @api_view("GET")
 async def scheduler_stats(request: HttpRequest) -> HttpResponse:
     """``GET /scheduler/stats``: gate 1, the shared queue (per fairness key: its shared counter and
-    requests in flight), each live worker's stats snapshot and their aggregate.
+    requests in flight), each live worker's stats snapshot and their aggregate; the same per
+    base model under ``models`` (each model's queue, gate 1 and workers are its own). The
+    top-level ``gate1`` counts every model's requests; ``queue`` is the default model's.
 
     For staff users (session) and operator keys only: 401 without credentials, 403 otherwise.
     """
@@ -349,9 +342,11 @@ async def scheduler_stats(request: HttpRequest) -> HttpResponse:
             raise APIError(403, "Only operator keys and staff users may read scheduler stats.",
                            code="forbidden")
     snapshots = await workers.worker_snapshots()
+    models = await workers.per_model(snapshots)
     return JsonResponse({
-        "gate1": workers.gate1(await workers.gate1_queued()),
+        "gate1": workers.gate1(sum(m["gate1"]["queued"] for m in models.values())),
         "queue": await workers.queue_state(),
+        "models": models,
         # Requests ended whose usage record is not written yet (gateway.usage).
         "usage_pending": await aredis().hlen(redis_keys().usage_pending),
         "workers": snapshots,

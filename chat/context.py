@@ -123,7 +123,8 @@ def fit_here(messages: Sequence[ChatMessage], prompt_limit_tokens: int,
              system: ChatMessage | None = None) -> tuple[list[ChatMessage], int]:
     """:func:`fit_to_context` with the model's tokenizer in this process, and the prompt's count.
 
-    Blocking: run it in a token-counting process (:func:`gateway.tokens.run`). Byte bounds
+    Blocking: run it in a token-counting process (:func:`gateway.tokens.run`, given the model's
+    tokenizer folder). Byte bounds
     settle many candidates without tokenizing them; none is tokenized twice.
 
     Returns:

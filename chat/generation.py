@@ -1,8 +1,8 @@
 """One chat turn: fit the conversation into the context, start the request, relay its answer.
 
 The request's life (admission, events, abort, release) is the web tier's one lifecycle
-(:mod:`gateway.lifecycle`); the chat adds the signed-in user as the principal, the context
-trimming and the storage of the answer.
+(:mod:`gateway.lifecycle`); the chat adds the signed-in user as the principal, the model
+(:func:`chat_model`), the context trimming and the storage of the answer.
 
 An answer outlives the socket that asked for it: its request is *detachable* and held in
 :mod:`gateway.grace` under the kind :data:`GRACE_KIND`. While a socket relays it, the socket keeps
@@ -28,11 +28,12 @@ from chat import services
 from chat.conf import chat_settings, resume_grace_s
 from chat.context import ChatMessage, ContextOverflowError, fit_here
 from chat.models import Conversation, Message
-from gateway import admission, grace, lifecycle, tokens, workers
+from gateway import admission, grace, lifecycle, model_registry, tokens, workers
 from gateway.admission import Principal
 from gateway.conf import platform_settings
 from gateway.errors import APIError, unexpected_error
 from gateway.events import events
+from gateway.model_registry import ModelEntry
 from inference.protocol.events import FinalEvent, FinishReason, TokenEvent
 from inference.protocol.messages import Sampling
 from tenants.models import Tenant
@@ -85,22 +86,45 @@ class Answer:
         return {"admission": self.admission}
 
 
-async def prepare_prompt(history: list[ChatMessage]) -> tuple[list[ChatMessage], int, int]:
+async def chat_model(tenant: Tenant) -> ModelEntry:
+    """The model the chat of ``tenant``'s users calls: the default model when the tenant may
+    call it, else the first model it may call by name.
+
+    Raises:
+        APIError: 403 ``no_model_available`` when the tenant may call no model served.
+        django.db.DatabaseError: the registry could not be read.
+    """
+    access = model_registry.Access.of_tenant(tenant)
+    models = model_registry.allowed(await model_registry.served_models(), access)
+    if not models:
+        raise APIError(403, "No model is available to your organization right now: ask an "
+                            "administrator to allow one.", code="no_model_available")
+    return models[0]
+
+
+async def prepare_prompt(history: list[ChatMessage],
+                         model: ModelEntry | None = None) -> tuple[list[ChatMessage], int, int]:
     """The messages to send (oldest turns dropped to fit), their tokens and the answer's cap.
 
-    The fitting, which counts tokens several times, runs in a token-counting process
-    (:func:`gateway.tokens.run`), never on the event loop.
+    The context is that of ``model``'s live workers (None: of every worker). The fitting, which
+    counts tokens several times with the tokenizer of ``model`` (None: the default model's), runs
+    in a token-counting process (:func:`gateway.tokens.run`), never on the event loop.
 
     Raises:
         ContextOverflowError: when the newest message alone does not fit.
         APIError: 503 when the token-counting processes keep failing.
     """
     conf = chat_settings()
-    context = workers.context_tokens(await workers.worker_snapshots(), conf["CONTEXT_TOKENS"])
+    snapshots = await workers.worker_snapshots()
+    if model is not None:  # the context of the workers of its model
+        snapshots = workers.by_model(snapshots).get(model.name, {})
+    context = workers.context_tokens(snapshots, conf["CONTEXT_TOKENS"])
     answer_room = max(conf["MIN_ANSWER_TOKENS"], min(conf["MAX_TOKENS"], context // 2))
     limit = context - answer_room - conf["CONTEXT_MARGIN_TOKENS"]
     system = {"role": "system", "content": conf["SYSTEM_PROMPT"]} if conf["SYSTEM_PROMPT"] else None
-    messages, prompt_tokens = await tokens.run(fit_here, history, limit, system)
+    messages, prompt_tokens = await tokens.run(
+        fit_here, history, limit, system,
+        folder=model.tokenizer_folder if model is not None else None)
     return messages, prompt_tokens, min(conf["MAX_TOKENS"], context - prompt_tokens)
 
 
@@ -119,10 +143,12 @@ async def submit(user: AbstractBaseUser, tenant: Tenant, conversation: Conversat
 
     Raises:
         ContextOverflowError: the newest message does not fit in the context.
-        APIError: refused (no worker, queue full, rate limit, budget); nothing was enqueued.
+        APIError: refused (no model the tenant may call, no worker, queue full, rate limit,
+            budget); nothing was enqueued.
     """
     conf = chat_settings()
-    messages, prompt_tokens, answer_cap = await prepare_prompt(history)
+    model = await chat_model(tenant)
+    messages, prompt_tokens, answer_cap = await prepare_prompt(history, model)
     request_id = uuid.uuid4().hex
     data = {"conversation_id": conversation.pk, "user_id": user.pk}
     await grace.hold(request_id, GRACE_KIND, resume_grace_s(), data=data)
@@ -134,7 +160,7 @@ async def submit(user: AbstractBaseUser, tenant: Tenant, conversation: Conversat
             # answer_cap.
             sampling=Sampling(temperature=conf["TEMPERATURE"], top_p=conf["TOP_P"]),
             default_max_tokens=answer_cap, request_id=request_id, detachable=True,
-            meta={"model": platform_settings()["SERVED_MODEL_NAME"], "chat_user_id": user.pk,
+            meta={"model": model.name, "chat_user_id": user.pk,
                   "conversation_id": conversation.pk})
     except BaseException:
         await asyncio.shield(grace.forget(request_id))

@@ -3,7 +3,8 @@
 Read at scrape time from Redis: the live workers' stats snapshots (queues, KV cache, admissions
 blocked and rejected per gate; labelled by worker, so a restarted worker's counters reset as
 Prometheus expects) and the counters and histograms of :mod:`dashboard.recorder` (tokens and
-latencies per tenant, refusals before any worker).
+latencies per tenant, tokens and requests per base model, refusals before any worker). Workers
+and gate 1 are counted per base model; ``llm_worker_info`` names each worker's model.
 """
 
 from __future__ import annotations
@@ -23,7 +24,13 @@ from prometheus_client.registry import Collector
 from dashboard import recorder
 from gateway import batch_metrics
 from gateway.clients import sync_redis
-from gateway.workers import gate1, gate1_queued_sync, worker_snapshots_sync
+from gateway.workers import (
+    by_model,
+    gate1,
+    gate1_queued_sync,
+    known_models_sync,
+    worker_snapshots_sync,
+)
 
 QUEUES = (("pending", "num_pending"), ("prefilling", "num_prefilling"), ("active", "num_active"))
 # Web-tier refusal codes that are gate 1 (docs/design.md, backpressure).
@@ -65,17 +72,27 @@ class PlatformCollector(Collector):
         yield active
 
     def _queues(self, client: redis.Redis, workers: dict) -> Iterator[Metric]:
-        alive = GaugeMetricFamily("llm_workers_alive", "Inference workers with a live heartbeat.")
-        alive.add_metric([], len(workers))
-        yield alive
+        alive = GaugeMetricFamily("llm_workers_alive",
+                                  "Inference workers with a live heartbeat, by base model.",
+                                  labels=["model"])
         queued = GaugeMetricFamily(
             "llm_gate1_queued_requests",
-            "Requests accepted and not yet admitted by any worker (gate 1).")
-        figures = gate1(gate1_queued_sync(client))
-        queued.add_metric([], figures["queued"])
-        yield queued
-        limit = GaugeMetricFamily("llm_gate1_max_queue_size", "Gate 1's bound (MAX_QUEUE_SIZE).")
-        limit.add_metric([], figures["max_queue_size"])
+            "Requests accepted and not yet admitted by any worker (gate 1), by base model: each "
+            "model's queue has its own.", labels=["model"])
+        groups = by_model(workers)
+        for model in known_models_sync(workers, client):
+            alive.add_metric([model], len(groups.get(model, {})))
+            queued.add_metric([model], gate1(gate1_queued_sync(client, model))["queued"])
+        yield from (alive, queued)
+        info = GaugeMetricFamily("llm_worker_info", "1 per live worker, labelled by the base "
+                                 "model it serves (join on worker).", labels=["worker", "model"])
+        for model, members in sorted(groups.items()):
+            for worker in sorted(members):
+                info.add_metric([worker, model], 1)
+        yield info
+        limit = GaugeMetricFamily("llm_gate1_max_queue_size",
+                                  "Gate 1's bound (MAX_QUEUE_SIZE), per base model.")
+        limit.add_metric([], gate1(0)["max_queue_size"])
         yield limit
         queue = GaugeMetricFamily("llm_scheduler_queue_requests",
                                   "Requests in each scheduler queue of each worker.",
@@ -199,6 +216,7 @@ class PlatformCollector(Collector):
         yield from tokens.values()
         yield requests
         yield billed
+        yield from self._model_usage(client)
         histograms = recorder.read_histograms(client)
         for spec in recorder.HISTOGRAMS:
             family = HistogramMetricFamily(spec.name, spec.documentation, labels=["tenant"])
@@ -207,6 +225,26 @@ class PlatformCollector(Collector):
                 bounds = [*(str(b) for b in spec.buckets), "+Inf"]
                 family.add_metric([tenant], list(zip(bounds, running, strict=True)), total)
             yield family
+
+    def _model_usage(self, client: redis.Redis) -> Iterator[Metric]:
+        raw = {k.decode(): int(v) for k, v in client.hgetall(recorder.model_usage_key()).items()}
+        prompt = CounterMetricFamily("llm_model_prompt_tokens",
+                                     "Prompt tokens of finished requests per base model.",
+                                     labels=["model"])
+        generated = CounterMetricFamily("llm_model_generation_tokens",
+                                        "Generated tokens per base model.", labels=["model"])
+        requests = CounterMetricFamily("llm_model_requests",
+                                       "Finished requests per base model and status.",
+                                       labels=["model", "status"])
+        for field, value in sorted(raw.items()):
+            model, _, rest = field.partition("|")
+            if rest == "prompt_tokens":
+                prompt.add_metric([model], value)
+            elif rest == "completion_tokens":
+                generated.add_metric([model], value)
+            elif rest.startswith("requests|"):
+                requests.add_metric([model, rest.split("|", 1)[1]], value)
+        yield from (prompt, generated, requests)
 
 
 def render(client: redis.Redis | None = None) -> bytes:

@@ -9,6 +9,8 @@ Keys, under the platform's Redis prefix ``{p}``:
 
 - ``{p}:metrics:usage``: ``{tenant}|{counter}`` -> count (tokens, requests by status; tokens
   charged by service class: ``{tenant}|billed_tokens|{interactive or batch}``)
+- ``{p}:metrics:model``: ``{model}|{counter}`` -> count (prompt and completion tokens, requests
+  by status, of each base model)
 - ``{p}:metrics:hist:{name}``: ``{tenant}|{bucket index}`` -> count, ``{tenant}|sum``,
   ``{tenant}|count``
 - ``{p}:metrics:refused``: ``{code}`` -> requests refused before reaching a worker
@@ -63,6 +65,10 @@ def usage_key() -> str:
     return f"{redis_keys().prefix}:metrics:usage"
 
 
+def model_usage_key() -> str:
+    return f"{redis_keys().prefix}:metrics:model"
+
+
 def histogram_key(spec: HistogramSpec) -> str:
     return f"{redis_keys().prefix}:metrics:hist:{spec.name}"
 
@@ -75,16 +81,18 @@ def refused_key() -> str:
 def record_request(client: redis.Redis, *, tenant: str, status: int, prompt_tokens: int,
                    cached_prompt_tokens: int, completion_tokens: int, ttft_s: float | None,
                    duration_s: float | None, billed_tokens: int | None = None,
-                   batch: bool = False) -> None:
+                   batch: bool = False, model: str = "") -> None:
     """Count one finished request of ``tenant`` and observe its latencies (seconds).
 
     ``billed_tokens``: the tokens it was charged (None: prompt + completion); ``batch``: it was
-    batch work (a Batch API line), counted apart from interactive requests.
+    batch work (a Batch API line), counted apart from interactive requests; ``model``: the base
+    model it named (its tokens and status are counted per model too).
     """
     tally = Tally()
     tally.add(tenant=tenant, status=status, prompt_tokens=prompt_tokens,
               cached_prompt_tokens=cached_prompt_tokens, completion_tokens=completion_tokens,
-              ttft_s=ttft_s, duration_s=duration_s, billed_tokens=billed_tokens, batch=batch)
+              ttft_s=ttft_s, duration_s=duration_s, billed_tokens=billed_tokens, batch=batch,
+              model=model)
     tally.send(client)
 
 
@@ -101,8 +109,13 @@ class Tally:
 
     def add(self, *, tenant: str, status: int, prompt_tokens: int, cached_prompt_tokens: int,
             completion_tokens: int, ttft_s: float | None, duration_s: float | None,
-            billed_tokens: int | None = None, batch: bool = False) -> None:
+            billed_tokens: int | None = None, batch: bool = False, model: str = "") -> None:
         """Count one request (the arguments of :func:`record_request`)."""
+        if model:
+            per_model = model_usage_key()
+            self._int(per_model, f"{model}|prompt_tokens", prompt_tokens)
+            self._int(per_model, f"{model}|completion_tokens", completion_tokens)
+            self._int(per_model, f"{model}|requests|{status}", 1)
         counters = usage_key()
         self._int(counters, f"{tenant}|prompt_tokens", prompt_tokens)
         self._int(counters, f"{tenant}|cached_prompt_tokens", cached_prompt_tokens)

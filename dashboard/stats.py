@@ -22,15 +22,20 @@ TOTAL_FIELDS = (
 )
 
 
-def summarize(snapshots: dict[str, dict[str, Any]], queued: int) -> dict[str, Any]:
-    """The dashboard's view of the workers' stats: totals, per fairness key, per worker.
+def summarize(snapshots: dict[str, dict[str, Any]], queued: int,
+              queued_by_model: dict[str, int] | None = None) -> dict[str, Any]:
+    """The dashboard's view of the workers' stats: totals, per fairness key, per worker, per
+    base model (``queued_by_model``: each model's gate 1 count; ``queued``: their sum).
 
     Returns:
-        ``{"workers", "gate1_queued", "max_queue_size", "totals", "per_key", "per_worker"}``;
+        ``{"workers", "gate1_queued", "max_queue_size", "totals", "per_key", "per_worker",
+        "per_model"}``;
         ``totals`` holds :data:`TOTAL_FIELDS` of :func:`gateway.workers.aggregate` (0 without
         workers); ``per_key`` maps each fairness key to its aggregate; ``per_worker`` maps each
         worker to its ``tokens_generated``, ``uptime_s`` and ``published_at`` (for rates),
-        ``num_active`` and ``kv_pressure``.
+        ``num_active`` and ``kv_pressure``; ``per_model`` maps each model to its ``workers``,
+        ``gate1_queued``, ``num_pending``, ``num_active``, ``kv_pressure`` and
+        ``tokens_generated``.
     """
     total = workers.aggregate(list(snapshots.values()))
     gate1 = workers.gate1(queued)
@@ -40,6 +45,7 @@ def summarize(snapshots: dict[str, dict[str, Any]], queued: int) -> dict[str, An
         "max_queue_size": gate1["max_queue_size"],
         "totals": {name: total.get(name) or 0 for name in TOTAL_FIELDS},
         "per_key": total["per_key"],
+        "per_model": _per_model(snapshots, queued_by_model or {}),
         "per_worker": {
             w: {"tokens_generated": s.get("tokens_generated", 0),
                 "uptime_s": s.get("uptime_s", 0.0), "published_at": s.get("published_at", 0.0),
@@ -49,11 +55,26 @@ def summarize(snapshots: dict[str, dict[str, Any]], queued: int) -> dict[str, An
     }
 
 
+def _per_model(snapshots: dict[str, dict[str, Any]],
+               queued: dict[str, int]) -> dict[str, dict[str, Any]]:
+    groups = workers.by_model(snapshots)
+    out = {}
+    for model in sorted({*groups, *queued}):
+        total = workers.aggregate(list(groups.get(model, {}).values()))
+        out[model] = {"workers": total["workers"], "gate1_queued": queued.get(model, 0),
+                      **{name: total.get(name) or 0 for name in (
+                          "num_pending", "num_active", "kv_pressure", "tokens_generated")}}
+    return out
+
+
 def live_summary(client: redis.Redis | None = None) -> dict[str, Any]:
     """:func:`summarize` of the live workers' stats now, and the batches in progress
     (``batches``: :func:`gateway.batch_metrics.read`)."""
     client = client or sync_redis()
-    return {**summarize(workers.worker_snapshots_sync(client), workers.gate1_queued_sync(client)),
+    snapshots = workers.worker_snapshots_sync(client)
+    queued = {model: workers.gate1_queued_sync(client, model)
+              for model in workers.known_models_sync(snapshots, client)}
+    return {**summarize(snapshots, sum(queued.values()), queued),
             "batches": batch_metrics.read(client)}
 
 

@@ -17,7 +17,9 @@ never import each other:
   worker); one that fails while Redis is unreachable is retried by the web process's monitor
   (:mod:`gateway.monitor`).
 - :mod:`gateway.workers`: worker liveness, their stats snapshots and the one aggregation of them.
-- :mod:`gateway.tokens`: prompt token counts, with the worker's own tokenizer and chat template.
+- :mod:`gateway.tokens`: prompt token counts, with the worker's own tokenizer and chat template
+  (each model's: :mod:`gateway.tokenizer_folders`).
+- :mod:`gateway.model_registry`: the base models served, and which of them a sender may call.
 - :mod:`gateway.errors`: the client-facing error and the mapping of error codes to HTTP statuses.
 - :mod:`gateway.clients` and :mod:`gateway.conf`: the Redis clients and the platform settings.
 

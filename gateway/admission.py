@@ -39,7 +39,7 @@ from typing import Any
 from gateway import budgets as token_budgets
 from gateway import pricing, ratelimits
 from gateway.clients import aredis
-from gateway.conf import platform_settings, redis_keys
+from gateway.conf import message_model, platform_settings, redis_keys
 from gateway.errors import APIError
 from gateway.scripts import LuaScript
 from gateway.workers import alive_workers
@@ -104,10 +104,12 @@ class Admission:
 
 def build_limits(
     principal: Principal, request_id: str, token_cost: int, now: float | None = None, *,
-    token_price: float = pricing.FULL_PRICE,
+    token_price: float = pricing.FULL_PRICE, model: str | None = None,
 ) -> tuple[dict[str, Any], list[str], Admission]:
     """The admission spec and keys for one request of ``principal`` reserving ``token_cost``
-    tokens: in full in token windows, at ``token_price`` (a share of a token) in budgets.
+    tokens: in full in token windows, at ``token_price`` (a share of a token) in budgets; it
+    joins the queue of ``model`` (None: the default model's). Rate limits, budgets and
+    concurrency leases are the tenant's and the key's over every model.
 
     Returns:
         (spec for ``admit.lua``, limit keys in spec order, the :class:`Admission`).
@@ -153,7 +155,7 @@ def build_limits(
         "window_ms": RATE_WINDOW_MS,
         "lease_ms": int(conf["REQUEST_IDLE_TIMEOUT_S"] * 1000) + RATE_WINDOW_MS,
         "max_queue": conf["MAX_QUEUE_SIZE"],
-        "prefix": p,
+        "prefix": redis_keys(model).queue,
         "windows": windows,
         "budgets": budgets,
         "concurrency": concurrency,
@@ -236,14 +238,15 @@ async def admit(principal: Principal, message: RequestMessage, token_cost: int) 
 
 async def _admit(principal: Principal, message: RequestMessage,
                  token_cost: int) -> RequestMessage:
-    if not await alive_workers():
-        raise APIError(503, "No inference worker is running; retry later.",
-                       code="no_worker_available", retry_after_s=5)
+    model = message_model(message.meta)
+    if not await alive_workers(model):
+        raise APIError(503, f"No inference worker of the model '{model}' is running; retry "
+                            "later.", code="no_worker_available", retry_after_s=5)
     now = time.time()
     # The price in force now is the one it is charged at, to the end (kept in its meta).
     price = pricing.batch_token_price() if message.batch else pricing.FULL_PRICE
     spec, limit_keys, admission = build_limits(principal, message.request_id, token_cost, now,
-                                               token_price=price)
+                                               token_price=price, model=model)
     if principal.tenant.token_budget:
         # A counter Redis lost (restart, flush) is rebuilt from the usage records first.
         period = token_budgets.budget_period(principal.tenant, redis_keys().prefix, now)

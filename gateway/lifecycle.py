@@ -38,7 +38,7 @@ from gateway import admission, delivery, event_reader, monitor, usage, workers
 from gateway.aborts import abort_later
 from gateway.admission import Principal
 from gateway.clients import aredis
-from gateway.conf import platform_settings, redis_keys
+from gateway.conf import message_model, platform_settings, redis_keys
 from gateway.errors import APIError
 from gateway.events import Waiting, event_batches, flattened
 from gateway.tokens import PromptCount, count_chat_tokens, count_text_tokens
@@ -293,7 +293,7 @@ async def start(principal: Principal, *, sampling: Sampling, default_max_tokens:
         meta={"tenant_id": tenant.pk, "api_key_id": principal.api_key_id, **(meta or {})},
     )
     if prompt_tokens is None:
-        context = await served_context()
+        context = await served_context(message_model(message.meta))
         # A prompt over context - 1 tokens never fits: past that its bytes settle it.
         most = None if context is None else context - 1
         count = await (count_chat_tokens(messages, most=most, tools=tools)
@@ -337,22 +337,24 @@ CONTEXT_CACHE_S = 1.0
 _context_cache: dict[str, tuple[float, int | None]] = {}
 
 
-async def served_context() -> int | None:
-    """The longest context (tokens) of a live worker, or None when none reports one.
+async def served_context(model: str | None = None) -> int | None:
+    """The longest context (tokens) of a live worker (of ``model``, a base model's name; None:
+    of any model), or None when none reports one.
 
     The largest, not the smallest (:func:`gateway.workers.context_tokens`): a request is
     refused here only when every worker would refuse it. Read from the workers' stats at most
     once per :data:`CONTEXT_CACHE_S` per deployment.
     """
-    prefix = redis_keys().prefix
+    cache_key = f"{redis_keys().prefix}@{model or ''}"
     now = time.monotonic()
-    cached = _context_cache.get(prefix)
+    cached = _context_cache.get(cache_key)
     if cached is not None and cached[0] > now:
         return cached[1]
     snapshots = await workers.worker_snapshots()
-    lengths = [int(s["max_model_len"]) for s in snapshots.values() if s.get("max_model_len")]
+    lengths = [int(s["max_model_len"]) for s in snapshots.values()
+               if s.get("max_model_len") and (model is None or workers.model_of(s) == model)]
     context = max(lengths) if lengths else None
-    _context_cache[prefix] = (now + CONTEXT_CACHE_S, context)
+    _context_cache[cache_key] = (now + CONTEXT_CACHE_S, context)
     return context
 
 

@@ -1,23 +1,29 @@
 """Prompt token counts in the web tier, for rate limits, budgets and the context (never torch).
 
 The count is the worker's own: the same tokenizer and chat template (:mod:`inference.tokenization`,
-which the worker builds its prompts with), read from ``TOKENIZER_PATH``, else ``MODEL_PATH``,
-else the prepared default model's folder. Without a ``tokenizer.json`` there (a web-only install
-given no tokenizer), counts are an estimate from the text's length, which can be short of the
-worker's (it cannot know the template's additions). The worker stays the authority: reservations
-are settled to its real usage, and the web tier refuses only prompts every worker would refuse.
+which the worker builds its prompts with), read from the tokenizer folder of the request's model
+(:attr:`gateway.model_registry.ModelEntry.tokenizer_folder`; the default model's is
+``TOKENIZER_PATH``, else ``MODEL_PATH``, else the prepared default model's folder). Each
+function takes that ``folder``; one given none counts with the folder of
+:func:`gateway.tokenizer_folders.use_tokenizer` around the call, else the default model's.
+Without a ``tokenizer.json`` there (a web-only install given no tokenizer), counts are an
+estimate from the text's length, which can be short of the worker's (it cannot know the
+template's additions). The worker stays the authority: reservations are settled to its real
+usage, and the web tier refuses only prompts every worker would refuse.
 
 **Where counting runs.** Tokenizing is CPU-bound and the ``tokenizers`` encoder holds the GIL for
 the whole call (about 0.4 s for 1 MB of text), so neither the event loop nor a thread of the web
 process may do it: every count runs in a pool of :data:`POOL_PROCESSES` counting processes
 (:class:`~concurrent.futures.ProcessPoolExecutor`), started with ``spawn`` (a fresh interpreter
 that inherits none of the threaded server's sockets or locks, alike on every OS), each loading
-the tokenizer once (about 0.5 s). They start with the first request the web process serves,
-whatever its path (Django's ``request_started``: a readiness probe is enough), or
-:func:`start_pool`. A counting process that dies (killed, out of memory) breaks the pool: it is
-replaced by a fresh one and the count retried once; a second failure is a retryable 503. The
-async functions (:func:`count_chat_tokens`, :func:`count_text_tokens`, :func:`run`) are the
-interface; the ``*_here`` functions count in the calling process, for the counting processes.
+the default model's tokenizer when it starts (about 0.5 s), another model's at its first call
+for it (every call names its folder), and keeping each. They start with the first request the
+web process serves, whatever its path (Django's ``request_started``: a readiness probe is
+enough), or :func:`start_pool`. A counting process that dies (killed, out of memory) breaks the
+pool: it is replaced by a fresh one and the count retried once; a second failure is a retryable
+503. The async functions (:func:`count_chat_tokens`, :func:`count_text_tokens`, :func:`run`) are
+the interface; the ``*_here`` functions count in the calling process, for the counting
+processes.
 
 **Byte bounds.** A byte-level BPE token covers at least one byte of the prompt and at most the
 longest token of the vocabulary (:class:`ByteBounds`, derived from ``tokenizer.json``), so a
@@ -51,7 +57,7 @@ from django.core.signals import request_started
 
 from gateway.byte_bounds import ByteBounds, byte_bounds
 from gateway.conf import platform_settings
-from inference.protocol.models import model_folder
+from gateway.tokenizer_folders import Folder, counting_folder, tokenizer_folder
 from inference.tokenization import Tokenizer, TokenizerLoadError
 
 log = logging.getLogger(__name__)
@@ -70,14 +76,6 @@ POOL_PROCESSES = 2
 def utf8_length(text: str) -> int:
     """Bytes of ``text`` in UTF-8 (a lone surrogate counts as its 3 bytes)."""
     return len(text.encode("utf-8", "surrogatepass"))
-
-
-def tokenizer_folder() -> Path:
-    """The folder whose tokenizer counts prompt tokens (see the module docstring)."""
-    conf = platform_settings()
-    if configured := (conf.get("TOKENIZER_PATH") or "").strip():
-        return Path(configured).expanduser()
-    return model_folder(conf["MODEL_PATH"], conf["LLM_CACHE_DIR"])
 
 
 @dataclass(frozen=True)
@@ -102,33 +100,40 @@ def _load(folder: str) -> _Local:
     return _Local(tok, bounds)
 
 
-# The folder a counting process was started for (set by its initializer); None elsewhere.
+# In a counting process, the folder of the call it runs (set for each call by :func:`run`);
+# None elsewhere.
 _process_folder: str | None = None
 
 
-def _local() -> _Local:
-    return _load(_process_folder if _process_folder is not None else str(tokenizer_folder()))
+def _local(folder: Folder | None = None) -> _Local:
+    if folder is None and _process_folder is not None:
+        return _load(_process_folder)
+    return _load(counting_folder(folder))
 
 
-def tokenizer() -> Tokenizer | None:
-    """The model's tokenizer in this process, or None when its folder has none."""
-    return _local().tokenizer
+def tokenizer(folder: Folder | None = None) -> Tokenizer | None:
+    """The tokenizer of ``folder`` (see :func:`counting_folder`; in a counting process, its
+    call's) in this process, loaded once; None when the folder has none."""
+    return _local(folder).tokenizer
 
 
-def local_bounds() -> ByteBounds | None:
-    """The byte bounds of this process's tokenizer, or None (see :func:`byte_bounds`)."""
-    return _local().bounds
+def local_bounds(folder: Folder | None = None) -> ByteBounds | None:
+    """The byte bounds of the tokenizer of ``folder`` (as :func:`tokenizer`), or None (see
+    :func:`byte_bounds`)."""
+    return _local(folder).bounds
 
 
 def prompt_text(messages: Sequence[dict[str, Any]] | None, prompt: str | None,
-                tools: Sequence[dict[str, Any]] | None = None) -> str | None:
+                tools: Sequence[dict[str, Any]] | None = None, *,
+                folder: Folder | None = None) -> str | None:
     """The text the worker tokenizes: the rendered chat (offering ``tools``), or the prompt;
-    None without the model's tokenizer (or, for a chat, its chat template).
+    None without the tokenizer of ``folder`` (as :func:`tokenizer`), or, for a chat, without
+    its chat template.
 
     Raises:
         ValueError: the chat template refuses the messages.
     """
-    tok = tokenizer()
+    tok = tokenizer(folder)
     if tok is None or (messages is not None and not tok.chat_template):
         return None
     return tok.render_chat(messages, tools) if messages is not None else prompt or ""
@@ -143,17 +148,18 @@ def _estimate(messages: Sequence[dict[str, str]] | None, prompt: str | None) -> 
 
 
 def bounds_here(messages: Sequence[dict[str, str]] | None,
-                prompt: str | None = None) -> tuple[int, int] | None:
+                prompt: str | None = None, *,
+                folder: Folder | None = None) -> tuple[int, int] | None:
     """``(fewest, most)`` tokens of a chat or completion prompt from its bytes, or None.
 
-    None when this process's tokenizer has no byte bounds (or no chat template). Cheap: the chat
-    is rendered, not tokenized.
+    None when the tokenizer of ``folder`` (as :func:`tokenizer`) has no byte bounds (or no chat
+    template). Cheap: the chat is rendered, not tokenized.
 
     Raises:
         ValueError: the chat template refuses the messages.
     """
-    bounds = local_bounds()
-    text = prompt_text(messages, prompt) if bounds is not None else None
+    bounds = local_bounds(folder)
+    text = prompt_text(messages, prompt, folder=folder) if bounds is not None else None
     if bounds is None or text is None:
         return None
     data = text.encode("utf-8", "surrogatepass")
@@ -182,8 +188,10 @@ class PromptCount:
 
 def measure_here(messages: Sequence[dict[str, Any]] | None, prompt: str | None,
                  most: int | None = None,
-                 tools: Sequence[dict[str, Any]] | None = None) -> PromptCount:
-    """The token count of a chat (``messages``) or completion (``prompt``), in this process.
+                 tools: Sequence[dict[str, Any]] | None = None, *,
+                 folder: Folder | None = None) -> PromptCount:
+    """The token count of a chat (``messages``) or completion (``prompt``), in this process,
+    with the tokenizer of ``folder`` (the model's tokenizer folder; None: as :func:`tokenizer`).
 
     A chat is rendered with the model's chat template and its additions count too (a default
     system prompt, role markers, the generation prompt), and special-token text inside a content
@@ -201,7 +209,7 @@ def measure_here(messages: Sequence[dict[str, Any]] | None, prompt: str | None,
         ValueError: the chat template refuses the messages (or changes a content holding
             special-token text).
     """
-    text = prompt_text(messages, prompt, tools)
+    text = prompt_text(messages, prompt, tools, folder=folder)
     if text is None:  # no tokenizer, or no template: an estimate
         size = (utf8_length(prompt or "") + sum(utf8_length(m["content"]) for m in messages or ())
                 + (utf8_length(json.dumps(list(tools))) if tools else 0))
@@ -210,22 +218,31 @@ def measure_here(messages: Sequence[dict[str, Any]] | None, prompt: str | None,
         return PromptCount(guess, True, size, os.getpid(), estimated=True)
     data = text.encode("utf-8", "surrogatepass")
     n_bytes = len(data)
-    bounds = local_bounds()
+    bounds = local_bounds(folder)
     if bounds is not None and most is not None and (
             fewest := bounds.at_least(bounds.countable_bytes(data))) > most:
         return PromptCount(fewest, False, n_bytes, os.getpid())
-    tok = tokenizer()
+    tok = tokenizer(folder)
     ids = tok.encode(text) if messages is None else tok.chat_ids(text, messages, tools)
     return PromptCount(len(ids), True, n_bytes, os.getpid())
 
 
 def _start_process(folder: str) -> None:
-    """Initializer of a counting process: load the tokenizer of ``folder`` once; exit with the
-    web process (a ``kill -9`` of it leaves no orphan)."""
-    global _process_folder
-    _process_folder = folder
+    """Initializer of a counting process: load the tokenizer of ``folder`` (the default
+    model's) now; exit with the web process (a ``kill -9`` of it leaves no orphan)."""
     threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
     _load(folder)
+
+
+def _call(folder: str, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a counting process, its ``*_here`` functions counting with the
+    tokenizer of ``folder``."""
+    global _process_folder
+    _process_folder = folder
+    try:
+        return fn(*args)
+    finally:
+        _process_folder = None
 
 
 def _exit_with(parent: int) -> None:  # a counting process's watch on its web process
@@ -240,7 +257,6 @@ def _ready() -> int:
 
 _lock = threading.Lock()
 _pool: ProcessPoolExecutor | None = None
-_pool_folder: str | None = None
 
 
 def pool_processes() -> int:
@@ -249,19 +265,16 @@ def pool_processes() -> int:
 
 
 def _executor() -> ProcessPoolExecutor:
-    """The pool for the configured tokenizer folder, started (all its processes) if need be."""
-    global _pool, _pool_folder
-    folder = str(tokenizer_folder())
+    """The pool of counting processes, started (all of them) if need be."""
+    global _pool
     with _lock:
-        if _pool is not None and _pool_folder == folder:
+        if _pool is not None:
             return _pool
-        if _pool is not None:  # the tokenizer changed: the old pool finishes its work and ends
-            _pool.shutdown(wait=False)
         size = pool_processes()
         _pool = ProcessPoolExecutor(max_workers=size,
                                     mp_context=multiprocessing.get_context("spawn"),
-                                    initializer=_start_process, initargs=(folder,))
-        _pool_folder = folder
+                                    initializer=_start_process,
+                                    initargs=(str(tokenizer_folder()),))
         # Start them all now, not one per call as calls arrive. A spawned process runs the
         # parent's main script again unless told otherwise (daphne's: 0.6 s of imports, and a
         # script without a ``__main__`` guard would start a pool itself): it needs none of it.
@@ -296,21 +309,23 @@ def _discard(pool: ProcessPoolExecutor) -> None:
     pool.shutdown(wait=False, cancel_futures=True)
 
 
-async def run(fn: Callable[..., T], *args: Any) -> T:
+async def run(fn: Callable[..., T], *args: Any, folder: Folder | None = None) -> T:
     """``fn(*args)`` in a counting process; its result, or its exception, here.
 
     ``fn`` and its arguments must be picklable (a module-level function); it may use this
-    module's ``*_here`` functions, which count with the process's tokenizer.
+    module's ``*_here`` functions, which count there with the tokenizer of ``folder`` (a
+    model's tokenizer folder; None: :func:`counting_folder`'s).
 
     Raises:
         APIError: 503 ``service_unavailable`` when a counting process died twice (the pool
             is replaced each time).
         Exception: whatever ``fn`` raised.
     """
+    folder = counting_folder(folder)
     for attempt in (1, 2):
         pool = _executor()
         try:
-            return await asyncio.wrap_future(pool.submit(fn, *args))
+            return await asyncio.wrap_future(pool.submit(_call, folder, fn, *args))
         except BrokenProcessPool as exc:
             _discard(pool)
             log.warning("a token-counting process died (attempt %d): %s", attempt, exc)
@@ -329,26 +344,30 @@ async def warm_up() -> list[int]:
 
 
 async def count_chat_tokens(messages: Sequence[dict[str, Any]], *, most: int | None = None,
-                            tools: Sequence[dict[str, Any]] | None = None) -> PromptCount:
+                            tools: Sequence[dict[str, Any]] | None = None,
+                            folder: Folder | None = None) -> PromptCount:
     """Tokens of a chat prompt as the worker counts it (template included), off the event loop.
 
     Args:
         most: tokens the prompt may have at most; a prompt whose bytes alone show more is not
             tokenized (see :func:`measure_here`).
         tools: the function tools the chat offers, or None.
+        folder: the tokenizer folder of the request's model (None: :func:`counting_folder`).
 
     Raises:
         ValueError: the chat template refuses the messages.
         APIError: 503 ``service_unavailable`` when the counting processes keep dying.
     """
     return await run(measure_here, [dict(m) for m in messages], None, most,
-                     list(tools) if tools else None)
+                     list(tools) if tools else None, folder=folder)
 
 
-async def count_text_tokens(text: str, *, most: int | None = None) -> PromptCount:
-    """Tokens of a completion prompt as the worker counts it, off the event loop.
+async def count_text_tokens(text: str, *, most: int | None = None,
+                            folder: Folder | None = None) -> PromptCount:
+    """Tokens of a completion prompt as the worker counts it, off the event loop, with the
+    tokenizer of ``folder`` (None: :func:`counting_folder`).
 
     Raises:
         APIError: 503 ``service_unavailable`` when the counting processes keep dying.
     """
-    return await run(measure_here, None, text, most)
+    return await run(measure_here, None, text, most, folder=folder)

@@ -52,7 +52,8 @@ FIELD_RULES: dict[str, Rule] = {
         "structured"), Rule.SUM),
     **dict.fromkeys(("published_at", "uptime_s", "last_tick_s"), Rule.MAX),
     "max_model_len": Rule.MIN,
-    **dict.fromkeys(("policy", "prefill_mode", "kv_block_size", "max_batch_size", "max_pending",
+    **dict.fromkeys(("model", "policy", "prefill_mode", "kv_block_size", "max_batch_size",
+                     "max_pending",
                      "dtype", "preemption", "batch_itl_slack_ms",
                      "batch_itl_slack_fraction"), Rule.SAME),
 }
@@ -118,16 +119,35 @@ def _since() -> float:
     return time.time() - platform_settings()["WORKER_HEARTBEAT_TTL_S"]
 
 
-async def alive_workers() -> list[str]:
+async def alive_workers(model: str | None = None) -> list[str]:
     """Ids of the workers alive as this event loop judges them: a heartbeat younger than
     ``WORKER_HEARTBEAT_TTL_S``, or one it cannot tell dead
     (:func:`inference.protocol.liveness.declares_dead`): for a TTL after Redis stopped answering
     it (no worker could beat), or when every heartbeat is stale at once, a worker not yet
-    reclaimed is not taken for gone, so requests wait for it instead of being refused."""
-    beats = await aredis().zrange(redis_keys().workers, 0, -1, withscores=True)
+    reclaimed is not taken for gone, so requests wait for it instead of being refused.
+
+    With ``model`` (a base model's name), only the workers serving it: those whose queue
+    (``{prefix}:worker_queue``, which each worker names as it starts) is the model's."""
+    keys = redis_keys()
+    pipe = aredis().pipeline(transaction=False)
+    pipe.zrange(keys.workers, 0, -1, withscores=True)
+    if model is not None:
+        pipe.hgetall(keys.worker_queue)
+    replies = await pipe.execute()
     seen = sight()
     seen.answered()
-    return judged_alive(beats, seen.seconds(), time.time())
+    alive = judged_alive(replies[0], seen.seconds(), time.time())
+    if model is None:
+        return alive
+    return serving(alive, replies[1], redis_keys(model).queue, keys.prefix)
+
+
+def serving(worker_ids: list[str], worker_queues: Mapping[bytes, bytes], queue: str,
+            default_queue: str) -> list[str]:
+    """The members of ``worker_ids`` whose queue (``worker_queues``: the ``worker_queue`` hash;
+    a worker missing from it serves ``default_queue``) is ``queue``."""
+    return [w for w in worker_ids
+            if worker_queues.get(w.encode(), default_queue.encode()).decode() == queue]
 
 
 async def beating_workers() -> list[str]:
@@ -170,21 +190,22 @@ def worker_snapshots_sync(client: redis.Redis | None = None) -> dict[str, dict[s
 GATE1_LUA = LuaScript(queue_script("gate1"))
 
 
-def gate1_queued_sync(client: redis.Redis | None = None) -> int:
-    """Requests accepted by the web tier and not yet admitted by any worker (gate 1)."""
-    return int(GATE1_LUA.run(client or sync_redis(), 0, redis_keys().prefix))
+def gate1_queued_sync(client: redis.Redis | None = None, model: str | None = None) -> int:
+    """Requests of ``model`` (None: the default model) accepted by the web tier and not yet
+    admitted by any worker (its gate 1: each base model's queue has its own)."""
+    return int(GATE1_LUA.run(client or sync_redis(), 0, redis_keys(model).queue))
 
 
-async def gate1_queued() -> int:
+async def gate1_queued(model: str | None = None) -> int:
     """:func:`gate1_queued_sync` for async callers."""
-    return int(await GATE1_LUA.arun(aredis(), 0, redis_keys().prefix))
+    return int(await GATE1_LUA.arun(aredis(), 0, redis_keys(model).queue))
 
 
-async def queue_state() -> dict[str, Any]:
-    """The shared queue: requests waiting, those each worker holds not yet admitted, and per
-    fairness key its shared VTC counter (weighted tokens served) and requests in flight
-    (waiting, taken or running anywhere)."""
-    keys = redis_keys()
+async def queue_state(model: str | None = None) -> dict[str, Any]:
+    """The shared queue of ``model`` (None: the default model): requests waiting, those each
+    worker holds not yet admitted, and per fairness key its shared VTC counter (weighted tokens
+    served) and requests in flight (waiting, taken or running anywhere)."""
+    keys = redis_keys(model)
     pipe = aredis().pipeline(transaction=False)
     pipe.hlen(keys.fq("wait"))
     pipe.hgetall(keys.fq("held"))
@@ -206,3 +227,50 @@ def context_tokens(snapshots: Mapping[str, dict[str, Any]], default: int) -> int
     """The context (tokens) every live worker serves, or ``default`` when none reports one."""
     value = aggregate(list(snapshots.values())).get("max_model_len")
     return int(value) if value else default
+
+
+def model_of(snapshot: Mapping[str, Any]) -> str:
+    """The base model a worker's stats snapshot says it serves (an older worker's says none:
+    the default model)."""
+    return str(snapshot.get("model") or platform_settings()["SERVED_MODEL_NAME"])
+
+
+def by_model(snapshots: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """``snapshots`` (by worker id) grouped by the model each worker serves."""
+    groups: dict[str, dict[str, dict[str, Any]]] = {}
+    for worker, snap in snapshots.items():
+        groups.setdefault(model_of(snap), {})[worker] = snap
+    return groups
+
+
+def _queued_models(members: set[bytes]) -> set[str]:
+    return {m.decode().partition("@")[2] for m in members} - {""}
+
+
+def known_models_sync(snapshots: Mapping[str, dict[str, Any]],
+                      client: redis.Redis | None = None) -> list[str]:
+    """The models the stats show, sorted: the default model, each live worker's, and each one
+    a request was ever queued for (``{prefix}:fq:queues``)."""
+    members = (client or sync_redis()).smembers(redis_keys().queues)
+    return sorted({platform_settings()["SERVED_MODEL_NAME"], *by_model(snapshots),
+                   *_queued_models(members)})
+
+
+async def known_models(snapshots: Mapping[str, dict[str, Any]]) -> list[str]:
+    """:func:`known_models_sync` for async callers."""
+    members = await aredis().smembers(redis_keys().queues)
+    return sorted({platform_settings()["SERVED_MODEL_NAME"], *by_model(snapshots),
+                   *_queued_models(members)})
+
+
+async def per_model(snapshots: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per known model (:func:`known_models`): its ``gate1``, ``queue`` (:func:`queue_state`),
+    ``workers`` (ids) and ``total`` (:func:`aggregate` of its workers' ``snapshots``)."""
+    groups = by_model(snapshots)
+    models = {}
+    for name in await known_models(snapshots):
+        served = groups.get(name, {})
+        models[name] = {"gate1": gate1(await gate1_queued(name)),
+                        "queue": await queue_state(name), "workers": sorted(served),
+                        "total": aggregate(list(served.values()))}
+    return models

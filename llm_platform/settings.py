@@ -261,8 +261,9 @@ LLM_PLATFORM = {
                                                    default=str(DEFAULT_BATCH_TOKEN_PRICE))),
     # Connections per web process: each request in flight holds one while it waits for events.
     "REDIS_MAX_CONNECTIONS": env.int("REDIS_MAX_CONNECTIONS", default=4096),
-    # The one served model; requests naming another get 404 model_not_found.
-    "SERVED_MODEL_NAME": env.str("SERVED_MODEL_NAME", default="SmolLM2-135M-Instruct"),
+    # The deployment's default model (served without a registry entry; docs/platform.md,
+    # "Models and model access"); requests naming an unknown model get 404 model_not_found.
+    "SERVED_MODEL_NAME": SHARED.served_model_name,
     # max_tokens when a request gives none: what is left of the context, capped by this.
     "DEFAULT_MAX_TOKENS": env.int("DEFAULT_MAX_TOKENS", default=512),
     # How long the web tier waits for a worker's first answer before it commits to HTTP 200 on a

@@ -1,5 +1,5 @@
-"""Admin for tenants, tiers, users, keys and usage. A new key is shown once, on the page that
-answers the form that made it."""
+"""Admin for tenants, tiers, users, keys, usage and the base models served. A new key is shown
+once, on the page that answers the form that made it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.utils.cache import add_never_cache_headers
 
-from tenants.models import ApiKey, Membership, PriorityTier, Tenant, UsageRecord
+from tenants.models import ApiKey, Membership, PriorityTier, ServedModel, Tenant, UsageRecord
 from tenants.services import VISIBLE_PREFIX_LEN, generate_raw_key, hash_key, revoke_api_key
 
 
@@ -46,6 +46,18 @@ class TenantAdmin(admin.ModelAdmin):
     search_fields = ["name", "slug"]
     prepopulated_fields = {"slug": ["name"]}
     inlines = [MembershipInline, ApiKeyInline]
+
+
+@admin.register(ServedModel)
+class ServedModelAdmin(admin.ModelAdmin):
+    """The registry of base models; the deployment's default model is served without an entry
+    (see :class:`~tenants.models.ServedModel`)."""
+
+    list_display = ["name", "enabled", "model_path", "tokenizer_path", "description",
+                    "created_at"]
+    list_filter = ["enabled"]
+    search_fields = ["name", "description", "model_path"]
+    readonly_fields = ["created_at"]
 
 
 @admin.register(Membership)

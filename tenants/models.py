@@ -1,10 +1,42 @@
-"""Tenants and what belongs to them: priority tiers, users, API keys, usage records."""
+"""Tenants and what belongs to them: priority tiers, users, API keys, usage records; the base
+models served."""
 
 from __future__ import annotations
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator
 from django.db import models
+
+from tenants.model_access import parse_rules, valid_name
+
+ALLOWED_MODELS_HELP = (
+    "Model names or patterns, one a line or separated by commas; '*' matches within one "
+    "'/'-separated segment ('vendor/*'). Blank: {blank}.")
+
+
+def validate_model_name(name: str) -> None:
+    """Check a base model's name (:func:`tenants.model_access.valid_name`).
+
+    Raises:
+        ValidationError: not a valid model name.
+    """
+    if not valid_name(name):
+        raise ValidationError(
+            "A model name starts with a letter or digit and holds only letters, digits, '.', "
+            "'_', '-' and '/' (no ':', '@', '*' or whitespace).", code="invalid_name")
+
+
+def validate_model_rules(text: str) -> None:
+    """Check an ``allowed_models`` rule list (:func:`tenants.model_access.parse_rules`).
+
+    Raises:
+        ValidationError: an entry is neither a name nor a pattern; the message names it.
+    """
+    try:
+        parse_rules(text)
+    except ValueError as exc:
+        raise ValidationError(str(exc), code="invalid_rule") from exc
 
 
 class PriorityTier(models.Model):
@@ -28,6 +60,8 @@ class Tenant(models.Model):
 
     A limit of 0 means unlimited. ``fairness_weight`` scales the tenant's share under the fair
     (VTC) policy: a weight of 2 is served about twice the tokens of a weight of 1.
+    ``allowed_models``: the models its keys and chat users may call, as names and patterns
+    (:mod:`tenants.model_access`); blank, every enabled model.
     """
 
     class BudgetPeriod(models.TextChoices):
@@ -54,6 +88,9 @@ class Tenant(models.Model):
     budget_period = models.CharField(
         max_length=8, choices=BudgetPeriod.choices, default=BudgetPeriod.MONTH
     )
+    allowed_models = models.TextField(
+        blank=True, validators=[validate_model_rules],
+        help_text=ALLOWED_MODELS_HELP.format(blank="every enabled model"))
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -87,7 +124,8 @@ class ApiKey(models.Model):
 
     The ``prefix`` (the first characters of the key) stays visible so people can tell keys apart.
     Per-key limits of 0 mean only the tenant's limits apply. An operator key may also read the
-    scheduler's stats.
+    scheduler's stats. ``allowed_models`` narrows what its tenant's ``allowed_models`` allow
+    (:mod:`tenants.model_access`).
     """
 
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="api_keys")
@@ -97,6 +135,10 @@ class ApiKey(models.Model):
     is_operator = models.BooleanField(default=False)
     requests_per_minute = models.PositiveIntegerField(default=0, help_text="0: tenant's only.")
     tokens_per_minute = models.PositiveIntegerField(default=0, help_text="0: tenant's only.")
+    allowed_models = models.TextField(
+        blank=True, validators=[validate_model_rules],
+        help_text=ALLOWED_MODELS_HELP.format(blank="whatever its tenant allows") + " A key "
+                  "calls only what both its tenant's and its own rules allow.")
     created_at = models.DateTimeField(auto_now_add=True)
     last_used_at = models.DateTimeField(null=True, blank=True, editable=False)
     revoked_at = models.DateTimeField(null=True, blank=True)
@@ -164,3 +206,37 @@ class UsageRecord(models.Model):
     def is_batch(self) -> bool:
         """Whether the request ran a Batch API line (batch work)."""
         return bool(self.batch_id)
+
+
+class ServedModel(models.Model):
+    """A base model of the registry: a name the API accepts, and the folder its workers load.
+
+    The web tier reads the model's tokenizer (prompt token counts, the chat template) from
+    ``tokenizer_path``, blank: ``model_path``. A disabled model is served to no one: it is not
+    listed and a request naming it gets the same 404 as an unknown model.
+
+    The deployment's default model (its name ``SERVED_MODEL_NAME``, its folder ``MODEL_PATH``
+    or the prepared default model, its tokenizer ``TOKENIZER_PATH``) is always served without
+    an entry here, unless the registry holds an entry of the same name: then that entry's fields
+    rule (its folders, and ``enabled``: disabling it withdraws the default model).
+    """
+
+    name = models.CharField(
+        max_length=128, unique=True, validators=[validate_model_name],
+        help_text="The name clients send as 'model' (case-sensitive).")
+    model_path = models.CharField(
+        max_length=1024, help_text="The local Hugging Face model folder its workers load.")
+    tokenizer_path = models.CharField(
+        max_length=1024, blank=True,
+        help_text="The folder whose tokenizer counts its prompts in the web tier; blank: the "
+                  "model folder.")
+    enabled = models.BooleanField(default=True)
+    description = models.CharField(max_length=255, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+        verbose_name = "base model"
+
+    def __str__(self) -> str:
+        return self.name

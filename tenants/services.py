@@ -67,22 +67,26 @@ def create_tenant(
     fairness_weight: float = 1.0,
     key_name: str = "default",
     operator_key: bool = False,
+    allowed_models: str = "",
     **limits: int,
 ) -> tuple[Tenant, ApiKey, str]:
     """Create a tenant with one API key; return the tenant, the key and the raw key.
 
     ``limits`` are Tenant fields: ``requests_per_minute``, ``tokens_per_minute``,
-    ``max_concurrent_requests``, ``token_budget``, ``budget_period``.
+    ``max_concurrent_requests``, ``token_budget``, ``budget_period``. ``allowed_models``: the
+    models it may call (:mod:`tenants.model_access`; blank: every enabled model).
 
     Raises:
-        django.core.exceptions.ValidationError: an empty or taken name or slug, or a limit out
-            of range; nothing is created then.
+        django.core.exceptions.ValidationError: an empty or taken name or slug, a limit out
+            of range, or an entry of ``allowed_models`` that is neither a model name nor a
+            pattern; nothing is created then.
     """
     tenant = Tenant(
         name=name.strip(),
         slug=slug or slugify(name),
         tier=tier or default_tier(),
         fairness_weight=fairness_weight,
+        allowed_models=allowed_models,
         **limits,
     )
     tenant.full_clean()

@@ -81,10 +81,12 @@ class Stack:
         self.processes[name] = proc
         return proc
 
-    def start_worker(self) -> subprocess.Popen:
+    def start_worker(self, **env: str) -> subprocess.Popen:
+        """Start worker ``worker{n}`` (``WORKER_ID`` ``{prefix}-w{n}``), ``env`` added to its
+        environment (e.g. ``MODEL_NAME`` and ``MODEL_PATH``: a worker of another base model)."""
         n = len(self.workers)
         proc = self._spawn(f"worker{n}", [sys.executable, "-m", "inference.worker"],
-                           WORKER_ID=f"{self.prefix}-w{n}")
+                           WORKER_ID=f"{self.prefix}-w{n}", **env)
         self.workers.append(proc)
         return proc
 

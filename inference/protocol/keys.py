@@ -19,13 +19,45 @@ FAIR_QUEUE_LUA = (_LUA / "fair_queue.lua").read_text()
 
 @dataclass(frozen=True)
 class Keys:
-    """Redis key names under one prefix (the table in :mod:`inference.protocol`)."""
+    """Redis key names under one prefix (the table in :mod:`inference.protocol`), with the
+    shared request queue of one base model.
+
+    ``model`` is empty for the deployment's default model (``SERVED_MODEL_NAME``), whose queue
+    is ``{prefix}:fq:``; another base model's queue is ``{prefix}:fq@{model}:``. Everything but
+    the queue (events, heartbeats, stats, aborts, the usage ledger) is the deployment's, the same
+    whatever ``model``.
+    """
 
     prefix: str = "llm"
+    model: str = ""
+
+    @property
+    def queue(self) -> str:
+        """The queue's name as the queue's Lua scripts take it (their first argument):
+        ``prefix``, or ``{prefix}@{model}``."""
+        return f"{self.prefix}@{self.model}" if self.model else self.prefix
 
     def fq(self, *parts: str | int) -> str:
-        """A key of the shared request queue (``inference/protocol/lua/fair_queue.lua``)."""
-        return ":".join([self.prefix, "fq", *map(str, parts)])
+        """A key of the model's shared request queue (``inference/protocol/lua/fair_queue.lua``).
+        """
+        head = f"{self.prefix}:fq@{self.model}" if self.model else f"{self.prefix}:fq"
+        return ":".join([head, *map(str, parts)])
+
+    def of_model(self, model: str, default_model: str) -> Keys:
+        """The keys of ``model``'s queue in a deployment whose default model is
+        ``default_model`` (its queue keeps the plain ``{prefix}:fq:`` names)."""
+        return Keys(self.prefix, "" if model == default_model else model)
+
+    @property
+    def queues(self) -> str:
+        """Set of the queue names (``{prefix}@{model}``) a request was ever queued in, besides
+        the default model's."""
+        return f"{self.prefix}:fq:queues"
+
+    @property
+    def worker_queue(self) -> str:
+        """Hash worker id -> the queue name it serves (absent: the default model's)."""
+        return f"{self.prefix}:worker_queue"
 
     @property
     def control(self) -> str:

@@ -11,6 +11,10 @@ from inference.protocol.keys import Keys
 from inference.protocol.models import model_cache_dir, model_folder
 from inference.protocol.structured import DEFAULT_MAX_SPEC_BYTES
 
+# A base model's name (the API's `model`; the registry's): no ':' (the `base:adapter` form), '@'
+# (the queue's key names, inference.protocol.keys.Keys), '*' (access patterns) nor whitespace.
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$"
+
 
 class PlatformSettings(BaseSettings):
     """The settings that the web tier and the workers both read, from environment variables.
@@ -26,7 +30,13 @@ class PlatformSettings(BaseSettings):
 
     redis_url: str = Field("redis://127.0.0.1:6379/0", min_length=1)
     # Web tiers and workers with the same Redis and prefix form one deployment.
-    redis_prefix: str = Field("llm", min_length=1)
+    redis_prefix: str = Field("llm", min_length=1, pattern=r"^[^@\s]+$")
+    # The deployment's default model: its name in the OpenAI API, served by the workers started
+    # without MODEL_NAME (docs/platform.md, "Models and model access").
+    served_model_name: str = Field("SmolLM2-135M-Instruct", pattern=MODEL_NAME_PATTERN)
+    # The base model a worker serves, by its registered name; empty: SERVED_MODEL_NAME. Its
+    # requests wait in that model's own queue (Keys.of_model); MODEL_PATH is its folder.
+    model_name: str = Field("", pattern=rf"^$|{MODEL_NAME_PATTERN}")
     # Gate 1: requests accepted and not yet admitted by any worker, over the whole deployment.
     max_queue_size: int = Field(256, ge=1)
     # A request not admitted this long after the web tier accepted it ends with queue_timeout,
@@ -63,7 +73,14 @@ class PlatformSettings(BaseSettings):
 
     @property
     def keys(self) -> Keys:
-        return Keys(self.redis_prefix)
+        """The deployment's keys, with the queue of the model this process serves
+        (:attr:`served_model`)."""
+        return Keys(self.redis_prefix).of_model(self.served_model, self.served_model_name)
+
+    @property
+    def served_model(self) -> str:
+        """The base model a worker serves: ``MODEL_NAME``, else ``SERVED_MODEL_NAME``."""
+        return self.model_name or self.served_model_name
 
     @property
     def model_folder(self) -> Path:

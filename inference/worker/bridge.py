@@ -85,6 +85,8 @@ class WorkerBridge:
             its sight of Redis breaks (half the shorter one).
         event_hold_s: how long a tick's token events may wait for the next tick's
             (``EVENT_HOLD_MS``; :mod:`inference.worker.publisher`).
+        model: the base model it serves (its name in the API), advertised in its stats; its
+            queue is ``keys``'s (:meth:`inference.protocol.keys.Keys.of_model`).
 
     Attributes:
         state, intake, publisher, recovery, origins: the collaborators (module docstring).
@@ -93,8 +95,9 @@ class WorkerBridge:
     def __init__(self, engine: LLMEngine, client: redis.Redis, keys: Keys, worker_id: str, *,
                  prefetch: int, batch_prefetch: int | None = None,
                  usage_sink: UsageSink | None = None, web_ttl_s: float = 10.0,
-                 heartbeat_ttl_s: float = 10.0, event_hold_s: float = 0.0):
+                 heartbeat_ttl_s: float = 10.0, event_hold_s: float = 0.0, model: str = ""):
         self.engine = engine
+        self.model = model
         self.client = client
         self.keys = keys
         self.worker_id = worker_id
@@ -226,6 +229,7 @@ class WorkerBridge:
             finished[reason] = finished.get(reason, 0) + n
         snapshot["requests_finished"] = finished
         snapshot["worker_id"] = self.worker_id
+        snapshot["model"] = self.model
         snapshot["held_in_gate1"] = state.held
         snapshot["events_unsent"] = self.publisher.num_unsent()
         snapshot["published_at"] = time.time()
@@ -235,6 +239,9 @@ class WorkerBridge:
                  px=max(1, int(ttl_s * 1000)))
         if not state.registered:  # afresh: what a reclaim of its id marked is over
             pipe.delete(self.keys.fq("reclaimed", self.worker_id))
+            # The queue it serves: where a reclaim of it looks (reclaim.lua), which model's
+            # requests the web tier may count on it for (gateway.workers).
+            pipe.hset(self.keys.worker_queue, self.worker_id, self.keys.queue)
         # Registered is whether its heartbeat is there after the update, not whether the update
         # changed it: the client sends a round again after a lost reply, and the same score
         # again changes nothing.

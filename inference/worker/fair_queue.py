@@ -111,7 +111,7 @@ class FairQueue:
         self._unsent_charge: dict[str, float] = {}
 
     def _run(self, name: str, *args: Any) -> Any:
-        return self._scripts[name](args=[self.keys.prefix, *args])
+        return self._scripts[name](args=[self.keys.queue, *args])
 
     def take(self, n: int, above: int | None = None, *,
              batch_extra: int = 0) -> list[QueuedRequest]:

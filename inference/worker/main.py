@@ -31,7 +31,7 @@ from typing import Any
 
 import redis
 
-from inference.protocol.keys import USAGE_TASK_NAME, redis_retry_options
+from inference.protocol.keys import USAGE_TASK_NAME, Keys, redis_retry_options
 from inference.worker.bridge import UsageSink, WorkerBridge
 from inference.worker.settings import WorkerSettings
 
@@ -99,6 +99,11 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = settings.engine_config()
     worker_id = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    if (config.backend == "transformers" and not config.model_path
+            and settings.served_model != settings.served_model_name):
+        log.error("MODEL_NAME=%s is not the default model (SERVED_MODEL_NAME=%s): set MODEL_PATH "
+                  "to its folder", settings.served_model, settings.served_model_name)
+        return 2
 
     stop = threading.Event()
 
@@ -114,9 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     client = redis.Redis.from_url(settings.redis_url, **redis_retry_options())
     loaded = threading.Event()
     threading.Thread(target=beat_while_loading, name="startup-heartbeat", daemon=True,
-                     args=(client, settings.keys.workers, worker_id,
+                     args=(client, settings.keys, worker_id,
                            settings.heartbeat_interval_s, loaded)).start()
-    log.info("loading backend %s (model %s)", config.backend, config.model_path or "default")
+    log.info("loading backend %s (model %s from %s)", config.backend, settings.served_model,
+             config.model_path or "the default folder")
     if config.backend == "transformers" and not config.model_path:
         from inference.engine.model_store import prepare_default_model
 
@@ -137,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                           batch_prefetch=settings.batch_prefetch(), usage_sink=usage_sink,
                           web_ttl_s=settings.web_heartbeat_ttl_s,
                           heartbeat_ttl_s=settings.worker_heartbeat_ttl_s,
-                          event_hold_s=settings.event_hold_ms / 1000)
+                          event_hold_s=settings.event_hold_ms / 1000,
+                          model=settings.served_model)
     pubsub = client.pubsub(ignore_subscribe_messages=True)
     pubsub.subscribe(**{bridge.keys.control: bridge.on_control})
 
@@ -163,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def beat_while_loading(client: redis.Redis, workers_key: str, worker_id: str,
+def beat_while_loading(client: redis.Redis, keys: Keys, worker_id: str,
                        interval_s: float, loaded: threading.Event) -> None:
     """Keep this worker's heartbeat fresh while it loads the model and calibrates, until
     ``loaded`` is set (then :func:`serve` beats with its stats).
@@ -171,11 +178,16 @@ def beat_while_loading(client: redis.Redis, workers_key: str, worker_id: str,
     A restart of the only worker can take longer than ``WORKER_HEARTBEAT_TTL_S`` on a loaded
     machine; meanwhile the web tier would find no worker alive and refuse requests with 503
     ``no_worker_available``. Beating from the start, the new process lets them wait in the
-    shared queue instead, for it to take once it is ready.
+    shared queue instead, for it to take once it is ready. The queue it will serve is named
+    (``keys.worker_queue``) unless an earlier process under its id named one: what that one
+    left is reclaimed from its own queue first (:meth:`WorkerBridge.publish_stats`).
     """
     while not loaded.is_set():
         try:
-            client.zadd(workers_key, {worker_id: time.time()})
+            pipe = client.pipeline(transaction=False)
+            pipe.hsetnx(keys.worker_queue, worker_id, keys.queue)
+            pipe.zadd(keys.workers, {worker_id: time.time()})
+            pipe.execute()
         except redis.RedisError as exc:  # serve() rides out the outage once loaded
             log.debug("startup heartbeat not written: %s", exc)
         loaded.wait(interval_s)

@@ -141,6 +141,22 @@
       [b.id, b.tenant || "", b.status, fmt.int(b.total), fmt.int(b.completed), fmt.int(b.failed)
       ].forEach(function (text) { row.insertCell().textContent = text; });
     });
+    const modelBody = document.querySelector("#per-model tbody");
+    const models = Object.keys(live.per_model || {}).sort();
+    modelBody.textContent = "";
+    if (!models.length) {
+      const cell = modelBody.insertRow().insertCell();
+      cell.colSpan = 7;
+      cell.textContent = "no worker yet";
+    }
+    models.forEach(function (name) {
+      const m = live.per_model[name];
+      const row = modelBody.insertRow();
+      row.dataset.model = name;
+      [name, fmt.int(m.workers), fmt.int(m.gate1_queued), fmt.int(m.num_pending),
+       fmt.int(m.num_active), fmt.pct(m.kv_pressure), fmt.int(m.tokens_generated)
+      ].forEach(function (text) { row.insertCell().textContent = text; });
+    });
     const rate = liveRate(live, data.now);
     if (rate !== null) setText("m-tokens_per_s", fmt.rate(rate));
 

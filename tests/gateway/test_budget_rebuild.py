@@ -13,6 +13,7 @@ import uuid
 from datetime import timedelta
 
 import pytest
+from django.conf import settings
 
 from gateway import admission, budgets
 from gateway.admission import Principal
@@ -27,7 +28,8 @@ def message(key) -> RequestMessage:
     tenant = key.tenant
     return RequestMessage(request_id=uuid.uuid4().hex, tenant=tenant.slug,
                           fairness_key=tenant.slug, prompt="hi",
-                          meta={"tenant_id": tenant.pk, "api_key_id": key.pk, "model": "m"})
+                          meta={"tenant_id": tenant.pk, "api_key_id": key.pk,
+                                "model": settings.LLM_PLATFORM["SERVED_MODEL_NAME"]})
 
 
 async def _admit(key, cost: int) -> RequestMessage | APIError:

@@ -85,12 +85,12 @@ def tenant_key(make_tenant):
 class InProcessWorker:
     """A reference-backend engine and its Redis bridge, polled by a thread of this process, as
     ``inference.worker.main`` runs them (heartbeats last an hour unless ``heartbeat_ttl_s``
-    says)."""
+    says), serving the queue of ``model`` (empty: the default model's)."""
 
     def __init__(self, prefix: str, redis_url: str, *, prefetch: int = 1,
                  worker_id: str = "inproc", heartbeat_ttl_s: float = 3600,
                  heartbeat_interval_s: float = 0.05, drain_s: float = 5, web_ttl_s: float = 10,
-                 event_hold_s: float = 0.0, **engine_settings: Any):
+                 event_hold_s: float = 0.0, model: str = "", **engine_settings: Any):
         import threading
 
         from inference.engine.config import EngineConfig
@@ -104,11 +104,11 @@ class InProcessWorker:
         self.drain_s = drain_s
         self.usage: list[UsageReport] = []
         self.heartbeat_ttl_s = heartbeat_ttl_s
-        self.keys = Keys(prefix)
+        self.keys = Keys(prefix, model)
         self.bridge = WorkerBridge(self.engine, self.client, self.keys, worker_id,
                                    prefetch=prefetch, usage_sink=self._report,
                                    web_ttl_s=web_ttl_s, heartbeat_ttl_s=heartbeat_ttl_s,
-                                   event_hold_s=event_hold_s)
+                                   event_hold_s=event_hold_s, model=model)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 

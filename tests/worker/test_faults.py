@@ -165,7 +165,7 @@ def test_a_worker_loading_its_model_beats_so_a_restart_refuses_nothing(private_r
     client = redis.Redis.from_url(private_redis.url)
     loaded = threading.Event()
     beat = threading.Thread(target=beat_while_loading,
-                            args=(client, keys.workers, "w-new", 0.05, loaded))
+                            args=(client, keys, "w-new", 0.05, loaded))
     beat.start()
     scores = []
     for _ in range(6):

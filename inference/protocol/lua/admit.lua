@@ -8,7 +8,7 @@
 -- when admitted (gateway.ratelimits, the responses' x-ratelimit-* headers).
 local spec = cjson.decode(ARGV[1])
 -- The same request admitted again (a retried call whose reply was lost): its first verdict.
-local marker = spec.prefix .. ':admitted:' .. spec.member
+local marker = fq_root(spec.prefix) .. ':admitted:' .. spec.member
 local earlier = redis.call('GET', marker)
 if earlier then
   return earlier

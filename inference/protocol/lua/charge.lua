@@ -1,8 +1,8 @@
 -- Charge fairness keys for the service a worker gave them (after fair_queue.lua): the shared VTC
 -- counters, and the scores that order the keys.
 -- An update sent again after a lost reply (same token) changes nothing (fq_once).
--- ARGV: prefix, worker id, the update's token, then per key: the key, the weighted tokens to
--- add. Returns the keys charged.
+-- ARGV: the queue name (fair_queue.lua), worker id, the update's token, then per key: the key, the
+-- weighted tokens to add. Returns the keys charged.
 local p = ARGV[1]
 if not fq_once(p, 'charge', ARGV[2], ARGV[3]) then
   return 0

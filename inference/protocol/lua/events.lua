@@ -6,10 +6,10 @@
 -- records its prompt's tokens and the time; its final event ends it (fq_finish). A token event
 -- whose seq was already written (the reply to an earlier call was lost and the call repeated) is
 -- not written again, so a retry never doubles a token.
--- ARGV: prefix, worker id, events' TTL (s), then per event: request id, "1" if final else "0",
--- its seq, the event's JSON, the prompt's token count ("" when not known), its take token.
--- Returns the request id and take token of each take whose events were dropped (once per run
--- of its events), flat: {id, token, id, token, ...}.
+-- ARGV: the worker's queue name (fair_queue.lua), worker id, events' TTL (s), then per event:
+-- request id, "1" if final else "0", its seq, the event's JSON, the prompt's token count ("" when
+-- not known), its take token. Returns the request id and take token of each take whose events were
+-- dropped (once per run of its events), flat: {id, token, id, token, ...}.
 local p, worker, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local taken, running = fq(p, 'taken', worker), fq(p, 'running', worker)
 local now = fq_now()
@@ -41,7 +41,7 @@ for i = 4, #ARGV, 6 do
       redis.call('HDEL', running, id)
       fq_finish(p, cjson.decode(raw), event, ttl, now)
     elseif seq >= fq_tokens_sent(p, id) then
-      local stream = p .. ':events:' .. id
+      local stream = fq_root(p) .. ':events:' .. id
       redis.call('XADD', stream, '*', 'data', event)
       redis.call('EXPIRE', stream, ttl)
       redis.call('HSET', fq(p, 'next'), id, seq + 1)

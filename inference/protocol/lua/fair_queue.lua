@@ -1,5 +1,5 @@
--- The shared request queue: one fair order for the whole deployment (docs/design.md, "Across
--- workers"). A library: every script that touches the queue is this text followed by its own
+-- The shared request queue: one fair order for all the workers of a base model (docs/design.md,
+-- "Across workers"). A library: every script that touches the queue is this text followed by its own
 -- body, so each state change is written once (inference.protocol.keys.queue_script()).
 --
 -- A request waits under its priority tier and its fairness key, in arrival order. A worker takes
@@ -10,7 +10,11 @@
 -- backlogged keys, or, when none is, to the counter of the key that went idle last (VTC, Sheng et
 -- al., OSDI 2024).
 --
--- Keys under {p}:fq: (p the deployment's prefix)
+-- One queue per base model (docs/design.md, "Several base models"): the deployment's default
+-- model's keys are under {p}:fq:, another model's under {p}:fq@{model}: (p the deployment's
+-- prefix). A script is given the queue's name: p, or '{p}@{model}' (fq_root, fq). The fair order,
+-- VTC counters and gate 1 are each queue's own; events, the usage ledger and the epoch are the
+-- deployment's. Keys of each queue:
 --   seq                 string: the last arrival number given
 --   tiers               zset priority -> priority: tiers with a request waiting (FQ_BATCH: -inf)
 --   batch_wait          set: the batch requests waiting (kept out of gate 1)
@@ -43,9 +47,11 @@
 --   wake:{worker}       list: the worker's own wake-ups (a row of it freed, a row preempted)
 --   next                hash request id -> the seq of its next token event (running requests):
 --                       an event written again after a lost reply is not written twice
---   batch_ended:{batch} set, expiring with the events: the ended requests of a batch (the
---                       message's meta.batch_id), for its next step to collect (api.batch_runner)
--- and, beside the queue:
+-- and the deployment's, whatever the queue:
+--   {p}:fq:batch_ended:{batch}  set, expiring with the events: the ended requests of a batch
+--                       (the message's meta.batch_id), for its next step (api.batch_runner)
+--   {p}:fq:queues       set: the queue names other than p that a request was queued in
+--   {p}:worker_queue    hash worker -> the queue name it serves (absent: p)
 --   {p}:events:{id}     the request's events stream
 --   {p}:usage:pending   hash request id -> usage entry of an ended request not yet recorded in
 --                       the database (gateway.usage records it, then deletes it)
@@ -66,8 +72,36 @@
 -- The tier name of batch requests.
 local FQ_BATCH = 'batch'
 
+-- The deployment's prefix of a queue name: `p` is the deployment's prefix (the queue of its
+-- default model) or '{prefix}@{model}' (the queue of another base model; a model name holds
+-- neither ':' nor '@').
+local function fq_root(p)
+  local at = string.find(p, '@', 1, true)
+  if at then
+    return string.sub(p, 1, at - 1)
+  end
+  return p
+end
+
+-- A key of the queue `p`: {prefix}:fq:... for the default model, {prefix}:fq@{model}:... else.
 local function fq(p, ...)
-  return table.concat({p, 'fq', ...}, ':')
+  local at = string.find(p, '@', 1, true)
+  local ns = p .. ':fq'
+  if at then
+    ns = string.sub(p, 1, at - 1) .. ':fq@' .. string.sub(p, at + 1)
+  end
+  return table.concat({ns, ...}, ':')
+end
+
+-- Every queue of the deployment: the default model's, then each other one a request was ever
+-- queued in (fq:queues). Whatever ends requests by their id (withdraw.lua) looks in each.
+local function fq_queues(p)
+  local root = fq_root(p)
+  local out = {root}
+  for _, q in ipairs(redis.call('SMEMBERS', fq(root, 'queues'))) do
+    out[#out + 1] = q
+  end
+  return out
 end
 
 local function fq_counter(p, key)
@@ -175,6 +209,9 @@ end
 -- A new request enters the queue; returns its arrival number.
 local function fq_enqueue(p, id, key, prio, deadline, body, leases)
   local seq = redis.call('INCR', fq(p, 'seq'))
+  if p ~= fq_root(p) then
+    redis.call('SADD', fq(fq_root(p), 'queues'), p)
+  end
   fq_backlog(p, key)
   fq_add_waiting(p, {id = id, key = key, prio = tonumber(prio), seq = seq,
                      deadline = tonumber(deadline), body = body, leases = leases or {},
@@ -228,12 +265,12 @@ end
 -- in-flight count lowered, its take token dropped, and a batch line's id added to its batch's
 -- ended set (batch_ended). Every end of every request goes through here.
 local function fq_finish(p, rec, event, ttl, now)
-  local stream = p .. ':events:' .. rec.id
+  local stream = fq_root(p) .. ':events:' .. rec.id
   redis.call('XADD', stream, '*', 'data', event)
   redis.call('EXPIRE', stream, ttl)
   redis.call('HDEL', fq(p, 'next'), rec.id)
   redis.call('HDEL', fq(p, 'take'), rec.id)
-  redis.call('HSET', p .. ':usage:pending', rec.id,
+  redis.call('HSET', fq_root(p) .. ':usage:pending', rec.id,
              cjson.encode({final = event, body = rec.body, first_at = rec.first_at,
                            finished_at = now}))
   if type(rec.leases) == 'table' then
@@ -247,7 +284,7 @@ local function fq_finish(p, rec, event, ttl, now)
     local meta = ok and type(message) == 'table' and message.meta
     local batch_id = type(meta) == 'table' and meta.batch_id
     if type(batch_id) == 'string' then
-      local ended = fq(p, 'batch_ended', batch_id)
+      local ended = fq(fq_root(p), 'batch_ended', batch_id)
       redis.call('SADD', ended, rec.id)
       redis.call('EXPIRE', ended, ttl)
     end
@@ -283,6 +320,6 @@ end
 -- The deployment's epoch: a random id set by the first process to find none. Redis losing its
 -- data loses the epoch too, so a process that saw another one knows the state it held is gone.
 local function fq_epoch(p, candidate)
-  redis.call('SET', p .. ':epoch', candidate, 'NX')
-  return redis.call('GET', p .. ':epoch')
+  redis.call('SET', fq_root(p) .. ':epoch', candidate, 'NX')
+  return redis.call('GET', fq_root(p) .. ':epoch')
 end

@@ -4,10 +4,10 @@
 -- state). It stays in flight for its key (no VTC lift), keeps its concurrency leases, its events
 -- stream and the seq of its next token event; gate 1 counts it again (waiting). Its record keeps
 -- the usage it has so far, so that an end while it waits (withdrawn, expired) bills its tokens.
--- ARGV: prefix, worker id, request id, its take token, the new message JSON, its usage so far
--- (JSON), its new admission deadline (unix s, 0: none). Returns 1, or 0 when the take is not
--- the request's current one at this worker (it was reclaimed, or lost with Redis's data, while
--- it ran): nothing changes then.
+-- ARGV: the queue name (fair_queue.lua), worker id, request id, its take token, the new message
+-- JSON, its usage so far (JSON), its new admission deadline (unix s, 0: none). Returns 1, or 0 when
+-- the take is not the request's current one at this worker (it was reclaimed, or lost with Redis's
+-- data, while it ran): nothing changes then.
 local p, worker, id = ARGV[1], ARGV[2], ARGV[3]
 if not fq_owns(p, id, ARGV[4]) then
   return 0

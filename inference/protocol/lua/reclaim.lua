@@ -21,10 +21,12 @@
 -- A worker starting under the id of one that died (a restart with a fixed WORKER_ID) reclaims
 -- what that one left under its id first, naming it as ARGV[5] (whatever its heartbeat and the
 -- judge's sight: the earlier process under this id is gone).
--- ARGV: prefix, the heartbeat TTL (s), the events' TTL (s), the judge's sight (s), optionally a
--- worker id to reclaim whatever its heartbeat. Returns {requeued count, worker ids reclaimed
--- (JSON list), then the ids of the requests ended}.
-local p, ttl, events_ttl = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+-- Heartbeats are the deployment's, whatever the base model: a dead worker's requests are
+-- looked for in the queue it served ({p}:worker_queue), whichever queue the judge serves.
+-- ARGV: a queue name (fair_queue.lua), the heartbeat TTL (s), the events' TTL (s), the judge's
+-- sight (s), optionally a worker id to reclaim whatever its heartbeat. Returns {requeued count,
+-- worker ids reclaimed (JSON list), then the ids of the requests ended}.
+local p, ttl, events_ttl = fq_root(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local sight = tonumber(ARGV[4]) or 0
 -- How long a reclaimed worker's mark is kept (s): a worker paused longer finds itself reclaimed
 -- by its heartbeat instead (inference.worker.bridge.WorkerBridge.publish_stats).
@@ -49,30 +51,32 @@ if ARGV[5] then
 end
 local requeued, out = 0, {}
 for _, worker in ipairs(dead) do
-  local taken = redis.call('HVALS', fq(p, 'taken', worker))
+  local q = redis.call('HGET', p .. ':worker_queue', worker) or p
+  local taken = redis.call('HVALS', fq(q, 'taken', worker))
   for i = 1, #taken do
     local rec = cjson.decode(taken[i])
-    redis.call('HDEL', fq(p, 'take'), rec.id)
-    fq_add_waiting(p, rec)
+    redis.call('HDEL', fq(q, 'take'), rec.id)
+    fq_add_waiting(q, rec)
     requeued = requeued + 1
   end
-  local running = redis.call('HVALS', fq(p, 'running', worker))
+  local running = redis.call('HVALS', fq(q, 'running', worker))
   for i = 1, #running do
     local rec = cjson.decode(running[i])
-    local sent = fq_tokens_sent(p, rec.id)
+    local sent = fq_tokens_sent(q, rec.id)
     local event = fq_error_event(
       rec.id, sent, 'worker_lost',
       'the inference worker serving this request stopped before it finished; retry the ' ..
       'request (details.completion_tokens: the tokens this response holds)',
       {worker = worker, completion_tokens = sent}, sent, rec.prompt_tokens)
-    fq_finish(p, rec, event, events_ttl, now)
+    fq_finish(q, rec, event, events_ttl, now)
     out[#out + 1] = rec.id
   end
-  redis.call('DEL', fq(p, 'taken', worker), fq(p, 'running', worker), fq(p, 'wake', worker),
+  redis.call('DEL', fq(q, 'taken', worker), fq(q, 'running', worker), fq(q, 'wake', worker),
              p .. ':stats:' .. worker)
-  redis.call('HDEL', fq(p, 'held'), worker)
+  redis.call('HDEL', fq(q, 'held'), worker)
+  redis.call('HDEL', p .. ':worker_queue', worker)
   redis.call('ZREM', p .. ':workers', worker)
-  redis.call('SET', fq(p, 'reclaimed', worker), '1', 'EX', MARK_TTL_S)
+  redis.call('SET', fq(q, 'reclaimed', worker), '1', 'EX', MARK_TTL_S)
 end
 table.insert(out, 1, cjson.encode(dead))
 table.insert(out, 1, requeued)

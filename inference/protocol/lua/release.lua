@@ -2,8 +2,8 @@
 -- pending queue (admitted, or ended before). Unless the worker was reclaimed while it was silent:
 -- its held count went with the reclaim (reclaim.lua), and what it still releases is stale. An
 -- update sent again after a lost reply (same token) changes nothing (fq_once).
--- ARGV: prefix, worker id, n, the update's token. Returns 1, or 0 when nothing changed
--- (reclaimed).
+-- ARGV: the queue name (fair_queue.lua), worker id, n, the update's token. Returns 1, or 0 when
+-- nothing changed (reclaimed).
 local p, worker, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
 if redis.call('EXISTS', fq(p, 'reclaimed', worker)) == 1 then
   return 0

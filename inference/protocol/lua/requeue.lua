@@ -3,7 +3,8 @@
 -- recorded as its own without holding them (the reply of a take was lost). They keep their
 -- arrival, so their place; gate 1 still counts them (waiting again instead of held). A take that
 -- is no longer the request's current one (fq_owns: reclaimed meanwhile) changes nothing.
--- ARGV: prefix, worker id, then per request: its id, its take token. Returns how many went back.
+-- ARGV: the queue name (fair_queue.lua), worker id, then per request: its id, its take token.
+-- Returns how many went back.
 local p, worker = ARGV[1], ARGV[2]
 local n = 0
 for i = 3, #ARGV, 2 do

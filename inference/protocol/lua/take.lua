@@ -1,14 +1,14 @@
--- Take up to n requests for a worker, in the deployment's fair order (after fair_queue.lua).
--- ARGV: prefix, worker id, n, policy ("vtc" or "fcfs"), optionally a tier: only requests of a
--- higher tier are taken then (a worker whose rows are full preempts for them; a batch request
--- never is; '' for none), optionally batch_extra: up to that many batch requests more once the n
--- are taken (a worker prefetches batch work deeper than interactive). Returns the taken
+-- Take up to n requests for a worker, in its model's fair order (after fair_queue.lua).
+-- ARGV: the queue name (fair_queue.lua), worker id, n, policy ("vtc" or "fcfs"), optionally a tier:
+-- only requests of a higher tier are taken then (a worker whose rows are full preempts for them; a
+-- batch request never is; '' for none), optionally batch_extra: up to that many batch requests more
+-- once the n are taken (a worker prefetches batch work deeper than interactive). Returns the taken
 -- records (JSON), in order, each followed by its take token: a new one for every take, which the
 -- worker's writes and ends of the request carry (fq_owns). Each is held by the worker
--- (taken:{worker}, and held unless it is a batch request) until its first event or hand-back.
--- A worker reclaimed while it was silent (a pause longer than its heartbeat TTL) takes nothing
--- until it has learned so and registered afresh (inference.worker.recovery): everything it held
--- before is stale then, and nothing it takes afterwards is. Returns the status "RECLAIMED" then.
+-- (taken:{worker}, and held unless it is a batch request) until its first event or hand-back. A
+-- worker reclaimed while it was silent (a pause longer than its heartbeat TTL) takes nothing until
+-- it has learned so and registered afresh (inference.worker.recovery): everything it held before is
+-- stale then, and nothing it takes afterwards is. Returns the status "RECLAIMED" then.
 local p, worker, n, policy = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local above = tonumber(ARGV[5])
 local batch_extra = tonumber(ARGV[6]) or 0
