@@ -134,6 +134,9 @@ class EngineConfig(BaseModel):
     quantization: str = Field("", description="'' (the model's own weights) or q4_1.")
     quantized_weights: str = Field(
         "", description="The GGUF file QUANTIZATION reads; empty: the default model's.")
+    # The KV cache's dtype: auto is the model's, and bfloat16 under QUANTIZATION=q4_1 (half the
+    # bytes a decode step reads of an fp32 cache); float32 keeps a q4_1 model's cache in fp32.
+    kv_cache_dtype: str = Field("auto", description="auto, bfloat16 or float32 (q4_1 only).")
     # BACKEND=reference only: seconds each forward pass takes, to emulate a real model's pace.
     reference_step_delay_s: float = Field(0.0, ge=0)
 
@@ -147,6 +150,9 @@ class EngineConfig(BaseModel):
         if self.quantization not in ("", "q4_1"):
             raise ValueError(f"QUANTIZATION={self.quantization!r} is not supported; use q4_1 or "
                              "leave it empty")
+        if self.kv_cache_dtype != "auto" and not self.quantization:
+            raise ValueError(f"KV_CACHE_DTYPE={self.kv_cache_dtype} is for QUANTIZATION=q4_1; "
+                             "the KV cache of any other model is in the model's dtype (auto)")
         if self.quantized_weights and not self.quantization:
             raise ValueError("QUANTIZED_WEIGHTS is set but QUANTIZATION is empty: set "
                              "QUANTIZATION=q4_1 or unset QUANTIZED_WEIGHTS")
@@ -160,6 +166,9 @@ class EngineConfig(BaseModel):
             if self.dtype not in ("auto", "float32"):
                 raise ValueError(f"QUANTIZATION={self.quantization} computes in float32: DTYPE "
                                  f"must be auto or float32, not {self.dtype}")
+            if self.kv_cache_dtype not in ("auto", "bfloat16", "float32"):
+                raise ValueError(f"KV_CACHE_DTYPE={self.kv_cache_dtype!r} is not supported; use "
+                                 "auto, bfloat16 or float32")
             if self.model_path and not self.quantized_weights:
                 raise ValueError(f"QUANTIZATION={self.quantization} with MODEL_PATH needs "
                                  "QUANTIZED_WEIGHTS: the GGUF file of that model")

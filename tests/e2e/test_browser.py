@@ -234,6 +234,10 @@ def test_dashboard_numbers_move_while_a_load_runs(stack, browser, staff_member, 
     assert any(v not in ("–", "0.0") for v in seen["tokens_per_s"]), seen
     rows = browser.find_elements(By.CSS_SELECTOR, "#per-key tbody tr[data-key]")
     assert "load" in [r.get_attribute("data-key") for r in rows]
+    # The table per base model: the one model served, its one worker, its tokens generated.
+    [model_row] = browser.find_elements(By.CSS_SELECTOR, "#per-model tbody tr[data-model]")
+    cells = [c.text for c in model_row.find_elements(By.TAG_NAME, "td")]
+    assert cells[0] == MODEL and cells[1] == "1" and cells[6] not in ("0", "")
     assert StatsSnapshot.objects.filter(num_active__gt=0).exists()
     assert len(browser.find_elements(By.CSS_SELECTOR, ".uplot")) == 5
     if not shot:

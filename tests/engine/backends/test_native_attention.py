@@ -94,6 +94,26 @@ def test_bf16_kernel_is_the_fp32_result_rounded_once_to_bf16(lib, kv_heads, grou
     assert (got == ref.bfloat16()).float().mean().item() > 0.995
 
 
+@pytest.mark.parametrize("kv_heads, group, dim, block", SHAPES)
+def test_fp32_queries_over_a_bf16_pool_attend_to_the_pools_values_in_fp32(lib, kv_heads, group,
+                                                                       dim, block):
+    # A Q4_1 model's KV cache in bf16: its fp32 queries over the bf16 K/V, widened exactly, give
+    # the fp32 attention over those values, in fp32 (no rounding of the output).
+    q, pool, tables, lens, scale = scattered_case(kv_heads, group, dim, block)
+    low = pool.bfloat16()
+    got = native.paged_decode_attention(lib, q, low, tables, lens, scale)
+    assert got.dtype == torch.float32 and got.shape == q.shape
+    torch.testing.assert_close(got, reference(q, low.float(), tables, lens, scale),
+                               atol=1e-5, rtol=1e-5)
+    # Split over the threads (one short row) too.
+    q1, pool1, tables1, lens1, scale1 = few_rows_case([1500], kv_heads, group, dim, block)
+    got = native.paged_decode_attention(lib, q1, pool1.bfloat16(), tables1, lens1, scale1)
+    torch.testing.assert_close(got, reference(q1, pool1.bfloat16().float(), tables1, lens1,
+                                              scale1), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="no kernel"):
+        native.paged_decode_attention(lib, q.bfloat16(), pool, tables, lens, scale)
+
+
 def few_rows_case(lens, kv_heads, group, dim, block, dtype=torch.float32):
     """q, pool, tables, lens and scale of the rows ``lens``, their blocks shuffled."""
     torch.manual_seed(sum(lens) + kv_heads)
@@ -201,13 +221,13 @@ def test_kernel_refuses_tensors_of_the_wrong_kind(lib):
         native.paged_decode_attention(lib, q.half(), pool.half(), tables, lens, 1.0)
 
 
-def test_kernel_refuses_queries_and_pool_of_different_dtypes(lib):
+def test_kernel_refuses_bf16_queries_over_an_fp32_pool(lib):
     pool = torch.zeros(2, 4, 16, 8)
     q = torch.zeros(1, 1, 1, 8)
     tables, lens = torch.tensor([[1]]), torch.tensor([3])
-    for q_, pool_ in ((q, pool.bfloat16()), (q.bfloat16(), pool)):
-        with pytest.raises(ValueError, match="q and pool must have one dtype"):
-            native.paged_decode_attention(lib, q_, pool_, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="no kernel for q torch.bfloat16 over a pool "
+                                         "torch.float32"):
+        native.paged_decode_attention(lib, q.bfloat16(), pool, tables, lens, 1.0)
     # The bf16 kernel checks lengths and block ids as the fp32 one does.
     with pytest.raises(ValueError, match="outside the pool"):
         native.paged_decode_attention(lib, q.bfloat16(), pool.bfloat16(), torch.tensor([[4]]),

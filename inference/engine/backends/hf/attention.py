@@ -52,7 +52,7 @@ def _gathered_attention(b: _AttnPart, q: torch.Tensor, pool: torch.Tensor, n_hea
     qh = qh.reshape(kv_heads, rows, group * t_max, dim)
     parts = []
     for g in b.groups:
-        gathered = pool.view(block_rows, -1).index_select(0, g.gather_index)
+        gathered = pool.view(block_rows, -1).index_select(0, g.gather_index).to(q.dtype)
         gathered = gathered.view(2 * kv_heads, g.end - g.start, g.ctx_len, dim)
         k, v = gathered[:kv_heads], gathered[kv_heads:]  # [KV, rows, L, D]
         q_g = qh if len(b.groups) == 1 else qh[:, g.start:g.end]

@@ -88,6 +88,8 @@ class TransformersBackend(_Forward, ModelBackend):
         self.vocab_size = int(cfg.vocab_size)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        # The KV pool's: the model's, or bf16 under QUANTIZATION=q4_1 (from_pretrained).
+        self.kv_dtype = self.dtype
         self.num_layers = int(cfg.num_hidden_layers)
         self.num_heads = int(cfg.num_attention_heads)
         self.num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.num_heads)
@@ -108,7 +110,8 @@ class TransformersBackend(_Forward, ModelBackend):
         # Speed settings, both on by default (``benchmarks/kernels/decode_step.py`` compares them).
         self.attention_groups = MAX_ATTENTION_GROUPS
         self.small_batch_gemm = self.device.type == "cpu"
-        self.native_attention = self.device.type == "cpu" and self.dtype in native_kernels.SYMBOLS
+        self.native_attention = (self.device.type == "cpu"
+                                 and (self.dtype, self.dtype) in native_kernels.SYMBOLS)
         # The kernel library (built now, before serving; False: unavailable; None: not tried).
         self._native: Any = None
         self._kernel_dir = kernel_dir
@@ -154,6 +157,7 @@ class TransformersBackend(_Forward, ModelBackend):
             kernel_dir=config.llm_kernel_dir,
             quantization=config.quantization,
             quantized_weights=gguf,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
 
     @classmethod
@@ -167,10 +171,12 @@ class TransformersBackend(_Forward, ModelBackend):
         kernel_dir: str = "",
         quantization: str = "",
         quantized_weights: str | Path = "",
+        kv_cache_dtype: str = "auto",
     ) -> TransformersBackend:
         """Load a local Hugging Face model folder (offline) and wrap it; with ``quantization``
         ``q4_1``, its projections run over the Q4_1 weights of the GGUF file
-        ``quantized_weights`` (:mod:`inference.engine.backends.hf.quantized`), in fp32.
+        ``quantized_weights`` (:mod:`inference.engine.backends.hf.quantized`), in fp32, over a
+        KV cache in bf16 (``kv_cache_dtype`` auto or bfloat16) or fp32.
 
         Raises:
             ModelLoadError: as :meth:`from_config`, and for a GGUF file that is not this model's.
@@ -191,6 +197,8 @@ class TransformersBackend(_Forward, ModelBackend):
             if quantization != "q4_1" or dev.type != "cpu":
                 raise ModelLoadError(f"QUANTIZATION={quantization!r} runs on CPU with q4_1 only")
             load_q4_1(backend, quantized_weights)
+            if kv_cache_dtype != "float32":
+                backend.kv_dtype = torch.bfloat16
         logger.info(
             "loaded %s (%s) on %s as %s, max_model_len=%d",
             path, model.config.model_type, dev, torch_dtype, backend.max_model_len,
@@ -248,7 +256,7 @@ class TransformersBackend(_Forward, ModelBackend):
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V one token takes across all layers (``2 * layers * kv_heads * dim``)."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
     def allocate_kv_pool(self, num_blocks: int, block_size: int) -> None:
@@ -268,7 +276,7 @@ class TransformersBackend(_Forward, ModelBackend):
         self._kv = None  # free the old pool before allocating the new one
         self._kv = torch.zeros(
             self.num_layers, 2 * self.num_kv_heads, num_blocks, block_size, self.head_dim,
-            dtype=self.dtype, device=self.device,
+            dtype=self.kv_dtype, device=self.device,
         )
         self.num_blocks, self.block_size = num_blocks, block_size
 

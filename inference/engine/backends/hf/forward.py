@@ -153,7 +153,7 @@ class _Forward:
 
             pool = kv_all[i]  # [2 KV, blocks, block_size, D]
             kv_new = kv_new.transpose(0, 1).reshape(-1, dim)  # [2 KV * N, D]
-            pool.view(slot_rows, dim).index_copy_(0, b.write_index, kv_new)
+            pool.view(slot_rows, dim).index_copy_(0, b.write_index, kv_new.to(pool.dtype))
 
             o = _attend(native_lib, b, q, pool, n_heads, kv_heads, group, dim, block_size,
                         scale)  # [N, H * D]

@@ -2,8 +2,8 @@
 
 Five kernels: :func:`paged_decode_attention` (``paged_attention.c``): decode attention read
 straight from the paged KV pool, without first gathering each row's K/V into a padded tensor, in
-fp32 or in bf16 (two C symbols, ``paged_decode_attention`` and ``paged_decode_attention_bf16``;
-the bf16 one widens K/V to fp32 exactly and accumulates in fp32); and
+fp32, in bf16, or fp32 over a bf16 pool (three C symbols, :data:`SYMBOLS`; bf16 K/V are widened
+to fp32 exactly and accumulated in fp32); and
 :func:`bf16_weight_matmul` (``bf16_head.c``): a bf16 model's LM head with fp32 logits, reading the
 bf16 weight (half the bytes of an fp32 copy); and the projections of a bf16 model over weights
 packed at load time (``bf16_gemm.c``, called through :mod:`inference.engine.backends.native.gemm`)
@@ -62,8 +62,10 @@ _ERRORS = {
     3: "a block table names a block outside the pool",
 }
 
-# The kernel's C symbol per dtype of q, pool and out (one dtype for all three).
-SYMBOLS = {torch.float32: "paged_decode_attention", torch.bfloat16: "paged_decode_attention_bf16"}
+# The kernel's C symbol per dtype of q (and out), and of the pool.
+SYMBOLS = {(torch.float32, torch.float32): "paged_decode_attention",
+           (torch.bfloat16, torch.bfloat16): "paged_decode_attention_bf16",
+           (torch.float32, torch.bfloat16): "paged_decode_attention_f32_kv_bf16"}
 
 HEAD_SYMBOL = "bf16_weight_matmul_f32"
 GEMM_SYMBOL = "bf16_packed_matmul"  # bf16_gemm.c; called by inference.engine.backends.native.gemm
@@ -282,14 +284,14 @@ def paged_decode_attention(lib: ctypes.CDLL, q: torch.Tensor, pool: torch.Tensor
                            tables: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Decode attention of one new token per row over the paged KV pool of one layer.
 
-    ``q`` and ``pool`` are both fp32 or both bf16; the output has their dtype. In bf16 the kernel
-    widens K, V and q to fp32 exactly, computes scores, softmax and the weighted sum of V in fp32,
-    and rounds the output once to bf16 (to nearest even).
+    ``q`` and ``pool`` are both fp32, both bf16, or fp32 over a bf16 pool (:data:`SYMBOLS`); the
+    output has ``q``'s dtype. The kernel widens bf16 K, V and q to fp32 exactly, computes scores,
+    softmax and the weighted sum of V in fp32, and rounds a bf16 output once (to nearest even).
 
     Args:
         lib: the library :func:`load` returned.
         q: ``[rows, kv_heads, group, head_dim]`` fp32 or bf16 queries (CPU, contiguous).
-        pool: ``[2 * kv_heads, num_blocks, block_size, head_dim]`` in ``q``'s dtype, K heads then
+        pool: ``[2 * kv_heads, num_blocks, block_size, head_dim]`` fp32 or bf16, K heads then
             V heads, the new tokens' K/V already written.
         tables: ``[rows, max_blocks]`` int64 block ids (unused tail entries ignored).
         lens: ``[rows]`` int64 tokens each row attends to, its new token included.
@@ -299,13 +301,11 @@ def paged_decode_attention(lib: ctypes.CDLL, q: torch.Tensor, pool: torch.Tensor
         ``[rows, kv_heads, group, head_dim]`` attention output in ``q``'s dtype.
 
     Raises:
-        ValueError: for tensors of another dtype, device, rank or layout than above (``q`` and
-            ``pool`` of different dtypes included), or a length or block id that does not fit
-            the pool.
+        ValueError: for tensors of another dtype, device, rank or layout than above (a bf16 ``q``
+            over an fp32 ``pool`` included), or a length or block id that does not fit the pool.
         MemoryError: if the kernel cannot allocate its score buffer.
     """
-    floats = tuple(SYMBOLS)
-    names = " or ".join(str(d) for d in floats)
+    floats, names = (torch.float32, torch.bfloat16), "torch.float32 or torch.bfloat16"
     for name, tensor, dtypes, dims in (("q", q, floats, 4), ("pool", pool, floats, 4),
                                        ("tables", tables, (torch.int64,), 2),
                                        ("lens", lens, (torch.int64,), 1)):
@@ -315,9 +315,9 @@ def paged_decode_attention(lib: ctypes.CDLL, q: torch.Tensor, pool: torch.Tensor
             raise ValueError(f"paged decode attention: {name} must be a contiguous {dims}-d "
                              f"{kind} CPU tensor, got {tuple(tensor.shape)} {tensor.dtype} "
                              f"on {tensor.device}")
-    if q.dtype != pool.dtype:
-        raise ValueError(f"paged decode attention: q and pool must have one dtype, got q "
-                         f"{q.dtype} and pool {pool.dtype}")
+    if (q.dtype, pool.dtype) not in SYMBOLS:
+        raise ValueError(f"paged decode attention: no kernel for q {q.dtype} over a pool "
+                         f"{pool.dtype}")
     rows, kv_heads, group, head_dim = q.shape
     if (pool.shape[0] != 2 * kv_heads or pool.shape[3] != head_dim or tables.shape[0] != rows
             or lens.shape[0] != rows):
@@ -331,7 +331,7 @@ def paged_decode_attention(lib: ctypes.CDLL, q: torch.Tensor, pool: torch.Tensor
     out = torch.empty_like(q)
     if rows == 0:
         return out
-    kernel = getattr(lib, SYMBOLS[q.dtype])
+    kernel = getattr(lib, SYMBOLS[q.dtype, pool.dtype])
     rc = kernel(
         q.data_ptr(), pool.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
         rows, kv_heads, group, head_dim, num_blocks, block_size, tables.shape[1], scale,

@@ -39,7 +39,8 @@ class _LayerT(ctypes.Structure):
 class _DimsT(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in (
         "hidden", "n_heads", "kv_heads", "head_dim", "intermediate", "num_blocks",
-        "block_size", "max_positions", "int8_activations")] + [("scale", ctypes.c_double)]
+        "block_size", "max_positions", "int8_activations", "kv_bf16")] + [
+        ("scale", ctypes.c_double)]
 
 
 def declare(lib: ctypes.CDLL) -> None:
@@ -80,7 +81,8 @@ class DecodeLayers:
     :meth:`bind` points it at a KV pool, :meth:`__call__` runs one layer.
 
     Attributes:
-        dtype: the activations' and the pool's dtype (bf16, or fp32 over Q4_1).
+        dtype: the activations' dtype (bf16, or fp32 over Q4_1); the pool's is the same, or
+            bf16 under fp32 (a Q4_1 model's KV cache in bf16).
         max_rows: most rows of a pass (Q4_1: the projections' ``fused_max_rows``, beyond which
             the PyTorch pass runs them dense).
     """
@@ -137,16 +139,18 @@ class DecodeLayers:
             ValueError: for a pool of another dtype, layer count or head shape.
         """
         n_heads, kv_heads, head_dim, scale = self._dims
-        if (kv.dtype != self.dtype or kv.dim() != 5 or not kv.is_contiguous()
+        kv_dtypes = (self.dtype, torch.bfloat16)
+        if (kv.dtype not in kv_dtypes or kv.dim() != 5 or not kv.is_contiguous()
                 or kv.shape[0] != len(self._layers) or kv.shape[1] != 2 * kv_heads
                 or kv.shape[4] != head_dim):
             raise ValueError(f"decode layers: the pool must be a contiguous [{len(self._layers)}"
-                             f", {2 * kv_heads}, blocks, block_size, {head_dim}] {self.dtype} "
-                             f"tensor, "
+                             f", {2 * kv_heads}, blocks, block_size, {head_dim}] "
+                             f"{' or '.join(map(str, set(kv_dtypes)))} tensor, "
                              f"got {tuple(kv.shape)} {kv.dtype}")
         self._pool = kv
         self._dims_t = _DimsT(self._hidden, n_heads, kv_heads, head_dim, self._intermediate,
-                              kv.shape[2], kv.shape[3], self._cos.shape[0], self._int8, scale)
+                              kv.shape[2], kv.shape[3], self._cos.shape[0], self._int8,
+                              int(kv.dtype != self.dtype), scale)
         step = kv.stride(0) * kv.element_size()
         self._pool_ptrs = [kv.data_ptr() + i * step for i in range(kv.shape[0])]
         for layer, ptr in zip(self._layers, self._pool_ptrs, strict=True):

@@ -44,6 +44,7 @@ typedef struct {
     int64_t hidden, n_heads, kv_heads, head_dim, intermediate, num_blocks, block_size;
     int64_t max_positions;    /* rows of the rotary tables */
     int64_t int8_activations; /* Q4_1 only: q4_1_q8_matmul (int8 activations), else q4_1_matmul */
+    int64_t kv_bf16;          /* Q4_1 only: the pool holds bf16 K/V (else fp32) */
     double scale;
 } dims_t;
 
@@ -64,6 +65,11 @@ int paged_decode_attention_bf16(const uint16_t *q, const uint16_t *pool, const i
                                 int64_t kv_heads, int64_t group, int64_t head_dim,
                                 int64_t num_blocks, int64_t block_size, int64_t max_blocks,
                                 float scale);
+int paged_decode_attention_f32_kv_bf16(const float *q, const uint16_t *pool,
+                                       const int64_t *tables, const int64_t *lens, float *out,
+                                       int64_t rows, int64_t kv_heads, int64_t group,
+                                       int64_t head_dim, int64_t num_blocks, int64_t block_size,
+                                       int64_t max_blocks, float scale);
 
 static inline float to_f32(uint16_t b)
 {
@@ -218,9 +224,11 @@ static void rms_norm_f32(const float *x, const float *w, float *y, int64_t rows,
 }
 
 /*
- * The same layer in fp32 over Q4_1 projections (QUANTIZATION=q4_1): h, cos, sin, the norms'
- * weights and the pool fp32, the projections over the GGUF blocks (quant.c: q4_1_q8_matmul with
- * dims->int8_activations, else q4_1_matmul), the attention paged_decode_attention (fp32). Same
+ * The same layer in fp32 over Q4_1 projections (QUANTIZATION=q4_1): h, cos, sin and the norms'
+ * weights fp32, the projections over the GGUF blocks (quant.c: q4_1_q8_matmul with
+ * dims->int8_activations, else q4_1_matmul), the attention paged_decode_attention (fp32). The
+ * pool is fp32, or bf16 with dims->kv_bf16 (the new K/V rounded to nearest even as PyTorch's
+ * copy into a bf16 pool rounds; the attention paged_decode_attention_f32_kv_bf16). Same
  * arguments and return codes (5 never).
  */
 int decode_layer_q4_1(const layer_t *L, const dims_t *M, float *h, const float *cos,
@@ -262,12 +270,22 @@ int decode_layer_q4_1(const layer_t *L, const dims_t *M, float *h, const float *
         }
         memcpy(q + r * NH * D, row, sizeof(float) * (size_t)(NH * D));
         const int64_t slot = tables[r * max_blocks + pos / bs] * bs + pos % bs;
-        for (int64_t j = 0; j < 2 * KV; j++)  /* K heads, then V heads */
-            memcpy((float *)L->pool + j * head_stride + slot * D, row + (NH + j) * D,
-                   sizeof(float) * (size_t)D);
+        for (int64_t j = 0; j < 2 * KV; j++) {  /* K heads, then V heads */
+            const float *src = row + (NH + j) * D;
+            if (M->kv_bf16) {
+                uint16_t *dst = (uint16_t *)L->pool + j * head_stride + slot * D;
+                for (int64_t i = 0; i < D; i++) dst[i] = to_bf16(src[i]);
+            } else {
+                memcpy((float *)L->pool + j * head_stride + slot * D, src,
+                       sizeof(float) * (size_t)D);
+            }
+        }
     }
-    rc = paged_decode_attention(q, (const float *)L->pool, tables, lens, o, rows, KV, NH / KV, D,
-                                nb, bs, max_blocks, (float)M->scale);
+    rc = M->kv_bf16
+        ? paged_decode_attention_f32_kv_bf16(q, (const uint16_t *)L->pool, tables, lens, o, rows,
+                                             KV, NH / KV, D, nb, bs, max_blocks, (float)M->scale)
+        : paged_decode_attention(q, (const float *)L->pool, tables, lens, o, rows, KV, NH / KV,
+                                 D, nb, bs, max_blocks, (float)M->scale);
     if (rc) goto done;
     rc = q4_1_matmul_fn((const uint8_t *)L->w_o, o, L->b_o, d, rows, H, NH * D, nt);
     if (rc) { rc = rc == 2 ? 2 : 4; goto done; }

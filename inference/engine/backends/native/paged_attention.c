@@ -8,7 +8,7 @@
  * kernel (Kwon et al., "Efficient Memory Management for Large Language Model Serving with
  * PagedAttention", SOSP 2023), with a plain two-pass softmax per row and KV head.
  *
- * Two entry points, one body:
+ * Three entry points, one body:
  *   paged_decode_attention       q, pool and out in fp32;
  *   paged_decode_attention_bf16  q, pool and out in bf16 (uint16_t storage, the upper half of an
  *                                IEEE fp32). Each block of K or V is widened to fp32 exactly (a
@@ -16,6 +16,9 @@
  *                                floats, so the dot products, the softmax and the weighted sum
  *                                run and accumulate in fp32 as in the fp32 kernel; the output is
  *                                rounded once to bf16, to nearest even (as PyTorch rounds).
+ *   paged_decode_attention_f32_kv_bf16  q and out in fp32, the pool in bf16 (an fp32 model whose
+ *                                KV cache is kept in bf16: half the bytes a decode step reads);
+ *                                K and V widened as above, q and out as in the fp32 kernel.
  *
  * Layouts (all C-contiguous):
  *   q      [rows, kv_heads, group, head_dim]   query heads of one KV head adjacent (GQA)
@@ -87,9 +90,10 @@ static int check_tables(const int64_t *tables, const int64_t *lens, int64_t rows
 #define MIN_PART_BLOCKS 4
 
 /*
- * The body of both entry points: q, pool and out point to float (bf16 == 0) or uint16_t
- * (bf16 == 1) elements. `bf16` is tested once per head or block, never per element: the inner
- * loops are the same fp32 loops for both.
+ * The body of the entry points: q and out point to uint16_t (bf16) elements when `flags` holds
+ * ACT_BF16, else to float; the pool to uint16_t when it holds KV_BF16, else to float. The flags
+ * are tested once per head or block, never per element: the inner loops are the same fp32 loops
+ * for all.
  *
  * Work items are (row, KV head, part): a part is a run of whole blocks of the row's context.
  * With four (row, KV head) pairs a thread or more, each row is one part. With fewer (a single
@@ -101,11 +105,15 @@ static int check_tables(const int64_t *tables, const int64_t *lens, int64_t rows
  * exactly: M = max m_s, out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s. A row of one
  * part gives out = acc * (1 / l), the one-pass result.
  */
+#define ACT_BF16 1
+#define KV_BF16 2
+
 static int attend(const void *q, const void *pool, const int64_t *tables, const int64_t *lens,
                   void *out, int64_t rows, int64_t kv_heads, int64_t group, int64_t head_dim,
                   int64_t num_blocks, int64_t block_size, int64_t max_blocks, float scale,
-                  int bf16)
+                  int flags)
 {
+    const int bf16 = (flags & ACT_BF16) != 0, kv_bf16 = (flags & KV_BF16) != 0;
     int64_t max_len = 0;
     int rc = check_tables(tables, lens, rows, group, head_dim, num_blocks, block_size, max_blocks,
                           &max_len);
@@ -139,10 +147,11 @@ static int attend(const void *q, const void *pool, const int64_t *tables, const 
     {
         float *scores = (float *)malloc(sizeof(float) * (size_t)(G * part_len));
         float *acc = (float *)malloc(sizeof(float) * (size_t)(G * D + 2 * G));
-        /* bf16 only: the head's queries and one widened K or V block */
+        /* bf16 only: the head's queries; one widened K or V block */
         float *qbuf = bf16 ? (float *)malloc(sizeof(float) * (size_t)(G * D)) : NULL;
-        float *kvbuf = bf16 ? (float *)malloc(sizeof(float) * (size_t)block_stride) : NULL;
-        const int ok = scores != NULL && acc != NULL && (!bf16 || (qbuf != NULL && kvbuf != NULL));
+        float *kvbuf = kv_bf16 ? (float *)malloc(sizeof(float) * (size_t)block_stride) : NULL;
+        const int ok = scores != NULL && acc != NULL && (!bf16 || qbuf != NULL)
+                       && (!kv_bf16 || kvbuf != NULL);
         if (!ok) {
 #pragma omp atomic write
             failed = 2;
@@ -182,7 +191,7 @@ static int attend(const void *q, const void *pool, const int64_t *tables, const 
                 const int64_t block_off = table[t0 / bs] * block_stride;
                 const int64_t n = (t_end - t0 < bs) ? t_end - t0 : bs;
                 const float *kb;
-                if (bf16) {
+                if (kv_bf16) {
                     widen((const uint16_t *)pool + ko + block_off, kvbuf, n * D);
                     kb = kvbuf;
                 } else {
@@ -217,7 +226,7 @@ static int attend(const void *q, const void *pool, const int64_t *tables, const 
                 const int64_t block_off = table[t0 / bs] * block_stride;
                 const int64_t n = (t_end - t0 < bs) ? t_end - t0 : bs;
                 const float *vb;
-                if (bf16) {
+                if (kv_bf16) {
                     widen((const uint16_t *)pool + vo + block_off, kvbuf, n * D);
                     vb = kvbuf;
                 } else {
@@ -310,5 +319,15 @@ int paged_decode_attention_bf16(const uint16_t *q, const uint16_t *pool, const i
                                 float scale)
 {
     return attend(q, pool, tables, lens, out, rows, kv_heads, group, head_dim, num_blocks,
-                  block_size, max_blocks, scale, 1);
+                  block_size, max_blocks, scale, ACT_BF16 | KV_BF16);
+}
+
+int paged_decode_attention_f32_kv_bf16(const float *q, const uint16_t *pool,
+                                       const int64_t *tables, const int64_t *lens, float *out,
+                                       int64_t rows, int64_t kv_heads, int64_t group,
+                                       int64_t head_dim, int64_t num_blocks, int64_t block_size,
+                                       int64_t max_blocks, float scale)
+{
+    return attend(q, pool, tables, lens, out, rows, kv_heads, group, head_dim, num_blocks,
+                  block_size, max_blocks, scale, KV_BF16);
 }
