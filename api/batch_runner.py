@@ -8,15 +8,16 @@ batch in progress when enough of its lines ended: :mod:`api.batch_pace`).
   a ``body`` object; a line that does not goes to the error file (HTTP 400 naming the field).
   A file that cannot be read as JSONL fails the batch, its reason in ``errors``.
 - **In progress.** At most ``BATCH_LINES_IN_FLIGHT`` lines of a batch are in Redis and the workers
-  at once. A line is checked as its endpoint checks a request (a 400 naming the field, or the 404
-  of a model its batch's key may not call, goes to the error file), counted with its model's
-  tokenizer, and admitted through the same lifecycle as an interactive request
-  (:func:`gateway.lifecycle.start`) as *batch work*: its own class in the fair order, its own
-  fairness key, no ``MAX_QUEUE_WAIT_S``, and the batch's ``expires_at`` as its deadline
-  (``docs/design.md``, "The batch service class"). A refusal by a rate or concurrency limit (429)
-  or no live worker (503) leaves the line waiting for a later step; a token-budget refusal goes to
-  the error file. A line's answer is read from its request's event stream once its final event is
-  there, and becomes its output line (the body the endpoint would have answered) or its error line.
+  at once (fed by :mod:`api.batch_feed`). A line is checked as its endpoint checks a request (a
+  400 naming the field, or the 404 of a model its batch's key may not call, goes to the error
+  file), counted with its model's tokenizer, and admitted through the same lifecycle as an
+  interactive request (:func:`gateway.lifecycle.start`) as *batch work*: its own class in the fair
+  order, its own fairness key, no ``MAX_QUEUE_WAIT_S``, and the batch's ``expires_at`` as its
+  deadline (``docs/design.md``, "The batch service class"). A refusal by a rate or concurrency
+  limit (429) or no live worker of its model (503) leaves the line waiting for a later step (the
+  other models' lines go on); a token-budget refusal goes to the error file. A line's answer is
+  read from its request's event stream once its final event is there, and becomes its output line
+  (the body the endpoint would have answered) or its error line.
 - **Finalizing.** The output and error files are written (``batch_output`` files of the
   tenant), then the batch ends ``completed``, ``expired`` (its window ran out: the lines not
   finished are aborted and go to the error file, ``batch_expired``) or ``cancelled`` (the same,
@@ -51,18 +52,15 @@ import redis
 from django.db import DatabaseError, transaction
 from django.utils import timezone
 
-from api import batch_lines, batch_pace, batch_store, responses, views
+from api import batch_feed, batch_lines, batch_pace, batch_store, responses, views
 from api.batch_lines import error_line, output_line
 from api.models import Batch, BatchLine
-from api.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, validate
-from gateway import admission, delivery, grace, lifecycle, model_registry, usage
-from gateway.admission import Principal
+from api.schemas import ChatCompletionRequest, GenerationRequest
+from gateway import delivery, grace, lifecycle, usage
 from gateway.clients import run_sync, sync_redis
 from gateway.conf import platform_settings, redis_keys
 from gateway.errors import APIError
-from gateway.tokens import measure_here
 from inference.protocol.events import ErrorInfo, Event, FinalEvent, decode_event
-from inference.protocol.messages import Sampling
 from tenants.models import UsageRecord
 
 log = logging.getLogger(__name__)
@@ -72,9 +70,6 @@ MIN_SHARE_S = 0.05
 # How long the lines aborted at a cancel or an expiry may take to send their final event before
 # they are given up (seconds).
 STOP_WAIT_S = 10.0
-# Refusals that leave a line waiting for a later step (a limit that frees up, no worker now).
-HOLD_CODES = frozenset({"rate_limit_exceeded", "concurrency_limit_exceeded", "queue_full",
-                        "no_worker_available", "service_unavailable"})
 
 def advance_all() -> int:
     """One step of every active batch that is due (:func:`api.batch_pace.plan`), oldest first,
@@ -189,87 +184,10 @@ class _Step:
     # -- in progress ------------------------------------------------------------------------
 
     def _request(self, body: dict[str, Any]) -> GenerationRequest:
-        """The line's body checked as its endpoint checks a request (its model apart).
-
-        Raises:
-            APIError: as the endpoint answers (400 naming the field).
-        """
-        chat = self.row.endpoint == "/v1/chat/completions"
-        req = validate(ChatCompletionRequest if chat else CompletionRequest, body)
-        if req.stream:
-            raise APIError(400, "Invalid value for 'stream': a batch's requests are answered "
-                                "whole; leave it out or send false.", param="stream",
-                           code="invalid_value")
-        return req
+        return batch_feed.line_request(self.row, body)
 
     def feed(self) -> None:
-        running = self.running = self.lines.filter(state=BatchLine.State.RUNNING).count()
-        room = self.conf["BATCH_LINES_IN_FLIGHT"] - running
-        waiting = (list(self.lines.filter(state=BatchLine.State.WAITING).order_by("index")[:room])
-                   if room > 0 else [])
-        if not waiting:
-            self.fed_all = True
-            return
-        principal = batch_store.principal(self.row)
-        if principal is None:  # its tenant is deactivated: its lines wait (the window runs)
-            return
-        access = batch_store.model_access(self.row)
-        try:
-            for line in waiting:
-                if time.monotonic() > self.until or not self.send(line, principal, access):
-                    return
-            # Every slot filled, or no line left waiting (lines refused at once free theirs).
-            self.fed_all = (len(waiting) < room
-                            or self.running >= self.conf["BATCH_LINES_IN_FLIGHT"])
-        finally:
-            self.save_lines()
-
-    def send(self, line: BatchLine, principal: Principal, access: model_registry.Access) -> bool:
-        """Admit ``line``'s request; False when a limit held it back (try again later)."""
-        row = self.row
-        line.request_id = f"{row.pk}-{line.index}-{line.attempt}"
-        try:
-            req = self._request(line.body)
-            model = model_registry.find(model_registry.read_served_models(), access, req.model)
-            context = run_sync(lifecycle.served_context(model.name))
-            chat = isinstance(req, ChatCompletionRequest)
-            messages = [m.as_dict() for m in req.messages] if chat else None
-            tools, prompt = (req.prompt_tools, None) if chat else (None, req.prompt)
-            try:
-                count = measure_here(messages, prompt, None if context is None else context - 1,
-                                     tools, folder=model.tokenizer_folder)
-            except ValueError as exc:
-                raise APIError(400, f"Invalid value for 'messages': {exc}", param="messages",
-                               code="invalid_value") from exc
-            refusal = lifecycle.context_refusal(count, req.requested_max_tokens, context,
-                                                req.prompt_param)
-            if refusal is not None:
-                raise views.worker_error(req, refusal)
-            public_id = f"{'chatcmpl' if chat else 'cmpl'}-{line.request_id}"
-            generation = run_sync(lifecycle.start(
-                principal, request_id=line.request_id, messages=messages, prompt=prompt,
-                tools=tools, sampling=Sampling(**req.sampling(req.requested_max_tokens)),
-                default_max_tokens=self.conf["DEFAULT_MAX_TOKENS"], user=req.user,
-                meta={"model": model.name, "public_id": public_id, "stream": False,
-                      "batch_id": row.pk},
-                prompt_tokens=count.tokens, batch_deadline_at=row.expires_at.timestamp()))
-        except APIError as exc:
-            if exc.code in HOLD_CODES and exc.should_retry is not False:
-                return False
-            line.request_id = ""  # refused before it ran: no request
-            line.state = BatchLine.State.FAILED
-            line.result = output_line(line, exc.status, exc.body())
-            self.changed(line)
-            return True
-        line.state = BatchLine.State.RUNNING
-        self.running += 1
-        # Its id may be in the ended set from a step that sent it and died before its commit:
-        # left there for the next step to collect it.
-        self.signalled.discard(line.request_id)
-        line.epoch = str(generation.meta.get(admission.EPOCH_META_KEY) or "")
-        line.sent_at = timezone.now()
-        self.changed(line)
-        return True
+        batch_feed.feed(self)
 
     def collect(self, aborted: bool = False) -> int:
         """Read the answers of the running lines that ended; returns how many are left running.

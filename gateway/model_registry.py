@@ -31,7 +31,7 @@ from gateway.conf import platform_settings
 from gateway.errors import APIError
 from gateway.tokenizer_folders import tokenizer_folder
 from inference.protocol.models import model_folder
-from tenants.model_access import parse_rules, permitted
+from tenants.model_access import parse_rules, permitted, valid_name
 from tenants.models import ApiKey, ServedModel, Tenant
 
 log = logging.getLogger(__name__)
@@ -144,6 +144,10 @@ def read_served_models() -> list[ModelEntry]:
     generation = _generation
     default = default_entry()
     rows = {row.name: row for row in ServedModel.objects.order_by("name")}
+    for name in [name for name in rows if not valid_name(name)]:
+        # Written past ServedModel.save (raw SQL, an older release): not served.
+        log.warning("the registry's model %r is not a valid model name: not served", name)
+        del rows[name]
     models = [_entry(row, default.name) for row in rows.values() if row.enabled]
     if default.name not in rows:
         models.append(default)

@@ -20,10 +20,11 @@ from __future__ import annotations
 import functools
 import re
 
-from inference.protocol.settings import MODEL_NAME_PATTERN
+from inference.protocol.settings import MODEL_NAME_MAX, MODEL_NAME_PATTERN
 
-# A model name (the registry's, the API's ``model``): no ':' (kept for ``base:adapter``), '@'
-# (Redis key names), '*' (the wildcard below) nor whitespace; 128 characters at most.
+# A model name (the registry's, the API's ``model``): '/'-separated segments each starting with
+# a letter or digit; no ':' (kept for ``base:adapter``), '@' (Redis key names), '*' (the
+# wildcard below) nor whitespace; MODEL_NAME_MAX characters at most.
 NAME_RE = re.compile(MODEL_NAME_PATTERN)
 # What an entry of a rule list may hold: the characters of a name, and the wildcard.
 _RULE_RE = re.compile(r"^[A-Za-z0-9._/*-]+$")
@@ -32,7 +33,7 @@ _SEPARATORS = re.compile(r"[,\n\r]")
 
 def valid_name(name: str) -> bool:
     """Whether ``name`` is a valid model name (:data:`NAME_RE`)."""
-    return NAME_RE.fullmatch(name) is not None
+    return len(name) <= MODEL_NAME_MAX and NAME_RE.fullmatch(name) is not None
 
 
 @functools.lru_cache(maxsize=1024)

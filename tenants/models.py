@@ -3,6 +3,8 @@ models served."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator
@@ -23,8 +25,9 @@ def validate_model_name(name: str) -> None:
     """
     if not valid_name(name):
         raise ValidationError(
-            "A model name starts with a letter or digit and holds only letters, digits, '.', "
-            "'_', '-' and '/' (no ':', '@', '*' or whitespace).", code="invalid_name")
+            "A model name is one or more '/'-separated parts, each starting with a letter or "
+            "digit and holding only letters, digits, '.', '_' and '-' (no ':', '@', '*', "
+            "whitespace, or empty part), 128 characters at most.", code="invalid_name")
 
 
 def validate_model_rules(text: str) -> None:
@@ -240,3 +243,13 @@ class ServedModel(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        """Save, refusing a name that is not a model name whoever saves it (the admin's form,
+        the shell, a data migration): the queue's Redis keys and the access rules rely on it.
+
+        Raises:
+            ValidationError: ``name`` is not a valid model name.
+        """
+        validate_model_name(self.name)
+        super().save(*args, **kwargs)

@@ -11,9 +11,12 @@ from inference.protocol.keys import Keys
 from inference.protocol.models import model_cache_dir, model_folder
 from inference.protocol.structured import DEFAULT_MAX_SPEC_BYTES
 
-# A base model's name (the API's `model`; the registry's): no ':' (the `base:adapter` form), '@'
-# (the queue's key names, inference.protocol.keys.Keys), '*' (access patterns) nor whitespace.
-MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$"
+# A base model's name (the API's `model`; the registry's): '/'-separated segments, each starting
+# with a letter or digit (no empty, '.' or '..' segment); no ':' (the `base:adapter` form), '@'
+# (the queue's key names, inference.protocol.keys.Keys), '*' (access patterns) nor whitespace;
+# at most MODEL_NAME_MAX characters.
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*$"
+MODEL_NAME_MAX = 128
 
 
 class PlatformSettings(BaseSettings):
@@ -33,10 +36,11 @@ class PlatformSettings(BaseSettings):
     redis_prefix: str = Field("llm", min_length=1, pattern=r"^[^@\s]+$")
     # The deployment's default model: its name in the OpenAI API, served by the workers started
     # without MODEL_NAME (docs/platform.md, "Models and model access").
-    served_model_name: str = Field("SmolLM2-135M-Instruct", pattern=MODEL_NAME_PATTERN)
+    served_model_name: str = Field("SmolLM2-135M-Instruct", pattern=MODEL_NAME_PATTERN,
+                                   max_length=MODEL_NAME_MAX)
     # The base model a worker serves, by its registered name; empty: SERVED_MODEL_NAME. Its
     # requests wait in that model's own queue (Keys.of_model); MODEL_PATH is its folder.
-    model_name: str = Field("", pattern=rf"^$|{MODEL_NAME_PATTERN}")
+    model_name: str = Field("", pattern=rf"^$|{MODEL_NAME_PATTERN}", max_length=MODEL_NAME_MAX)
     # Gate 1: requests accepted and not yet admitted by any worker, over the whole deployment.
     max_queue_size: int = Field(256, ge=1)
     # A request not admitted this long after the web tier accepted it ends with queue_timeout,

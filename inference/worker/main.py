@@ -24,12 +24,14 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import redis
+from pydantic import ValidationError
 
 from inference.protocol.keys import USAGE_TASK_NAME, Keys, redis_retry_options
 from inference.worker.bridge import UsageSink, WorkerBridge
@@ -94,7 +96,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run the worker process until it is told to stop; returns its exit status."""
     parse_args(argv)
-    settings = WorkerSettings()
+    try:
+        settings = WorkerSettings()
+    except ValidationError as exc:  # a setting out of range: one line each, no traceback
+        for error in exc.errors():
+            name = "_".join(str(part) for part in error["loc"]).upper() or "settings"
+            print(f"inference.worker: {name}: {error['msg']}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=settings.log_level,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = settings.engine_config()

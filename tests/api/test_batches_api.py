@@ -16,7 +16,7 @@ from openai.types import Batch as SDKBatch
 from openai.types.chat import ChatCompletion
 from openai.types.completion import Completion
 
-from api import batch_pace, batch_runner
+from api import batch_feed, batch_pace, batch_runner
 from api.models import Batch, BatchLine
 from gateway import usage
 from gateway.clients import sync_redis
@@ -450,6 +450,28 @@ def test_lines_a_rate_limit_refuses_wait_and_a_budget_refusal_is_an_error_line(
     assert refused["response"]["body"]["error"]["code"] == "token_budget_exhausted"
 
 
+def test_lines_of_a_model_without_a_worker_wait_and_the_other_models_lines_are_answered(
+        tenant_key, inproc_worker, settings):
+    from tenants.models import ServedModel
+
+    # A registered model no worker serves: its lines wait (no_worker_available), without
+    # holding back the lines after them of the model the worker serves.
+    ServedModel.objects.create(name="idle/model", model_path=str(settings.BASE_DIR))
+    _, _, raw = tenant_key
+    idle = [{**line(f"idle-{i}", "Hi"), "body": {**line("x", "Hi")["body"],
+                                                  "model": "idle/model"}} for i in range(3)]
+    served = [line(f"ok-{i}", "Hi") for i in range(3)]
+    made = in_process(raw, lambda client: create_batch(
+        client, [idle[0], served[0], idle[1], served[1], idle[2], served[2]]))
+    step_until(made.id, lambda: BatchLine.objects.filter(
+        batch_id=made.id, state="done").count() == 3)
+    lines = {item.custom_id: item.state
+             for item in BatchLine.objects.filter(batch_id=made.id)}
+    assert lines == {**{f"idle-{i}": "waiting" for i in range(3)},
+                     **{f"ok-{i}": "done" for i in range(3)}}
+    assert Batch.objects.get(pk=made.id).status == "in_progress"
+
+
 def test_batches_list_in_pages_newest_first(tenant_key):
     tenant, key, raw = tenant_key
 
@@ -601,10 +623,10 @@ def test_a_batch_whose_validation_spent_its_step_is_fed_by_the_next_one(settings
     assert Batch.objects.get(pk=made.id).status == "in_progress" and waiting() == 3
     settings.LLM_PLATFORM = {**settings.LLM_PLATFORM, "BATCH_STEP_BUDGET_S": 0.5}
     monkeypatch.setattr(batch_runner, "MIN_SHARE_S", 0.05)
-    # No worker: each line is held back (no_worker_available), so fed means tried, not sent.
+    # Each line held back as a tenant's limit holds it (fed means tried, not sent).
     sent = []
-    monkeypatch.setattr(batch_runner._Step, "send",
-                        lambda self, line, principal, context: sent.append(line.index) or False)
+    monkeypatch.setattr(batch_feed, "send", lambda step, line, principal, access, held:
+                        sent.append(line.index) or False)
     batch_runner.advance_all()
     assert sent == [0]  # the next step fed it, without waiting for an end or the scan
 

@@ -195,3 +195,20 @@ def test_entries_saved_by_the_admin_have_their_created_time():
     before = int(timezone.now().timestamp())
     ServedModel.objects.create(name="m", model_path="/m")
     assert served()[1].created >= before
+
+
+@pytest.mark.parametrize("name", ["bad name", "x@y", "a:b", "tiny/*", "*", "ünï", "-dash",
+                                  "tiny/", "a//b", "tiny/..", ""])
+def test_a_name_that_is_not_a_model_name_is_refused_whoever_saves_it(name):
+    from django.core.exceptions import ValidationError
+
+    with pytest.raises(ValidationError, match="model name"):
+        ServedModel.objects.create(name=name, model_path="/models/x")
+    assert not ServedModel.objects.exists()
+
+
+def test_an_entry_written_past_its_checks_is_not_served():
+    ServedModel.objects.create(name="good/model", model_path="/models/x")
+    ServedModel.objects.filter(name="good/model").update(name="bad:model")  # no save()
+    model_registry.forget()
+    assert [m.name for m in served()] == [DEFAULT]

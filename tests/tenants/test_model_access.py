@@ -93,6 +93,9 @@ def test_parsed_lists_from_text_with_blank_entries_and_whitespace():
     ("SmolLM2-135M-Instruct", True), ("org/model.v1_2", True), ("a", True),
     ("-a", False), ("/a", False), ("a:b", False), ("a@b", False), ("a*", False),
     ("a b", False), ("a\n", False), ("", False), ("a" * 128, True), ("a" * 129, False),
+    # Every '/'-separated part starts with a letter or digit: no empty, '.' or '..' part.
+    ("tiny/", False), ("a//b", False), ("tiny/.", False), ("tiny/../x", False),
+    ("a/.b", False), ("a/b.", True), ("a/b/c", True),
 ])
 def test_model_names(name, valid):
     assert valid_name(name) is valid

@@ -44,3 +44,19 @@ def test_prepare_model_prints_its_help_and_refuses_unknown_arguments(capsys):
     with pytest.raises(SystemExit) as refused:
         prepare_model.main(["prepare"])
     assert refused.value.code == 2
+
+
+def test_the_worker_refuses_a_bad_model_name_or_another_model_without_its_folder():
+    env = {"REDIS_URL": "redis://127.0.0.1:9/0", "PATH": "/usr/bin:/bin"}
+
+    def worker(**more: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "inference.worker"], cwd=REPO,
+                              env={**env, **more}, capture_output=True, text=True, timeout=120)
+
+    bad = worker(MODEL_NAME="base:adapter")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.startswith("inference.worker: MODEL_NAME: ")
+    homeless = worker(MODEL_NAME="other/model")  # no MODEL_PATH: it would serve the default's
+    assert homeless.returncode == 2
+    assert "MODEL_NAME=other/model is not the default model" in homeless.stderr
+    assert "loading backend" not in homeless.stderr
