@@ -11,14 +11,14 @@
  * Three entry points, one body:
  *   paged_decode_attention       q, pool and out in fp32;
  *   paged_decode_attention_bf16  q, pool and out in bf16 (uint16_t storage, the upper half of an
- *                                IEEE fp32). Each block of K or V is widened to fp32 exactly (a
- *                                16-bit shift) into a per-thread buffer of block_size * head_dim
- *                                floats, so the dot products, the softmax and the weighted sum
- *                                run and accumulate in fp32 as in the fp32 kernel; the output is
- *                                rounded once to bf16, to nearest even (as PyTorch rounds).
+ *                                IEEE fp32). Each K or V element is widened to fp32 exactly (a
+ *                                16-bit shift) in registers as the products read it (no copy of
+ *                                the block), so the dot products, the softmax and the weighted
+ *                                sum run and accumulate in fp32 as in the fp32 kernel; the output
+ *                                is rounded once to bf16, to nearest even (as PyTorch rounds).
  *   paged_decode_attention_f32_kv_bf16  q and out in fp32, the pool in bf16 (an fp32 model whose
- *                                KV cache is kept in bf16: half the bytes a decode step reads);
- *                                K and V widened as above, q and out as in the fp32 kernel.
+ *                                KV cache is kept in bf16: half the bytes of an fp32 cache); K
+ *                                and V widened as above, q and out as in the fp32 kernel.
  *
  * Layouts (all C-contiguous):
  *   q      [rows, kv_heads, group, head_dim]   query heads of one KV head adjacent (GQA)
@@ -147,11 +147,9 @@ static int attend(const void *q, const void *pool, const int64_t *tables, const 
     {
         float *scores = (float *)malloc(sizeof(float) * (size_t)(G * part_len));
         float *acc = (float *)malloc(sizeof(float) * (size_t)(G * D + 2 * G));
-        /* bf16 only: the head's queries; one widened K or V block */
+        /* bf16 only: the head's queries, widened */
         float *qbuf = bf16 ? (float *)malloc(sizeof(float) * (size_t)(G * D)) : NULL;
-        float *kvbuf = kv_bf16 ? (float *)malloc(sizeof(float) * (size_t)block_stride) : NULL;
-        const int ok = scores != NULL && acc != NULL && (!bf16 || qbuf != NULL)
-                       && (!kv_bf16 || kvbuf != NULL);
+        const int ok = scores != NULL && acc != NULL && (!bf16 || qbuf != NULL);
         if (!ok) {
 #pragma omp atomic write
             failed = 2;
@@ -186,17 +184,24 @@ static int attend(const void *q, const void *pool, const int64_t *tables, const 
                 qh = (const float *)q + qo;
             }
 
-            /* scores[g, t - t_begin] = q[g] . k[t] * scale */
+            /* scores[g, t - t_begin] = q[g] . k[t] * scale; bf16 K widened in registers */
             for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
                 const int64_t block_off = table[t0 / bs] * block_stride;
                 const int64_t n = (t_end - t0 < bs) ? t_end - t0 : bs;
-                const float *kb;
                 if (kv_bf16) {
-                    widen((const uint16_t *)pool + ko + block_off, kvbuf, n * D);
-                    kb = kvbuf;
-                } else {
-                    kb = (const float *)pool + ko + block_off;
+                    const uint16_t *kb = (const uint16_t *)pool + ko + block_off;
+                    for (int64_t i = 0; i < n; i++) {
+                        const uint16_t *k = kb + i * D;
+                        for (int64_t g = 0; g < G; g++) {
+                            const float *qg = qh + g * D;
+                            float s = 0.0f;
+                            for (int64_t d = 0; d < D; d++) s += qg[d] * bf16_to_f32(k[d]);
+                            scores[g * n_t + t0 - t_begin + i] = s * scale;
+                        }
+                    }
+                    continue;
                 }
+                const float *kb = (const float *)pool + ko + block_off;
                 for (int64_t i = 0; i < n; i++) {
                     const float *k = kb + i * D;
                     for (int64_t g = 0; g < G; g++) {
@@ -225,13 +230,19 @@ static int attend(const void *q, const void *pool, const int64_t *tables, const 
             for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
                 const int64_t block_off = table[t0 / bs] * block_stride;
                 const int64_t n = (t_end - t0 < bs) ? t_end - t0 : bs;
-                const float *vb;
                 if (kv_bf16) {
-                    widen((const uint16_t *)pool + vo + block_off, kvbuf, n * D);
-                    vb = kvbuf;
-                } else {
-                    vb = (const float *)pool + vo + block_off;
+                    const uint16_t *vb = (const uint16_t *)pool + vo + block_off;
+                    for (int64_t i = 0; i < n; i++) {
+                        const uint16_t *v = vb + i * D;
+                        for (int64_t g = 0; g < G; g++) {
+                            const float p = scores[g * n_t + t0 - t_begin + i];
+                            float *og = acc + g * D;
+                            for (int64_t d = 0; d < D; d++) og[d] += p * bf16_to_f32(v[d]);
+                        }
+                    }
+                    continue;
                 }
+                const float *vb = (const float *)pool + vo + block_off;
                 for (int64_t i = 0; i < n; i++) {
                     const float *v = vb + i * D;
                     for (int64_t g = 0; g < G; g++) {
@@ -297,7 +308,6 @@ static int attend(const void *q, const void *pool, const int64_t *tables, const 
         free(scores);
         free(acc);
         free(qbuf);
-        free(kvbuf);
     }
     free(partial);
     return failed;
