@@ -85,6 +85,8 @@ class WorkerBridge:
             its sight of Redis breaks (half the shorter one).
         event_hold_s: how long a tick's token events may wait for the next tick's
             (``EVENT_HOLD_MS``; :mod:`inference.worker.publisher`).
+        event_hold_min_streams: the fewest streams a tick's tokens must go to for it to be
+            held (``EVENT_HOLD_MIN_STREAMS``).
         model: the base model it serves (its name in the API), advertised in its stats; its
             queue is ``keys``'s (:meth:`inference.protocol.keys.Keys.of_model`).
 
@@ -95,7 +97,8 @@ class WorkerBridge:
     def __init__(self, engine: LLMEngine, client: redis.Redis, keys: Keys, worker_id: str, *,
                  prefetch: int, batch_prefetch: int | None = None,
                  usage_sink: UsageSink | None = None, web_ttl_s: float = 10.0,
-                 heartbeat_ttl_s: float = 10.0, event_hold_s: float = 0.0, model: str = ""):
+                 heartbeat_ttl_s: float = 10.0, event_hold_s: float = 0.0,
+                 event_hold_min_streams: int = 1, model: str = ""):
         self.engine = engine
         self.model = model
         self.client = client
@@ -105,7 +108,8 @@ class WorkerBridge:
         self.state = WorkerState(usage_sink, sight_gap_s=min(web_ttl_s, heartbeat_ttl_s) / 2)
         self.origins = WebOrigins(self.state, client, keys, web_ttl_s)
         self.publisher = EventPublisher(self.state, engine, self.queue, client, keys,
-                                        hold_s=event_hold_s)
+                                        hold_s=event_hold_s,
+                                        hold_min_streams=event_hold_min_streams)
         self.intake = Intake(self.state, engine, self.queue, client, keys,
                              publisher=self.publisher, origins=self.origins, prefetch=prefetch,
                              batch_prefetch=batch_prefetch)

@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                           web_ttl_s=settings.web_heartbeat_ttl_s,
                           heartbeat_ttl_s=settings.worker_heartbeat_ttl_s,
                           event_hold_s=settings.event_hold_ms / 1000,
+                          event_hold_min_streams=settings.event_hold_min_streams,
                           model=settings.served_model)
     pubsub = client.pubsub(ignore_subscribe_messages=True)
     pubsub.subscribe(**{bridge.keys.control: bridge.on_control})

@@ -9,12 +9,14 @@ records the next ``seq`` of each request, and ends a request with its final even
 outage is ridden out here: events wait, in order, in a buffer and are written when Redis is back,
 at most once each (the main thread's :meth:`EventPublisher.flush_events`).
 
-With a hold (``EVENT_HOLD_MS``), a tick whose events are all tokens after a request's first
-waits for the next tick's and goes out with them, in one write: each stream then gets its
-tokens two at a time, and every web process reads, frames and sends them together (a per-write
-cost on each side). A token waits at most one tick and at most the hold; a first token, a final
-event, or a tick that finds a held one goes out at once, as does everything on
-:meth:`EventPublisher.flush_events` (a preempted request's hand-back, a stop).
+With a hold (``EVENT_HOLD_MS``), a tick whose events are all tokens after a request's first,
+of at least ``EVENT_HOLD_MIN_STREAMS`` requests, waits for the next tick's and goes out with
+them, in one write: each stream then gets its tokens two at a time, and every web process reads,
+frames and sends them together (a per-write cost on each side). A token waits at most one tick
+and at most the hold; a first token, a final event, a tick of fewer streams (a lone stream's
+tokens go one at a time: its inter-token latency stays the step's), or a tick that finds a held
+one goes out at once, as does everything on :meth:`EventPublisher.flush_events` (a preempted
+request's hand-back, a stop).
 
 A write that finds a request no longer this worker's tells why: Redis lost its data (the
 ``lost_sink`` the bridge sets, :meth:`inference.worker.recovery.Recovery.check_data_loss`, moves
@@ -66,6 +68,7 @@ class EventPublisher:
         keys: key names.
         hold_s: how long a tick's token events may wait for the next tick's (seconds; 0: never
             held; module docstring).
+        hold_min_streams: the fewest requests whose tokens a tick must carry to be held.
 
     Attributes:
         lost_sink: called on the writing thread when a write finds requests no longer this
@@ -73,10 +76,12 @@ class EventPublisher:
     """
 
     def __init__(self, state: WorkerState, engine: LLMEngine, queue: FairQueue,
-                 client: redis.Redis, keys: Keys, hold_s: float = 0.0):
+                 client: redis.Redis, keys: Keys, hold_s: float = 0.0,
+                 hold_min_streams: int = 1):
         self.state = state
         self.engine = engine
         self.hold_s = hold_s
+        self.hold_min_streams = hold_min_streams
         self._ticks = 0  # ticks whose events wait in _unsent (guarded by _unsent_lock)
         self._held_at: float | None = None  # monotonic time the held tick's events began waiting
         self.queue = queue
@@ -178,7 +183,8 @@ class EventPublisher:
             if self._held_at is not None:
                 return self._ticks == 1 and time.monotonic() < self._held_at + self.hold_s
             if (self.hold_s <= 0 or self._ticks != 1 or self._publisher_stop
-                    or not all(isinstance(e, TokenEvent) and e.seq > 0 for e, _ in self._unsent)):
+                    or not all(isinstance(e, TokenEvent) and e.seq > 0 for e, _ in self._unsent)
+                    or len({e.request_id for e, _ in self._unsent}) < self.hold_min_streams):
                 return False
             self._held_at = time.monotonic()
             return True

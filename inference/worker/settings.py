@@ -54,6 +54,10 @@ class WorkerSettings(PlatformSettings, EngineConfig):
     # to go out with them: two tokens a write per stream, halving the web tier's cost per token
     # (inference.worker.publisher). A token waits at most one tick; 0: every tick at once.
     event_hold_ms: int = Field(250, ge=0)
+    # The fewest streams a tick's tokens must go to for the tick to be held: a lone stream's
+    # tokens go one at a time (its inter-token latency is the step's, not two steps'), while
+    # many streams, where the web tier's cost per write adds up, get two a write.
+    event_hold_min_streams: int = Field(2, ge=1)
 
     def batch_prefetch(self) -> int:
         """``WORKER_BATCH_PREFETCH``, or ``MAX_BATCH_SIZE`` when it is not set."""

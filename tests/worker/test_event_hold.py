@@ -48,9 +48,10 @@ def final(rid: str, seq: int) -> FinalEvent:
 def publisher():
     made: list[EventPublisher] = []
 
-    def make(hold_s: float) -> tuple[EventPublisher, RecordingQueue]:
+    def make(hold_s: float, min_streams: int = 1) -> tuple[EventPublisher, RecordingQueue]:
         queue = RecordingQueue()
-        pub = EventPublisher(WorkerState(), None, queue, None, None, hold_s=hold_s)
+        pub = EventPublisher(WorkerState(), None, queue, None, None, hold_s=hold_s,
+                             hold_min_streams=min_streams)
         pub.start_publisher()
         made.append(pub)
         return pub, queue
@@ -73,6 +74,21 @@ def test_a_tick_of_later_tokens_goes_out_with_the_next_tick(publisher):
     pub.on_events([token("a", 4), token("b", 4)])
     assert queue.wait_write(5.0)
     assert queue.writes[1] == [("a", 3), ("b", 3), ("a", 4), ("b", 4)]
+
+
+def test_a_lone_streams_tokens_go_one_at_a_time_and_two_streams_are_held(publisher):
+    # EVENT_HOLD_MIN_STREAMS=2 (the worker's default): one stream's tick goes at once.
+    pub, queue = publisher(hold_s=30.0, min_streams=2)
+    pub.on_events([token("a", 1)])
+    assert queue.wait_write(5.0)
+    pub.on_events([token("a", 2)])
+    assert queue.wait_write(5.0)
+    assert queue.writes == [[("a", 1)], [("a", 2)]]
+    pub.on_events([token("a", 3), token("b", 1)])
+    assert not queue.wait_write(0.3), "a tick of two streams' later tokens went out alone"
+    pub.on_events([token("a", 4), token("b", 2)])
+    assert queue.wait_write(5.0)
+    assert queue.writes[2] == [("a", 3), ("b", 1), ("a", 4), ("b", 2)]
 
 
 @pytest.mark.parametrize("tick", [

@@ -10,12 +10,15 @@ its neighbour and spreads through later layers, as far as the packed kernel's ow
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
 from inference.engine.backends.base import DecodeRow, PrefillChunk
 from inference.engine.backends.hf import TransformersBackend
 from inference.engine.backends.native import decode as native_decode
+from inference.engine.backends.native import gemm as native_gemm
 from inference.engine.model_store import resolve_model_path
 from tests.engine.backends.test_bf16 import assert_argmax_agrees_except_near_ties
 from tests.engine.backends.test_bf16_gemm import (
@@ -164,7 +167,11 @@ def test_q4_1_decode_passes_through_one_call_per_layer_match_the_layer_by_layer_
     q4 = TransformersBackend.from_pretrained(resolve_model_path(""), device="cpu",
                                              quantization="q4_1",
                                              quantized_weights=default_gguf_path())
-    assert q4._decode_layers is not None and q4._decode_layers.max_rows == 8
+    # With AVX512-BF16 a pass of more rows than the Q4_1 products take (8) stays one call a
+    # layer, over the values packed in bf16; elsewhere it is the PyTorch pass's.
+    hybrid = native_gemm.packed_matmul_available(q4._native)
+    assert q4._decode_layers is not None
+    assert q4._decode_layers.max_rows == (sys.maxsize if hybrid else 8)
     fused_logits, fused_kv = decode_run(q4, corpus_ids, fused=True)
     torch_logits, torch_kv = decode_run(q4, corpus_ids, fused=False)
     # fp32 throughout: the same int8 codes but where a norm's order of sums moves a value
@@ -174,15 +181,26 @@ def test_q4_1_decode_passes_through_one_call_per_layer_match_the_layer_by_layer_
     stats = f"max {diff.max().item():.3f}, mean {diff.mean().item():.3f}"
     assert diff.max().item() < PLAIN_MAX_ABS and diff.mean().item() < PLAIN_MEAN_ABS, stats
     assert_argmax_agrees_except_near_ties(torch_logits, fused_logits, "q4_1 fused vs per layer")
-    # More rows than the kernel's fused products take: the PyTorch pass (dense products).
-    q4.allocate_kv_pool(40, 16)
-    rows = [DecodeRow(f"r{r}", corpus_ids[r], 0, [r]) for r in range(9)]
+    # More rows than the Q4_1 products take: the packed bf16 products, in the fused call where
+    # they run, the same as the PyTorch pass's dense ones.
+    rows = [DecodeRow(f"r{r}", corpus_ids[r], 0, [r]) for r in range(12)]
     calls = []
     real = native_decode.DecodeLayers.__call__
     native_decode.DecodeLayers.__call__ = lambda self, *a: calls.append(a) or real(self, *a)
     try:
-        q4.decode(rows)
+        q4.allocate_kv_pool(40, 16)
+        wide = q4.decode(rows)
         q4.decode(rows[:8])
     finally:
         native_decode.DecodeLayers.__call__ = real
-    assert len(calls) == len(q4._layers)  # the 8-row pass only
+    assert len(calls) == len(q4._layers) * (2 if hybrid else 1)
+    q4.fused_decode = False
+    try:
+        q4.allocate_kv_pool(40, 16)
+        plain = q4.decode(rows)
+    finally:
+        q4.fused_decode = True
+    diff = (wide - plain).abs()
+    stats = f"max {diff.max().item():.4f}, mean {diff.mean().item():.5f}"
+    assert diff.max().item() < PLAIN_MAX_ABS and diff.mean().item() < PLAIN_MEAN_ABS, stats
+    assert_argmax_agrees_except_near_ties(plain, wide, "q4_1 12 rows fused vs per layer")

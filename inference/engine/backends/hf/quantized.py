@@ -165,6 +165,9 @@ def _dense_product(lib: Any, values: torch.Tensor, bias: torch.Tensor | None, *,
         return packed(native_gemm.split_fp32(x) if split_input else x.to(torch.bfloat16),
                       out_fp32=True)
 
+    # The fused decode layer takes the same packed values for its passes of more rows
+    # (native.decode.DecodeLayers); the LM head's split input is the PyTorch pass's alone.
+    product.packed = None if split_input else packed  # type: ignore[attr-defined]
     return product
 
 

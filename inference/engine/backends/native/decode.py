@@ -33,13 +33,14 @@ _ERRORS = {
 class _LayerT(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "ln1_w", "ln2_w", "w_qkv", "w_o", "w_gate_up", "w_down", "b_qkv", "b_o", "b_gate_up",
-        "b_down", "pool")] + [("eps1", ctypes.c_double), ("eps2", ctypes.c_double)]
+        "b_down", "pool", "p_qkv", "p_o", "p_gate_up", "p_down")] + [
+        ("eps1", ctypes.c_double), ("eps2", ctypes.c_double)]
 
 
 class _DimsT(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in (
         "hidden", "n_heads", "kv_heads", "head_dim", "intermediate", "num_blocks",
-        "block_size", "max_positions", "int8_activations", "kv_bf16")] + [
+        "block_size", "max_positions", "int8_activations", "kv_bf16", "dense_above")] + [
         ("scale", ctypes.c_double)]
 
 
@@ -83,8 +84,9 @@ class DecodeLayers:
     Attributes:
         dtype: the activations' dtype (bf16, or fp32 over Q4_1); the pool's is the same, or
             bf16 under fp32 (a Q4_1 model's KV cache in bf16).
-        max_rows: most rows of a pass (Q4_1: the projections' ``fused_max_rows``, beyond which
-            the PyTorch pass runs them dense).
+        max_rows: most rows of a pass (Q4_1 without the projections' values packed in bf16:
+            their ``fused_max_rows``, beyond which the PyTorch pass runs them dense; with them,
+            any: a pass of more rows takes the packed bf16 products in the same call).
     """
 
     def __init__(self, lib: ctypes.CDLL, layers: Sequence[Any], *, n_heads: int, kv_heads: int,
@@ -101,8 +103,13 @@ class DecodeLayers:
         """
         quantized = getattr(layers[0].packed[0], "kind", "") == "q4_1"
         self.dtype = torch.float32 if quantized else torch.bfloat16
-        self.max_rows = (min(p.fused_max_rows for layer in layers for p in layer.packed)
-                         if quantized else sys.maxsize)
+        # Q4_1: the bf16 packed copies of the dense product (hf.quantized._dense_product)
+        dense = [[getattr(getattr(p, "_dense_fn", None), "packed", None) for p in layer.packed]
+                 for layer in layers] if quantized else []
+        self._dense_above = (min(p.fused_max_rows for layer in layers for p in layer.packed)
+                             if quantized else 0)
+        whole = not quantized or all(d is not None for row in dense for d in row)
+        self.max_rows = sys.maxsize if whole else self._dense_above
         if (cos.dtype != self.dtype or sin.dtype != self.dtype or cos.dim() != 2
                 or cos.shape != sin.shape or cos.shape[1] != head_dim):
             raise ValueError(f"decode layers: rotary tables must be [positions, {head_dim}] "
@@ -124,9 +131,12 @@ class DecodeLayers:
             qkv, o, gate_up, down = layer.packed
             weights = [(p.blocks if quantized else p.packed).data_ptr()
                        for p in (qkv, o, gate_up, down)]
+            packed = ([d.packed.data_ptr() for d in dense[len(self._layers)]]
+                      if quantized and whole else [None] * 4)
             self._layers.append(_LayerT(
                 ln1.data_ptr(), ln2.data_ptr(), *weights, _bias(qkv), _bias(o),
-                _bias(gate_up), _bias(down), None, float(layer.ln1_eps), float(layer.ln2_eps)))
+                _bias(gate_up), _bias(down), None, *packed, float(layer.ln1_eps),
+                float(layer.ln2_eps)))
         self._pool: torch.Tensor | None = None
         self._dims_t: _DimsT | None = None
         self._pool_ptrs: list[int] = []
@@ -150,7 +160,7 @@ class DecodeLayers:
         self._pool = kv
         self._dims_t = _DimsT(self._hidden, n_heads, kv_heads, head_dim, self._intermediate,
                               kv.shape[2], kv.shape[3], self._cos.shape[0], self._int8,
-                              int(kv.dtype != self.dtype), scale)
+                              int(kv.dtype != self.dtype), self._dense_above, scale)
         step = kv.stride(0) * kv.element_size()
         self._pool_ptrs = [kv.data_ptr() + i * step for i in range(kv.shape[0])]
         for layer, ptr in zip(self._layers, self._pool_ptrs, strict=True):

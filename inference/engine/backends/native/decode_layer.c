@@ -37,6 +37,9 @@ typedef struct {
     const void *w_qkv, *w_o, *w_gate_up, *w_down;   /* bf16 packed (bf16_gemm.c) or Q4_1 blocks */
     const float *b_qkv, *b_o, *b_gate_up, *b_down;  /* fp32, or NULL */
     void *pool;                                     /* this layer's KV pool */
+    /* Q4_1 only: the same projections' values packed in bf16 (bf16_gemm.c) for passes of more
+     * than dims->dense_above rows, or NULL */
+    const uint16_t *p_qkv, *p_o, *p_gate_up, *p_down;
     double eps1, eps2;
 } layer_t;
 
@@ -45,6 +48,7 @@ typedef struct {
     int64_t max_positions;    /* rows of the rotary tables */
     int64_t int8_activations; /* Q4_1 only: q4_1_q8_matmul (int8 activations), else q4_1_matmul */
     int64_t kv_bf16;          /* Q4_1 only: the pool holds bf16 K/V (else fp32) */
+    int64_t dense_above;      /* Q4_1 only: more rows than this take the packed bf16 products */
     double scale;
 } dims_t;
 
@@ -224,6 +228,28 @@ static void rms_norm_f32(const float *x, const float *w, float *y, int64_t rows,
 }
 
 /*
+ * y [rows][out] fp32 = x [rows][in] fp32 times a Q4_1 projection (plus its bias): over the blocks
+ * (q4_1_q8_matmul or q4_1_matmul) for up to dims->dense_above rows; over its values packed in
+ * bf16 for more (x rounded once to bf16, to nearest even, fp32 sums: the dense product the
+ * PyTorch pass takes then, hf.quantized._dense_product). `xb` holds rows * in bf16 values.
+ * Returns 0, 2 (out of memory) or 4 (a size the kernels do not take).
+ */
+static int q4_1_project(const dims_t *M, const uint8_t *blocks, const uint16_t *packed,
+                        const float *x, uint16_t *xb, const float *bias, float *y, int64_t rows,
+                        int64_t out, int64_t in, int threads)
+{
+    int rc;
+    if (packed != NULL && rows > M->dense_above) {
+        for (int64_t i = 0; i < rows * in; i++) xb[i] = to_bf16(x[i]);
+        rc = bf16_packed_matmul(packed, xb, bias, y, rows, 1, out, in, 1, threads);
+    } else {
+        rc = M->int8_activations ? q4_1_q8_matmul(blocks, x, bias, y, rows, out, in, threads)
+                                 : q4_1_matmul(blocks, x, bias, y, rows, out, in, threads);
+    }
+    return rc == 0 ? 0 : (rc == 2 ? 2 : 4);
+}
+
+/*
  * The same layer in fp32 over Q4_1 projections (QUANTIZATION=q4_1): h, cos, sin and the norms'
  * weights fp32, the projections over the GGUF blocks (quant.c: q4_1_q8_matmul with
  * dims->int8_activations, else q4_1_matmul), the attention paged_decode_attention (fp32). The
@@ -246,17 +272,22 @@ int decode_layer_q4_1(const layer_t *L, const dims_t *M, float *h, const float *
     const size_t n_o = (size_t)(rows * NH * D), n_gu = (size_t)(rows * 2 * I);
     float *buf = (float *)malloc(sizeof(float) * (n_x * 2 + n_qkv + n_o * 2 + n_gu
                                                   + (size_t)(rows * I)));
-    if (buf == NULL) return 2;
+    /* the bf16 copy of a product's input, as wide as the widest input */
+    const int64_t widest = I > H ? (I > NH * D ? I : NH * D) : (H > NH * D ? H : NH * D);
+    uint16_t *xb = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(rows * widest));
+    if (buf == NULL || xb == NULL) {
+        free(buf);
+        free(xb);
+        return 2;
+    }
     float *x = buf, *d = x + n_x, *qkv = d + n_x, *q = qkv + n_qkv, *o = q + n_o;
     float *gu = o + n_o, *act = gu + n_gu;
     const int nt = (int)threads;
-    int (*q4_1_matmul_fn)(const uint8_t *, const float *, const float *, float *, int64_t,
-                          int64_t, int64_t, int) = M->int8_activations ? q4_1_q8_matmul
-                                                                       : q4_1_matmul;
 
     rms_norm_f32(h, (const float *)L->ln1_w, x, rows, H, L->eps1);
-    rc = q4_1_matmul_fn((const uint8_t *)L->w_qkv, x, L->b_qkv, qkv, rows, qkv_w, H, nt);
-    if (rc) { rc = rc == 2 ? 2 : 4; goto done; }
+    rc = q4_1_project(M, (const uint8_t *)L->w_qkv, L->p_qkv, x, xb, L->b_qkv, qkv, rows, qkv_w,
+                      H, nt);
+    if (rc) goto done;
     const int64_t half = D / 2, head_stride = nb * bs * D;
     for (int64_t r = 0; r < rows; r++) {
         const int64_t pos = lens[r] - 1;
@@ -287,22 +318,25 @@ int decode_layer_q4_1(const layer_t *L, const dims_t *M, float *h, const float *
         : paged_decode_attention(q, (const float *)L->pool, tables, lens, o, rows, KV, NH / KV,
                                  D, nb, bs, max_blocks, (float)M->scale);
     if (rc) goto done;
-    rc = q4_1_matmul_fn((const uint8_t *)L->w_o, o, L->b_o, d, rows, H, NH * D, nt);
-    if (rc) { rc = rc == 2 ? 2 : 4; goto done; }
+    rc = q4_1_project(M, (const uint8_t *)L->w_o, L->p_o, o, xb, L->b_o, d, rows, H, NH * D, nt);
+    if (rc) goto done;
     for (size_t i = 0; i < n_x; i++) h[i] += d[i];
 
     rms_norm_f32(h, (const float *)L->ln2_w, x, rows, H, L->eps2);
-    rc = q4_1_matmul_fn((const uint8_t *)L->w_gate_up, x, L->b_gate_up, gu, rows, 2 * I, H, nt);
-    if (rc) { rc = rc == 2 ? 2 : 4; goto done; }
+    rc = q4_1_project(M, (const uint8_t *)L->w_gate_up, L->p_gate_up, x, xb, L->b_gate_up, gu,
+                      rows, 2 * I, H, nt);
+    if (rc) goto done;
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < I; i++) {
             const float g = gu[r * 2 * I + i];
             act[r * I + i] = g / (1.0f + expf(-g)) * gu[r * 2 * I + I + i];
         }
-    rc = q4_1_matmul_fn((const uint8_t *)L->w_down, act, L->b_down, d, rows, H, I, nt);
-    if (rc) { rc = rc == 2 ? 2 : 4; goto done; }
+    rc = q4_1_project(M, (const uint8_t *)L->w_down, L->p_down, act, xb, L->b_down, d, rows, H,
+                      I, nt);
+    if (rc) goto done;
     for (size_t i = 0; i < n_x; i++) h[i] += d[i];
 done:
     free(buf);
+    free(xb);
     return rc;
 }
