@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from inference.protocol.keys import Keys
@@ -36,11 +37,10 @@ class PlatformSettings(BaseSettings):
     redis_prefix: str = Field("llm", min_length=1, pattern=r"^[^@\s]+$")
     # The deployment's default model: its name in the OpenAI API, served by the workers started
     # without MODEL_NAME (docs/platform.md, "Models and model access").
-    served_model_name: str = Field("SmolLM2-135M-Instruct", pattern=MODEL_NAME_PATTERN,
-                                   max_length=MODEL_NAME_MAX)
+    served_model_name: str = "SmolLM2-135M-Instruct"
     # The base model a worker serves, by its registered name; empty: SERVED_MODEL_NAME. Its
     # requests wait in that model's own queue (Keys.of_model); MODEL_PATH is its folder.
-    model_name: str = Field("", pattern=rf"^$|{MODEL_NAME_PATTERN}", max_length=MODEL_NAME_MAX)
+    model_name: str = ""
     # Gate 1: requests accepted and not yet admitted by any worker, over the whole deployment.
     max_queue_size: int = Field(256, ge=1)
     # A request not admitted this long after the web tier accepted it ends with queue_timeout,
@@ -64,6 +64,18 @@ class PlatformSettings(BaseSettings):
     # Where the default model is prepared; empty: .cache/models at the repository root.
     llm_cache_dir: str = ""
     log_level: str = "INFO"
+
+    @field_validator("served_model_name", "model_name")
+    @classmethod
+    def _model_name(cls, value: str, info: ValidationInfo) -> str:
+        if value == "" and info.field_name == "model_name":
+            return value
+        if len(value) > MODEL_NAME_MAX or re.fullmatch(MODEL_NAME_PATTERN, value) is None:
+            raise ValueError(f"{info.field_name.upper()}={value!r} is not a model name: "
+                             f"'/'-separated parts of letters, digits, '.', '_' and '-', each "
+                             f"starting with a letter or digit (no ':', '@', '*' or "
+                             f"whitespace), at most {MODEL_NAME_MAX} characters")
+        return value
 
     @property
     def broker_url(self) -> str:

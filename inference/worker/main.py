@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, request_stop)
 
     from inference.engine.llm_engine import LLMEngine
+    from inference.engine.model_store import ModelLoadError
 
     client = redis.Redis.from_url(settings.redis_url, **redis_retry_options())
     loaded = threading.Event()
@@ -142,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         config = config.model_copy(update={"model_path": str(path)})
     try:
         engine = LLMEngine(config)
+    except ModelLoadError as exc:  # a folder that is not a model: one line, no traceback
+        log.error("cannot load the model: %s", exc)
+        return 2
     finally:
         loaded.set()
     usage_sink = None if settings.broker_url == "none" else celery_usage_sink(

@@ -56,6 +56,11 @@ def test_the_worker_refuses_a_bad_model_name_or_another_model_without_its_folder
     bad = worker(MODEL_NAME="base:adapter")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.startswith("inference.worker: MODEL_NAME: ")
+    assert "MODEL_NAME='base:adapter' is not a model name" in bad.stderr
+    missing = worker(MODEL_NAME="other/model", MODEL_PATH="/nonexistent/model")
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert "cannot load the model: model path '/nonexistent/model' does not exist" in \
+        missing.stderr
     homeless = worker(MODEL_NAME="other/model")  # no MODEL_PATH: it would serve the default's
     assert homeless.returncode == 2
     assert "MODEL_NAME=other/model is not the default model" in homeless.stderr
