@@ -243,24 +243,22 @@ def by_model(snapshots: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, dic
     return groups
 
 
-def _queued_models(members: set[bytes]) -> set[str]:
-    return {m.decode().partition("@")[2] for m in members} - {""}
+def _known(snapshots: Mapping[str, dict[str, Any]], queues: set[bytes]) -> list[str]:
+    """The default model, each live worker's and each of ``queues`` (queue names), sorted."""
+    queued = {q.decode().partition("@")[2] for q in queues} - {""}
+    return sorted({platform_settings()["SERVED_MODEL_NAME"], *by_model(snapshots), *queued})
 
 
 def known_models_sync(snapshots: Mapping[str, dict[str, Any]],
                       client: redis.Redis | None = None) -> list[str]:
     """The models the stats show, sorted: the default model, each live worker's, and each one
     a request was ever queued for (``{prefix}:fq:queues``)."""
-    members = (client or sync_redis()).smembers(redis_keys().queues)
-    return sorted({platform_settings()["SERVED_MODEL_NAME"], *by_model(snapshots),
-                   *_queued_models(members)})
+    return _known(snapshots, (client or sync_redis()).smembers(redis_keys().queues))
 
 
 async def known_models(snapshots: Mapping[str, dict[str, Any]]) -> list[str]:
     """:func:`known_models_sync` for async callers."""
-    members = await aredis().smembers(redis_keys().queues)
-    return sorted({platform_settings()["SERVED_MODEL_NAME"], *by_model(snapshots),
-                   *_queued_models(members)})
+    return _known(snapshots, await aredis().smembers(redis_keys().queues))
 
 
 async def per_model(snapshots: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:

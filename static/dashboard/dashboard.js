@@ -104,6 +104,23 @@
     return rate;
   }
 
+  // A table's body: a row per item ([its data attribute, the value, its cells' texts]), or one
+  // cell of `columns` columns saying `empty`.
+  function fillTable(selector, columns, empty, items) {
+    const body = document.querySelector(selector + " tbody");
+    body.textContent = "";
+    if (!items.length) {
+      const cell = body.insertRow().insertCell();
+      cell.colSpan = columns;
+      cell.textContent = empty;
+    }
+    items.forEach(function (item) {
+      const row = body.insertRow();
+      row.dataset[item[0]] = item[1];
+      item[2].forEach(function (text) { row.insertCell().textContent = text; });
+    });
+  }
+
   function updateLive(data) {
     const live = data.live;
     const totals = live.totals;
@@ -128,55 +145,26 @@
     setText("m-batches_active", fmt.int(batches.active.length));
     setText("m-batch_lines_completed", fmt.int(batches.lines.completed || 0));
     setText("m-batch_lines_failed", fmt.int(batches.lines.failed || 0));
-    const batchBody = document.querySelector("#batches tbody");
-    batchBody.textContent = "";
-    if (!batches.active.length) {
-      const cell = batchBody.insertRow().insertCell();
-      cell.colSpan = 6;
-      cell.textContent = "no batch in progress";
-    }
-    batches.active.forEach(function (b) {
-      const row = batchBody.insertRow();
-      row.dataset.batch = b.id;
-      [b.id, b.tenant || "", b.status, fmt.int(b.total), fmt.int(b.completed), fmt.int(b.failed)
-      ].forEach(function (text) { row.insertCell().textContent = text; });
-    });
-    const modelBody = document.querySelector("#per-model tbody");
-    const models = Object.keys(live.per_model || {}).sort();
-    modelBody.textContent = "";
-    if (!models.length) {
-      const cell = modelBody.insertRow().insertCell();
-      cell.colSpan = 7;
-      cell.textContent = "no worker yet";
-    }
-    models.forEach(function (name) {
-      const m = live.per_model[name];
-      const row = modelBody.insertRow();
-      row.dataset.model = name;
-      [name, fmt.int(m.workers), fmt.int(m.gate1_queued), fmt.int(m.num_pending),
-       fmt.int(m.num_active), fmt.pct(m.kv_pressure), fmt.int(m.tokens_generated)
-      ].forEach(function (text) { row.insertCell().textContent = text; });
-    });
+    fillTable("#batches", 6, "no batch in progress", batches.active.map(function (b) {
+      return ["batch", b.id, [b.id, b.tenant || "", b.status, fmt.int(b.total),
+                              fmt.int(b.completed), fmt.int(b.failed)]];
+    }));
+    const perModel = live.per_model || {};
+    fillTable("#per-model", 7, "no worker yet", Object.keys(perModel).sort().map(function (name) {
+      const m = perModel[name];
+      return ["model", name, [name, fmt.int(m.workers), fmt.int(m.gate1_queued),
+                              fmt.int(m.num_pending), fmt.int(m.num_active),
+                              fmt.pct(m.kv_pressure), fmt.int(m.tokens_generated)]];
+    }));
     const rate = liveRate(live, data.now);
     if (rate !== null) setText("m-tokens_per_s", fmt.rate(rate));
 
-    const body = document.querySelector("#per-key tbody");
-    const keys = Object.keys(live.per_key).sort();
-    body.textContent = "";
-    if (!keys.length) {
-      const row = body.insertRow();
-      const cell = row.insertCell();
-      cell.colSpan = 6;
-      cell.textContent = "no requests yet";
-    }
-    keys.forEach(function (key) {
+    fillTable("#per-key", 6, "no requests yet", Object.keys(live.per_key).sort().map(function (key) {
       const k = live.per_key[key];
-      const row = body.insertRow();
-      row.dataset.key = key;
-      [key, k.vtc_counter.toFixed(1), fmt.int(k.in_flight), fmt.int(k.pending),
-       fmt.int(k.prompt_tokens_served), fmt.int(k.completion_tokens_served)
-      ].forEach(function (text) { row.insertCell().textContent = text; });
-    });
+      return ["key", key, [key, k.vtc_counter.toFixed(1), fmt.int(k.in_flight),
+                           fmt.int(k.pending), fmt.int(k.prompt_tokens_served),
+                           fmt.int(k.completion_tokens_served)]];
+    }));
   }
 
   function poll() {
