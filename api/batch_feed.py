@@ -1,13 +1,13 @@
 """Feeding a batch's waiting lines to the workers (a step of :mod:`api.batch_runner`).
 
 A line is checked as its endpoint checks a request (a 400 naming the field, or the 404 of a
-model its batch's tenant or creating key may not call, goes to the error file), counted with its
-model's tokenizer, and admitted through the same lifecycle as an interactive request
-(:func:`gateway.lifecycle.start`) as batch work. A refusal that a later step may not meet leaves
-the line waiting: one of the tenant's limits (rate, concurrency; :data:`HOLD_CODES`) stops the
-feeding until the next step; one of its model's (no live worker of it, its queue full:
-:data:`MODEL_HOLD_CODES`) leaves that model's later lines waiting too, while the lines of the
-other models go on.
+model or LoRA adapter its batch's tenant or creating key may not call, goes to the error file),
+counted with its base model's tokenizer, and admitted through the same lifecycle as an
+interactive request (:func:`gateway.lifecycle.start`) as batch work. A refusal that a later
+step may not meet leaves the line waiting: one of the tenant's limits (rate, concurrency;
+:data:`HOLD_CODES`) stops the feeding until the next step; one of its base model's (no live
+worker of it, its queue full: :data:`MODEL_HOLD_CODES`) leaves that model's later lines (its
+adapters' too) waiting, while the lines of the other models go on.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from api import batch_store, views
 from api.batch_lines import output_line
 from api.models import Batch, BatchLine
 from api.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, validate
-from gateway import admission, lifecycle, model_registry
+from gateway import adapters, admission, lifecycle, model_registry
 from gateway.admission import Principal
 from gateway.clients import run_sync
 from gateway.errors import APIError
 from gateway.tokens import measure_here
-from inference.protocol.messages import Sampling
+from inference.protocol.messages import ADAPTER_SEPARATOR, Sampling
 
 # Refusals that leave a line waiting for a later step (a limit that frees up, no worker now).
 HOLD_CODES = frozenset({"rate_limit_exceeded", "concurrency_limit_exceeded", "queue_full",
@@ -70,8 +70,8 @@ def feed(step: Any) -> None:
         while waiting:
             for line in waiting:
                 name = line.body.get("model") if isinstance(line.body, dict) else None
-                if name in held:
-                    continue
+                if isinstance(name, str) and name.partition(ADAPTER_SEPARATOR)[0] in held:
+                    continue  # its base model's lines wait
                 if time.monotonic() > step.until or not send(step, line, principal, access,
                                                              held):
                     return
@@ -97,7 +97,8 @@ def send(step: Any, line: BatchLine, principal: Principal, access: model_registr
     model = None
     try:
         req = line_request(row, line.body)
-        model = model_registry.find(model_registry.read_served_models(), access, req.model)
+        target = adapters.read_target(access, req.model)
+        model = target.model
         context = run_sync(lifecycle.served_context(model.name))
         chat = isinstance(req, ChatCompletionRequest)
         messages = [m.as_dict() for m in req.messages] if chat else None
@@ -118,7 +119,7 @@ def send(step: Any, line: BatchLine, principal: Principal, access: model_registr
             tools=tools, sampling=Sampling(**req.sampling(req.requested_max_tokens)),
             default_max_tokens=step.conf["DEFAULT_MAX_TOKENS"], user=req.user,
             meta={"model": model.name, "public_id": public_id, "stream": False,
-                  "batch_id": row.pk},
+                  "batch_id": row.pk}, adapter=target.adapter,
             prompt_tokens=count.tokens, batch_deadline_at=row.expires_at.timestamp()))
     except APIError as exc:
         if exc.code in MODEL_HOLD_CODES and model is not None:

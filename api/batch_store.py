@@ -183,12 +183,13 @@ def principal(batch: Batch) -> Principal | None:
 
 def model_access(batch: Batch) -> Access:
     """The models ``batch``'s lines may name: those its tenant's and its creating key's
-    ``allowed_models`` allow (the key's even once revoked; once deleted, the tenant's alone)."""
+    ``allowed_models`` allow (the key's even once revoked; once deleted, the tenant's alone),
+    and the LoRA adapters over them that its tenant owns or that are shared."""
     tenant_rules = Tenant.objects.filter(pk=batch.tenant_id).values_list(
         "allowed_models", flat=True).first()
     key_rules = (ApiKey.objects.filter(pk=batch.api_key_id).values_list(
         "allowed_models", flat=True).first() if batch.api_key_id else None)
-    return Access(tenant_rules or "", key_rules or "")
+    return Access(tenant_rules or "", key_rules or "", batch.tenant_id)
 
 
 def count(row: Batch) -> None:

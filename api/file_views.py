@@ -15,11 +15,12 @@ view by :data:`UPLOAD_LEASE_HEADER`); a smaller one here.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, TypeVar
 
 import redis.exceptions
 from asgiref.sync import sync_to_async
@@ -36,6 +37,7 @@ from gateway.errors import APIError
 from gateway.scripts import LuaScript
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAX_LIST_LIMIT = 10_000
 # The lease of an upload the web process took before it read the body
@@ -90,6 +92,24 @@ async def end_upload_lease(tenant_id: int, lease_id: str) -> None:
     except redis.exceptions.RedisError as exc:
         log.warning("could not end the upload lease %s of tenant %s: %s", lease_id, tenant_id,
                     exc)
+
+
+async def leased(request: HttpRequest, tenant_id: int, upload: Callable[[], Awaitable[T]]) -> T:
+    """Run ``upload`` (the storing of an upload's body) holding one of the tenant's upload
+    leases: the one the web process took before it read the body (named by
+    :data:`UPLOAD_LEASE_HEADER`), else one taken here and ended after.
+
+    Raises:
+        APIError: 429 ``concurrency_limit_exceeded`` (:func:`take_upload_lease`).
+    """
+    held = request.headers.get(UPLOAD_LEASE_HEADER)
+    if held and await aredis().zscore(_leases_key(tenant_id), held) is not None:
+        return await upload()
+    lease = await take_upload_lease(tenant_id)
+    try:
+        return await upload()
+    finally:
+        await end_upload_lease(tenant_id, lease)
 
 
 def _form(request: HttpRequest) -> tuple[dict[str, list[str]], Any]:
@@ -155,15 +175,8 @@ async def files(request: HttpRequest) -> HttpResponse:
     ``has_more``)."""
     key = await authenticate(request)
     if request.method == "POST":
-        upload = sync_to_async(_upload)
-        held = request.headers.get(UPLOAD_LEASE_HEADER)
-        if held and await aredis().zscore(_leases_key(key.tenant_id), held) is not None:
-            return JsonResponse(await upload(request, key.tenant_id, key.pk))
-        lease = await take_upload_lease(key.tenant_id)
-        try:
-            return JsonResponse(await upload(request, key.tenant_id, key.pk))
-        finally:
-            await end_upload_lease(key.tenant_id, lease)
+        return JsonResponse(await leased(request, key.tenant_id, functools.partial(
+            sync_to_async(_upload), request, key.tenant_id, key.pk)))
     params = _list_params(request)
     rows, has_more = await sync_to_async(file_store.page)(key.tenant_id, **params)
     data = [file_store.file_object(row) for row in rows]

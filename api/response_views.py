@@ -43,12 +43,12 @@ from api.responses import failed
 from api.sse import KEEPALIVE, sse_event
 from api.views import api_view, authenticate, read_body, worker_error
 from gateway import lifecycle, monitor, ratelimits
+from gateway.adapters import Target, resolve_target
 from gateway.admission import Principal
 from gateway.conf import platform_settings
 from gateway.errors import APIError, unexpected_error
 from gateway.events import Waiting
 from gateway.lifecycle import Generation
-from gateway.model_registry import ModelEntry, resolve_model
 from gateway.tokenizer_folders import use_tokenizer
 from inference.protocol.events import ErrorInfo, FinalEvent, TokenEvent
 from inference.protocol.messages import Sampling
@@ -136,15 +136,15 @@ async def create_response(request: HttpRequest) -> HttpResponse:
     """``POST /v1/responses`` (see the module docstring)."""
     key = await authenticate(request)
     req = parse_request(parse_json_body(read_body(request)))
-    model = await resolve_model(key, req.model)
+    target = await resolve_target(key, req.model)
     previous = (await response_store.previous(key.tenant_id, req.previous_response_id)
                 if req.previous_response_id else None)
     items = input_items(req.input)
     history = (await sync_to_async(_chain_messages)(previous)) if previous else []
     chat, turns = chat_request(req, history + chat_messages(items, "input"))
     shape = OutputShape(tools=chat.prompt_tools is not None, calls_only=chat.calls_only)
-    generation = await _start(key, chat, req, model)
-    body = _created(req, f"resp_{generation.request_id}", model.name)
+    generation = await _start(key, chat, req, target)
+    body = _created(req, f"resp_{generation.request_id}", target.name)
     relay = Relay(generation, body, shape, req.store, turns, chat)
     limits = ratelimits.response_headers(generation.meta)
     try:
@@ -170,16 +170,16 @@ def _chain_messages(previous: StoredResponse) -> list[Turn]:
     return chat_messages(response_store.chain_items(previous), "previous_response_id")
 
 
-async def _start(key: ApiKey, chat: Any, req: ResponsesRequest, model: ModelEntry) -> Generation:
+async def _start(key: ApiKey, chat: Any, req: ResponsesRequest, target: Target) -> Generation:
     request_id = uuid.uuid4().hex
-    with use_tokenizer(model.tokenizer_folder):  # its prompt is counted with its model's
+    with use_tokenizer(target.model.tokenizer_folder):  # counted with its base model's
         return await lifecycle.start(
             Principal.for_api_key(key), request_id=request_id,
             messages=[m.as_dict() for m in chat.messages], tools=chat.prompt_tools,
             sampling=Sampling(**chat.sampling(chat.requested_max_tokens)),
             default_max_tokens=platform_settings()["DEFAULT_MAX_TOKENS"], user=chat.user,
-            meta={"model": model.name, "public_id": f"resp_{request_id}",
-                  "stream": bool(req.stream)})
+            meta={"model": target.model.name, "public_id": f"resp_{request_id}",
+                  "stream": bool(req.stream)}, adapter=target.adapter)
 
 
 async def _refused(relay: Relay, exc: APIError) -> APIError:

@@ -122,9 +122,13 @@ def usage_chunk(shape: ResponseShape, final: FinalEvent) -> dict[str, Any]:
             "model": shape.model, "choices": [], "usage": usage_body(final.usage)}
 
 
-def model_object(name: str, created: int = 0) -> dict[str, Any]:
-    """A model as ``GET /v1/models`` lists it (``created``: a unix time, 0 when unknown)."""
-    return {"id": name, "object": "model", "created": created, "owned_by": "llm-platform"}
+def model_object(name: str, created: int = 0, *, owned_by: str | None = None,
+                 parent: str | None = None) -> dict[str, Any]:
+    """A model as ``GET /v1/models`` lists it (``created``: a unix time, 0 when unknown;
+    ``owned_by``: None, the platform's); a LoRA adapter's names its base model as ``parent``."""
+    body = {"id": name, "object": "model", "created": created,
+            "owned_by": owned_by or "llm-platform"}
+    return body if parent is None else {**body, "parent": parent}
 
 
 @dataclass(frozen=True)

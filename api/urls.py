@@ -1,6 +1,6 @@
 from django.urls import path, re_path
 
-from api import batch_views, file_views, response_views, views
+from api import adapter_views, batch_views, file_views, model_views, response_views, views
 
 urlpatterns = [
     path("v1/chat/completions", views.chat_completions),
@@ -14,8 +14,10 @@ urlpatterns = [
     path("v1/batches", batch_views.batches),
     path("v1/batches/<str:batch_id>", batch_views.batch_detail),
     path("v1/batches/<str:batch_id>/cancel", batch_views.batch_cancel),
-    path("v1/models", views.list_models),
-    path("v1/models/<path:model>", views.retrieve_model),
+    path("v1/adapters", adapter_views.adapters),
+    path("v1/adapters/<path:adapter>", adapter_views.adapter_detail),
+    path("v1/models", model_views.list_models),
+    path("v1/models/<path:model>", model_views.retrieve_model),
     path("scheduler/stats", views.scheduler_stats),
     path("healthz", views.healthz),
     path("readyz", views.readyz),

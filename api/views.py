@@ -1,4 +1,5 @@
-"""The OpenAI-compatible REST API and the health and stats endpoints.
+"""The OpenAI-compatible REST API (chat and text completions) and the health and stats
+endpoints.
 
 Views translate HTTP to calls and back: validation lives in :mod:`api.schemas`, the request's life
 (admission, events, abort, release) in :mod:`gateway.lifecycle`, response shapes in
@@ -26,6 +27,7 @@ from api.bodies import parse_json_body
 from api.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, validate
 from api.sse import DONE, KEEPALIVE, sse_data
 from gateway import lifecycle, monitor, ratelimits, workers
+from gateway.adapters import Target, resolve_target
 from gateway.admission import Principal
 from gateway.clients import aredis
 from gateway.conf import platform_settings, redis_keys
@@ -33,7 +35,6 @@ from gateway.credentials import authenticate_headers
 from gateway.errors import APIError, request_too_large, unexpected_error
 from gateway.events import Waiting
 from gateway.lifecycle import Generation
-from gateway.model_registry import ModelEntry, callable_models, resolve_model
 from gateway.tokenizer_folders import use_tokenizer
 from inference.protocol.events import ErrorInfo, Event, FinalEvent
 from inference.protocol.messages import Sampling
@@ -114,9 +115,9 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
     """
     key = await authenticate(request)
     req = validate(ChatCompletionRequest, parse_json_body(read_body(request)))
-    model = await resolve_model(key, req.model)
+    target = await resolve_target(key, req.model)
     messages = [m.as_dict() for m in req.messages]
-    return await _generate(request, key, req, model, messages=messages, tools=req.prompt_tools)
+    return await _generate(request, key, req, target, messages=messages, tools=req.prompt_tools)
 
 
 @api_view("POST")
@@ -129,29 +130,30 @@ async def completions(request: HttpRequest) -> HttpResponse:
     """
     key = await authenticate(request)
     req = validate(CompletionRequest, parse_json_body(read_body(request)))
-    model = await resolve_model(key, req.model)
-    return await _generate(request, key, req, model, prompt=req.prompt)
+    return await _generate(request, key, req, await resolve_target(key, req.model),
+                           prompt=req.prompt)
 
 
 async def _generate(
     request: HttpRequest,
     key: ApiKey,
     req: GenerationRequest,
-    model: ModelEntry,
+    target: Target,
     *,
     messages: list[dict[str, Any]] | None = None,
     prompt: str | None = None,
     tools: list[dict[str, Any]] | None = None,
 ) -> HttpResponse:
     request_id = uuid.uuid4().hex
-    shape = response_shape(req, model.name, request_id, chat=messages is not None,
+    shape = response_shape(req, target.name, request_id, chat=messages is not None,
                            tools=tools is not None)
-    with use_tokenizer(model.tokenizer_folder):  # its prompt is counted with its model's
+    with use_tokenizer(target.model.tokenizer_folder):  # counted with its base model's
         generation = await lifecycle.start(
             Principal.for_api_key(key), request_id=request_id, messages=messages, prompt=prompt,
             tools=tools, sampling=Sampling(**req.sampling(req.requested_max_tokens)),
             default_max_tokens=platform_settings()["DEFAULT_MAX_TOKENS"], user=req.user,
-            meta={"model": model.name, "public_id": shape.id, "stream": bool(req.stream)})
+            meta={"model": target.model.name, "public_id": shape.id, "stream": bool(req.stream)},
+            adapter=target.adapter)
     on_error = functools.partial(worker_error, req)
     limits = ratelimits.response_headers(generation.meta)
     try:
@@ -303,23 +305,6 @@ async def not_found(request: HttpRequest, path: str = "") -> HttpResponse:
     """Any other path under ``/v1/``: a JSON 404."""
     raise APIError(404, f"Invalid URL ({request.method} {request.path}): no such endpoint.",
                    code="not_found")
-
-
-@api_view("GET")
-async def list_models(request: HttpRequest) -> HttpResponse:
-    """``GET /v1/models``: the models served that the key may call (the default model first,
-    then by name)."""
-    models = await callable_models(await authenticate(request))
-    return JsonResponse({"object": "list",
-                         "data": [responses.model_object(m.name, m.created) for m in models]})
-
-
-@api_view("GET")
-async def retrieve_model(request: HttpRequest, model: str) -> HttpResponse:
-    """``GET /v1/models/{model}``: 404 ``model_not_found`` alike for a model not served and one
-    the key may not call."""
-    entry = await resolve_model(await authenticate(request), model)
-    return JsonResponse(responses.model_object(entry.name, entry.created))
 
 
 async def _is_staff(request: HttpRequest) -> bool:

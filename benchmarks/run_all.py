@@ -161,6 +161,11 @@ STEPS = (
          "the platform against llama.cpp's llama-server through each one's OpenAI endpoint "
          "(mixed and single-stream workloads; skipped where scripts/llama_cpp.sh has not built "
          "the server)"),
+    Step("lora", "benchmarks.serving.lora", (),
+         ("--requests", "4", "--input-len", "16-64", "--output-len", "4-8", "--concurrency", "4",
+          "--max-loras", "2"), OUT_DIR,
+         "experiment 13, LoRA adapters: the engine with 1, 4 and 16 adapters (a pool of 8) "
+         "against the bare model, and against peft with generate, one adapter at a time"),
     Step("decode_step", "benchmarks.kernels.decode_step", (),
          ("--dtype", "float32", "--rows", "2", "--max-context", "64", "--steps", "1",
           "--repeats", "1"), OUT_FILE,

@@ -20,6 +20,9 @@ never import each other:
 - :mod:`gateway.tokens`: prompt token counts, with the worker's own tokenizer and chat template
   (each model's: :mod:`gateway.tokenizer_folders`).
 - :mod:`gateway.model_registry`: the base models served, and which of them a sender may call.
+- :mod:`gateway.adapters`: the LoRA adapters served, and a request's ``base:adapter`` resolved
+  to its base model and adapter (or the 404 of an unknown model); :mod:`gateway.adapter_validation`
+  checks an adapter (its Celery task in :mod:`gateway.tasks`).
 - :mod:`gateway.errors`: the client-facing error and the mapping of error codes to HTTP statuses.
 - :mod:`gateway.clients` and :mod:`gateway.conf`: the Redis clients and the platform settings.
 

@@ -81,6 +81,20 @@ class Principal:
     def for_chat_user(cls, tenant: Tenant, user_id: Any) -> Principal:
         return cls(tenant=tenant, scope=f"chat-user-{user_id}")
 
+    def answer_cap(self, prompt_tokens: int, default_max_tokens: int, n: int = 1) -> int:
+        """The answer's cap (per choice, of ``n``) for a request that omits ``max_tokens``:
+        ``default_max_tokens``, lowered to what the tightest token limit of the sender lets one
+        request reserve (its tokens per minute, per key or per tenant, or its tenant's token
+        budget: the prompt and ``n`` answers), so that omitting ``max_tokens`` is never refused
+        for a default the client did not choose. A prompt that alone uses that limit keeps a
+        cap of 1 token (and is refused as too big for the limit)."""
+        tenant = self.tenant
+        limits = [n for n in (self.tokens_per_minute, tenant.tokens_per_minute,
+                              tenant.token_budget) if n]
+        if not limits:
+            return default_max_tokens
+        return max(1, min(default_max_tokens, (min(limits) - prompt_tokens) // n))
+
 
 @dataclass(frozen=True)
 class Admission:
@@ -255,7 +269,8 @@ async def _admit(principal: Principal, message: RequestMessage,
         update={"meta": {**message.meta, "admission": admission.to_meta()}})
     spec.update(fairness_key=message.fairness_key, priority=int(message.priority),
                 deadline=message.deadline() or 0, epoch=uuid.uuid4().hex,
-                marker_ttl_s=ADMITTED_MARKER_TTL_S)
+                marker_ttl_s=ADMITTED_MARKER_TTL_S,
+                adapter=message.adapter.digest if message.adapter is not None else "")
     raw = await ADMIT_LUA.arun(aredis(), len(limit_keys), *limit_keys, json.dumps(spec),
                               message.to_json())
     verdict = json.loads(raw)

@@ -37,6 +37,7 @@ STATUS_BY_CODE: dict[ErrorCode, int] = {
     ErrorCode.STATE_LOST: 503,
     ErrorCode.INTERRUPTED: 503,
     ErrorCode.GRAMMAR_BUSY: 429,
+    ErrorCode.ADAPTER_UNAVAILABLE: 503,
 }
 # Recorded for a request whose client went away (nginx's convention).
 CLIENT_CLOSED_STATUS = 499

@@ -43,7 +43,13 @@ from gateway.errors import APIError
 from gateway.events import Waiting, event_batches, flattened
 from gateway.tokens import PromptCount, count_chat_tokens, count_text_tokens
 from inference.protocol.events import ErrorCode, ErrorInfo, Event, FinalEvent, FinishReason
-from inference.protocol.messages import ChatTurn, RequestMessage, Sampling, batch_fairness_key
+from inference.protocol.messages import (
+    AdapterRef,
+    ChatTurn,
+    RequestMessage,
+    Sampling,
+    batch_fairness_key,
+)
 from tenants.models import Tenant
 
 log = logging.getLogger(__name__)
@@ -240,13 +246,15 @@ async def start(principal: Principal, *, sampling: Sampling, default_max_tokens:
                 tools: Sequence[dict[str, Any]] | None = None, user: str | None = None,
                 meta: dict[str, Any] | None = None, prompt_tokens: int | None = None,
                 request_id: str | None = None, detachable: bool = False,
-                batch_deadline_at: float | None = None) -> Generation:
+                batch_deadline_at: float | None = None,
+                adapter: AdapterRef | None = None) -> Generation:
     """Admit a request of ``principal`` and dispatch it to the workers.
 
     Exactly one of ``messages`` (chat) and ``prompt`` (completion) is given. A ``sampling``
     without ``max_tokens`` lets the worker give what is left of the context, capped by
-    ``default_max_tokens`` (lowered to the sender's token limits: :func:`answer_cap`); the
-    reservation counts that cap, once per choice (``sampling.n``) besides the prompt.
+    ``default_max_tokens`` (lowered to the sender's token limits:
+    :meth:`~gateway.admission.Principal.answer_cap`); the reservation counts that cap, once
+    per choice (``sampling.n``) besides the prompt.
 
     Args:
         principal: the sender (an API key, or a chat user in a tenant).
@@ -261,6 +269,9 @@ async def start(principal: Principal, *, sampling: Sampling, default_max_tokens:
             leaves, until it ends or is aborted (its owner holds it in :mod:`gateway.grace`).
         batch_deadline_at: batch work (a Batch API line, :mod:`api.batch_runner`): no web
             process, no ``MAX_QUEUE_WAIT_S``; it must end by this unix time.
+        adapter: the LoRA adapter it runs under (None: the bare base model): on the message,
+            and its name in ``meta["adapter"]`` (for its usage record); ``meta["model"]`` stays
+            the base model's name, which routes the request to that model's queue.
 
     Returns:
         The generation; for a prompt refused for its length, one that was never queued and
@@ -290,8 +301,8 @@ async def start(principal: Principal, *, sampling: Sampling, default_max_tokens:
         default_max_tokens=default_max_tokens,
         queue_deadline_s=0.0 if batch else conf["MAX_QUEUE_WAIT_S"],
         origin="" if detachable or batch else web_id,
-        meta={"tenant_id": tenant.pk, "api_key_id": principal.api_key_id, **(meta or {})},
-    )
+        meta={"tenant_id": tenant.pk, "api_key_id": principal.api_key_id, **(meta or {}),
+              **({"adapter": adapter.name} if adapter is not None else {})}, adapter=adapter)
     if prompt_tokens is None:
         context = await served_context(message_model(message.meta))
         # A prompt over context - 1 tokens never fits: past that its bytes settle it.
@@ -307,29 +318,13 @@ async def start(principal: Principal, *, sampling: Sampling, default_max_tokens:
                                                   finish_reason=FinishReason.ERROR, error=error))
         prompt_tokens = count.tokens
     if sampling.max_tokens is None:
-        cap = answer_cap(principal, prompt_tokens, default_max_tokens, sampling.n)
+        cap = principal.answer_cap(prompt_tokens, default_max_tokens, sampling.n)
         if cap != default_max_tokens:
             message = message.model_copy(update={"default_max_tokens": cap})
     # Each of the n choices may take its whole max_tokens; the prompt is computed once.
     token_cost = prompt_tokens + sampling.n * (sampling.max_tokens or message.default_max_tokens)
     return Generation(await admission.admit(principal, message, token_cost),
                       detachable=detachable)
-
-
-def answer_cap(principal: Principal, prompt_tokens: int, default_max_tokens: int,
-               n: int = 1) -> int:
-    """The answer's cap (per choice, of ``n``) for a request that omits ``max_tokens``:
-    ``default_max_tokens``, lowered to what the tightest token limit of the sender lets one
-    request reserve (its tokens per minute, per key or per tenant, or its tenant's token budget:
-    the prompt and ``n`` answers), so that omitting ``max_tokens`` is never refused for a
-    default the client did not choose. A prompt that alone uses that limit keeps a cap of 1
-    token (and is refused as too big for the limit)."""
-    tenant = principal.tenant
-    limits = [n for n in (principal.tokens_per_minute, tenant.tokens_per_minute,
-                          tenant.token_budget) if n]
-    if not limits:
-        return default_max_tokens
-    return max(1, min(default_max_tokens, (min(limits) - prompt_tokens) // n))
 
 
 # How long the context length read from the workers' stats is reused (seconds).

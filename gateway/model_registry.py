@@ -59,20 +59,22 @@ class ModelEntry:
 @dataclass(frozen=True)
 class Access:
     """What a sender may call: its tenant's and its key's ``allowed_models`` rule lists (as
-    stored; a chat user has no key: ``key_rules`` blank)."""
+    stored; a chat user has no key: ``key_rules`` blank), and its tenant's id (``tenant_id``:
+    the LoRA adapters it owns, :mod:`gateway.adapters`; None: only shared ones)."""
 
     tenant_rules: str
     key_rules: str = ""
+    tenant_id: int | None = None
 
     @classmethod
     def of_key(cls, key: ApiKey) -> Access:
         """The access of ``key`` (its tenant loaded with it, as
         :func:`gateway.credentials.authenticate_headers` returns it)."""
-        return cls(key.tenant.allowed_models, key.allowed_models)
+        return cls(key.tenant.allowed_models, key.allowed_models, key.tenant_id)
 
     @classmethod
     def of_tenant(cls, tenant: Tenant) -> Access:
-        return cls(tenant.allowed_models)
+        return cls(tenant.allowed_models, tenant_id=tenant.pk)
 
     def permits(self, name: str) -> bool:
         """Whether both rule lists allow ``name``; a rule list stored unvalidated that does not

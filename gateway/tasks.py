@@ -1,5 +1,6 @@
-"""Celery tasks of the web tier's side of the protocol: usage records, and the sweep that ends
-what no live process would (see :mod:`gateway.usage` and :mod:`gateway.housekeeping`)."""
+"""Celery tasks of the web tier's side of the protocol: usage records, the sweep that ends
+what no live process would (see :mod:`gateway.usage` and :mod:`gateway.housekeeping`), and the
+check of a LoRA adapter (:mod:`gateway.adapter_validation`)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import redis.exceptions
 from celery import Task, shared_task
 from django.db import DatabaseError
 
-from gateway import grace, housekeeping, usage
+from gateway import adapter_validation, grace, housekeeping, usage
 from gateway.conf import platform_settings
 from gateway.errors import database_unavailable
 from inference.protocol.keys import USAGE_TASK_NAME
 from inference.protocol.liveness import RedisSight
+from tenants.adapters import VALIDATE_TASK
 
 log = logging.getLogger(__name__)
 
@@ -89,3 +91,12 @@ def sweep_queue() -> int:
         if isinstance(result, Exception):
             log.warning("sweep receiver %s failed: %s", receiver, result)
     return len(ended)
+
+
+@shared_task(name=VALIDATE_TASK, ignore_result=True)
+def validate_adapter(adapter_id: int) -> str:
+    """Check the LoRA adapter ``adapter_id`` and set it ``ready`` or ``refused``
+    (:func:`gateway.adapter_validation.validate`); returns its state (``gone``: it no longer
+    exists or changed meanwhile)."""
+    row = adapter_validation.validate(int(adapter_id))
+    return row.state if row is not None else "gone"

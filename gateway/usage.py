@@ -181,6 +181,7 @@ def _fields(report: UsageReport, figures: Bill) -> dict[str, Any]:
         "status": figures.status,
         "error_code": figures.error_code,
         "batch_id": str(meta.get("batch_id") or ""),
+        "adapter": str(meta.get("adapter") or "")[:200],
     }
 
 

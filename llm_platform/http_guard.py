@@ -17,10 +17,10 @@ that was read already; so the limit acts here, on the headers, in :class:`Platfo
   only once the request's API key, from its headers, was found valid
   (:func:`gateway.credentials.authenticate_headers`); until then the connection is not read. A
   missing or wrong key gets the API's 401, a database that cannot answer its 503, the body
-  unread. An upload (``/v1/files``) there also takes one of its tenant's upload leases first
-  (``FILES_MAX_CONCURRENT_UPLOADS``, :func:`api.file_views.take_upload_lease`: 429 when none
-  is free, the body unread), held while the body arrives and the view stores it, ended with
-  the request.
+  unread. An upload (``/v1/files``, ``/v1/adapters``) there also takes one of its tenant's
+  upload leases first (``FILES_MAX_CONCURRENT_UPLOADS``,
+  :func:`api.file_views.take_upload_lease`: 429 when none is free, the body unread), held
+  while the body arrives and the view stores it, ended with the request.
 - **Request targets.** An absolute-form target (``GET http://host/v1/models``, RFC 9112 3.2.2) is
   served as its path, with its host in place of the ``Host`` header; a target that is neither a
   path nor such a URL (``*``, ``host:443``, ``v1/models``), or holds bytes that are not ASCII,
@@ -58,10 +58,10 @@ from gateway.conf import platform_settings
 from gateway.credentials import authenticate_headers
 from gateway.errors import APIError, request_too_large, unexpected_error
 
-# Uploads (the Files API): a large body there is read only once it holds one of its tenant's
-# upload leases, which it keeps until its request ends; the view learns of it from this header
-# (one a client sent is dropped).
-UPLOAD_PATH = "/v1/files"
+# Uploads (the Files API, LoRA adapters): a large body there is read only once it holds one of
+# its tenant's upload leases, which it keeps until its request ends; the view learns of it from
+# this header (one a client sent is dropped).
+UPLOAD_PATHS = ("/v1/files", "/v1/adapters")
 UPLOAD_LEASE_HEADER = file_views.UPLOAD_LEASE_HEADER.encode()
 # After a refusal, how long what the client still sends is read and dropped before the
 # connection is closed (seconds).
@@ -192,13 +192,13 @@ async def key_refusal(headers: Mapping[str, str], route: str = ""
                       ) -> tuple[APIError | None, UploadLease | None]:
     """What a request with ``headers`` to ``route`` is refused for, checked as the API checks
     its key (:func:`gateway.credentials.authenticate_headers`): None for a valid key, else its
-    401, or the 503 of a database that cannot answer; on :data:`UPLOAD_PATH`, a valid key also
+    401, or the 503 of a database that cannot answer; on :data:`UPLOAD_PATHS`, a valid key also
     takes one of its tenant's upload leases (the 429 when none is free), returned with it. The
     database connection is closed after, as at the end of a request."""
     async with ThreadSensitiveContext():
         try:
             key = await authenticate_headers(headers)
-            if route != UPLOAD_PATH:
+            if route not in UPLOAD_PATHS:
                 return None, None
             return None, UploadLease(key.tenant_id,
                                      await file_views.take_upload_lease(key.tenant_id))

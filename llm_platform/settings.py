@@ -218,6 +218,12 @@ LLM_PLATFORM = {
     "MODEL_PATH": SHARED.model_path,
     "LLM_CACHE_DIR": SHARED.llm_cache_dir,
     "STRUCTURED_MAX_SPEC_BYTES": SHARED.structured_max_spec_bytes,
+    # LoRA adapters (docs/platform.md, "LoRA adapters"): the folder their files live under
+    # (empty: <repo>/.cache/adapters) and the largest rank; and, the web tier's own, the most
+    # bytes of an adapter's two files (an upload's, a registered folder's).
+    "ADAPTER_ROOT": SHARED.adapter_root,
+    "MAX_LORA_RANK": SHARED.max_lora_rank,
+    "MAX_ADAPTER_BYTES": env.int("MAX_ADAPTER_BYTES", default=512 * 2**20),
     # Tool calling (api.tool_fields): tools one chat request may offer (OpenAI's limit), and the
     # bytes of their definitions' JSON.
     "MAX_TOOLS": env.int("MAX_TOOLS", default=128),
@@ -290,7 +296,8 @@ LLM_PLATFORM = {
     # Paths that take larger bodies (files): "PATH=BYTES,..." (a path covers the paths below it;
     # the longest match wins). A body over MAX_BODY_BYTES is read there only once the request's
     # API key, from its headers, was found valid (else 401, nothing read).
-    # By default /v1/files takes a file of FILES_MAX_BYTES and its multipart framing.
+    # By default /v1/files takes a file of FILES_MAX_BYTES and its multipart framing, and
+    # /v1/adapters an adapter of MAX_ADAPTER_BYTES and its framing.
     "MAX_BODY_BYTES_BY_PATH": {path: int(limit) for path, limit in
                                env.dict("MAX_BODY_BYTES_BY_PATH", default={}).items()},
 }
@@ -298,6 +305,7 @@ LLM_PLATFORM = {
 MULTIPART_OVERHEAD_BYTES = 65_536
 LLM_PLATFORM["MAX_BODY_BYTES_BY_PATH"] = {
     "/v1/files": LLM_PLATFORM["FILES_MAX_BYTES"] + MULTIPART_OVERHEAD_BYTES,
+    "/v1/adapters": LLM_PLATFORM["MAX_ADAPTER_BYTES"] + MULTIPART_OVERHEAD_BYTES,
     **LLM_PLATFORM["MAX_BODY_BYTES_BY_PATH"]}
 # Django's own limit on a body it reads (request.body, forms), the same: a body that reaches
 # Django without the web process (a test client, another server) is refused alike.

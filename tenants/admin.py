@@ -1,14 +1,24 @@
-"""Admin for tenants, tiers, users, keys, usage and the base models served. A new key is shown
-once, on the page that answers the form that made it."""
+"""Admin for tenants, tiers, users, keys, usage, the base models served and the LoRA adapters
+over them. A new key is shown once, on the page that answers the form that made it."""
 
 from __future__ import annotations
 
+from django import forms
 from django.contrib import admin
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.utils.cache import add_never_cache_headers
 
-from tenants.models import ApiKey, Membership, PriorityTier, ServedModel, Tenant, UsageRecord
+from tenants import adapters
+from tenants.models import (
+    ApiKey,
+    LoraAdapter,
+    Membership,
+    PriorityTier,
+    ServedModel,
+    Tenant,
+    UsageRecord,
+)
 from tenants.services import VISIBLE_PREFIX_LEN, generate_raw_key, hash_key, revoke_api_key
 
 
@@ -58,6 +68,55 @@ class ServedModelAdmin(admin.ModelAdmin):
     list_filter = ["enabled"]
     search_fields = ["name", "description", "model_path"]
     readonly_fields = ["created_at"]
+
+
+class LoraAdapterForm(forms.ModelForm):
+    """An adapter's form: its folder must lie under ``ADAPTER_ROOT`` (symlinks followed)."""
+
+    class Meta:
+        model = LoraAdapter
+        fields = ["name", "base_model", "owner", "folder", "enabled"]
+
+    def clean_folder(self) -> str:
+        folder = self.cleaned_data["folder"].strip()
+        inside = adapters.inside_root(folder)
+        if inside is None:
+            raise forms.ValidationError(
+                f"The folder must lie under ADAPTER_ROOT ({adapters.root_folder()}).")
+        return str(inside)
+
+
+@admin.register(LoraAdapter)
+class LoraAdapterAdmin(admin.ModelAdmin):
+    """LoRA adapters: uploaded by tenants (``POST /v1/adapters``) or registered by an operator
+    (``manage.py register_adapter``, or here). A new adapter, or one whose folder or base model
+    changes, is checked again by the Celery task (pending until then)."""
+
+    form = LoraAdapterForm
+    list_display = ["__str__", "owner", "state", "refusal", "enabled", "rank", "size_bytes",
+                    "created_at", "validated_at"]
+    list_filter = ["state", "enabled", "base_model", "owner"]
+    search_fields = ["name", "base_model", "owner__slug", "digest"]
+    readonly_fields = ["state", "refusal", "rank", "target_modules", "size_bytes", "digest",
+                       "created_at", "validated_at"]
+    actions = ["validate_again"]
+
+    def save_model(self, request: HttpRequest, obj: LoraAdapter, form, change: bool) -> None:
+        recheck = not change or bool({"folder", "base_model", "name"} & set(form.changed_data))
+        if recheck:
+            obj.state, obj.refusal = LoraAdapter.State.PENDING, ""
+        super().save_model(request, obj, form, change)
+        if recheck:
+            adapters.queue_validation(obj.pk)
+
+    @admin.action(description="Validate again", permissions=["change"])
+    def validate_again(self, request: HttpRequest, queryset) -> None:
+        """Queue the check of every selected adapter; each keeps its state until the check
+        has run (``validated_at`` then moves)."""
+        ids = list(queryset.values_list("pk", flat=True))
+        for pk in ids:
+            adapters.queue_validation(pk)
+        self.message_user(request, f"Queued the validation of {len(ids)} adapter(s).")
 
 
 @admin.register(Membership)
@@ -144,11 +203,11 @@ class UsageRecordAdmin(admin.ModelAdmin):
     """Usage records: the tokens processed, and the tokens charged (``billed_tokens``: batch
     work at its price per token) beside the batch a line belongs to."""
 
-    list_display = ["request_id", "tenant", "api_key", "prompt_tokens", "cached_prompt_tokens",
-                    "completion_tokens", "billed_tokens", "batch_id", "ttft_s", "duration_s",
-                    "finish_reason", "status", "created_at"]
+    list_display = ["request_id", "tenant", "api_key", "model", "adapter", "prompt_tokens",
+                    "cached_prompt_tokens", "completion_tokens", "billed_tokens", "batch_id",
+                    "ttft_s", "duration_s", "finish_reason", "status", "created_at"]
     list_filter = ["tenant", ServiceClassFilter, "finish_reason", "status"]
-    search_fields = ["request_id", "batch_id"]
+    search_fields = ["request_id", "batch_id", "adapter"]
     date_hierarchy = "created_at"
 
     def has_add_permission(self, request: HttpRequest) -> bool:

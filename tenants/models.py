@@ -1,8 +1,9 @@
 """Tenants and what belongs to them: priority tiers, users, API keys, usage records; the base
-models served."""
+models served and the LoRA adapters over them."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from django.conf import settings
@@ -28,6 +29,30 @@ def validate_model_name(name: str) -> None:
             "A model name is one or more '/'-separated parts, each starting with a letter or "
             "digit and holding only letters, digits, '.', '_' and '-' (no ':', '@', '*', "
             "whitespace, or empty part), 128 characters at most.", code="invalid_name")
+
+
+# A LoRA adapter's own name (the part after ':' in ``base:adapter``): one part of a model name.
+ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+ADAPTER_NAME_MAX = 64
+
+
+def valid_adapter_name(name: str) -> bool:
+    """Whether ``name`` is a valid adapter name (:data:`ADAPTER_NAME_RE`, at most
+    :data:`ADAPTER_NAME_MAX` characters)."""
+    return len(name) <= ADAPTER_NAME_MAX and ADAPTER_NAME_RE.fullmatch(name) is not None
+
+
+def validate_adapter_name(name: str) -> None:
+    """Check a LoRA adapter's name (:func:`valid_adapter_name`).
+
+    Raises:
+        ValidationError: not a valid adapter name.
+    """
+    if not valid_adapter_name(name):
+        raise ValidationError(
+            "An adapter's name starts with a letter or digit and holds only letters, digits, "
+            "'.', '_' and '-' (no '/', ':' or whitespace), 64 characters at most.",
+            code="invalid_name")
 
 
 def validate_model_rules(text: str) -> None:
@@ -186,6 +211,8 @@ class UsageRecord(models.Model):
     error_code = models.CharField(max_length=64, blank=True)
     # The batch (the Batch API) whose line this request ran, or blank for interactive work.
     batch_id = models.CharField(max_length=64, blank=True, db_index=True)
+    # The LoRA adapter the answer was generated under (``base:adapter``), or blank.
+    adapter = models.CharField(max_length=200, blank=True)
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
 
     class Meta:
@@ -252,4 +279,69 @@ class ServedModel(models.Model):
             ValidationError: ``name`` is not a valid model name.
         """
         validate_model_name(self.name)
+        super().save(*args, **kwargs)
+
+
+class LoraAdapter(models.Model):
+    """A LoRA adapter (PEFT) over a served base model, called as ``{base_model}:{name}``.
+
+    ``owner``: the tenant whose keys may call it (None: every tenant's; shared). ``folder``
+    holds its ``adapter_config.json`` and ``adapter_model.safetensors``, under
+    ``ADAPTER_ROOT``. A new or changed adapter is ``pending`` until the Celery task checks it
+    (``tenants.adapter_check``): then ``ready``, with its ``rank``, ``target_modules``,
+    ``size_bytes`` and ``digest`` (the SHA-256 of its safetensors file) set, or ``refused``
+    with the reason in ``refusal``. Only a ready and enabled adapter is served.
+    """
+
+    class State(models.TextChoices):
+        PENDING = "pending", "Pending"
+        READY = "ready", "Ready"
+        REFUSED = "refused", "Refused"
+
+    name = models.CharField(
+        max_length=ADAPTER_NAME_MAX, validators=[validate_adapter_name],
+        help_text="The adapter's part of 'base:adapter' (case-sensitive).")
+    base_model = models.CharField(
+        max_length=128, validators=[validate_model_name],
+        help_text="The name of the served base model it adapts.")
+    owner = models.ForeignKey(
+        Tenant, null=True, blank=True, on_delete=models.CASCADE, related_name="lora_adapters",
+        help_text="The tenant that may call it; blank: shared with every tenant.")
+    folder = models.CharField(
+        max_length=1024, help_text="Its folder (adapter_config.json, "
+                                   "adapter_model.safetensors), under ADAPTER_ROOT.")
+    rank = models.PositiveIntegerField(default=0, editable=False)
+    target_modules = models.TextField(blank=True, editable=False)
+    size_bytes = models.PositiveBigIntegerField(default=0, editable=False)
+    digest = models.CharField(max_length=64, blank=True, editable=False)
+    state = models.CharField(max_length=8, choices=State.choices, default=State.PENDING,
+                             editable=False)
+    refusal = models.TextField(blank=True, editable=False)
+    enabled = models.BooleanField(default=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    validated_at = models.DateTimeField(null=True, blank=True, editable=False)
+
+    class Meta:
+        ordering = ["base_model", "name"]
+        verbose_name = "LoRA adapter"
+        constraints = [models.UniqueConstraint(fields=["base_model", "name"],
+                                               name="unique_adapter_per_base_model")]
+
+    def __str__(self) -> str:
+        return self.api_name
+
+    @property
+    def api_name(self) -> str:
+        """What a request sends as ``model``: ``{base_model}:{name}``."""
+        return f"{self.base_model}:{self.name}"
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        """Save, refusing an adapter name or a base model name that is not valid, whoever saves
+        it (the resolution of ``base:adapter`` relies on both).
+
+        Raises:
+            ValidationError: ``name`` or ``base_model`` is not valid.
+        """
+        validate_adapter_name(self.name)
+        validate_model_name(self.base_model)
         super().save(*args, **kwargs)

@@ -130,7 +130,8 @@ class TenantSettings:
 
 class EngineTarget:
     """The engine in-process, on its own worker thread (as in the worker process, without Redis
-    or the web tier). Token times are taken in the engine's event sink, when each tick ends.
+    or the web tier), each request under its spec's LoRA adapter (if any). Token times are taken
+    in the engine's event sink, when each tick ends.
 
     Use as ``async with EngineTarget(engine) as target``; the engine is started on entry and
     shut down on exit.
@@ -178,7 +179,8 @@ class EngineTarget:
             handle = self.engine.submit(
                 prompt=spec.prompt, request_id=rid, tenant=spec.tenant,
                 priority=settings.priority, fairness_weight=settings.fairness_weight,
-                sampling=SamplingParams(max_tokens=spec.max_tokens, ignore_eos=spec.ignore_eos))
+                sampling=SamplingParams(max_tokens=spec.max_tokens, ignore_eos=spec.ignore_eos),
+                adapter=spec.adapter)
         except EngineRefusal as exc:
             self._queues.pop(rid)
             result.http_status = STATUS_BY_CODE[exc.error.code]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 
 @dataclass
@@ -26,6 +26,8 @@ class RequestSpec:
         arrival_s: when to send it, seconds after the run starts.
         prompt_len: prompt tokens as built (the server's count is in the result).
         tag: a label for grouping results (e.g. ``long`` or ``short``).
+        adapter: the LoRA adapter it runs under in-process (an engine ``AdapterSpec``; None:
+            the bare model).
     """
 
     prompt: str
@@ -35,6 +37,7 @@ class RequestSpec:
     prompt_len: int = 0
     tag: str = ""
     ignore_eos: bool = True
+    adapter: Any = None
 
 
 class Tokenizer(Protocol):

@@ -137,6 +137,9 @@ class EngineConfig(BaseModel):
     # The KV cache's dtype: auto is the model's, and bfloat16 under QUANTIZATION=q4_1 (half the
     # bytes a decode step reads of an fp32 cache); float32 keeps a q4_1 model's cache in fp32.
     kv_cache_dtype: str = Field("auto", description="auto, bfloat16 or float32 (q4_1 only).")
+    # LoRA adapters loaded at once (inference.engine.adapter_pool), each run in the same pass
+    # as the others and the bare model's rows; 0: this engine serves no adapter.
+    max_loras: int = Field(8, ge=0, le=256, description="LoRA adapters loaded at once.")
     # BACKEND=reference only: seconds each forward pass takes, to emulate a real model's pace.
     reference_step_delay_s: float = Field(0.0, ge=0)
 

@@ -32,9 +32,16 @@ from dataclasses import dataclass
 from inference.engine.request import Request
 
 
-def _tenant_seed(tenant: str) -> int:
-    """The hash chain's seed: per tenant, so tenants never share cached blocks."""
-    return hash(("tenant", tenant))
+def _tenant_seed(tenant: str, adapter: str = "") -> int:
+    """The hash chain's seed: per tenant, so tenants never share cached blocks, and per LoRA
+    adapter (its digest; empty: the bare base model), so a prefix computed under one adapter
+    is never a hit for another adapter or for the base model."""
+    return hash(("tenant", tenant, adapter)) if adapter else hash(("tenant", tenant))
+
+
+def cache_salt(request: Request) -> tuple[str, str]:
+    """What seeds ``request``'s hash chain: its tenant and its adapter's digest (or "")."""
+    return request.tenant, request.adapter.digest if request.adapter is not None else ""
 
 
 @dataclass
@@ -114,10 +121,11 @@ class KVCacheManager:
     def _chain_hash(parent: int, tokens: Sequence[int]) -> int:
         return hash((parent, tuple(tokens)))
 
-    def block_hashes(self, tenant: str, token_ids: Sequence[int], num_blocks: int) -> list[int]:
+    def block_hashes(self, tenant: str, token_ids: Sequence[int], num_blocks: int,
+                     adapter: str = "") -> list[int]:
         """Hash chain of the first ``num_blocks`` full blocks of ``token_ids`` for ``tenant``."""
         bs = self.block_size
-        parent = _tenant_seed(tenant)
+        parent = _tenant_seed(tenant, adapter)
         hashes = []
         for i in range(num_blocks):
             parent = self._chain_hash(parent, token_ids[i * bs:(i + 1) * bs])
@@ -136,7 +144,8 @@ class KVCacheManager:
             return PrefixMatch((), 0)
         max_blocks = (request.prompt_len - 1) // self.block_size
         hits: list[int] = []
-        hashes = self.block_hashes(request.tenant, request.prompt_token_ids, max_blocks)
+        tenant, adapter = cache_salt(request)
+        hashes = self.block_hashes(tenant, request.prompt_token_ids, max_blocks, adapter=adapter)
         for i, h in enumerate(hashes):
             block_id = self._hash_to_block.get(h)
             if block_id is None:
@@ -182,7 +191,8 @@ class KVCacheManager:
         request.block_hashes = []
         if match.block_ids:
             request.block_hashes = self.block_hashes(
-                request.tenant, request.prompt_token_ids, len(match.block_ids))
+                request.tenant, request.prompt_token_ids, len(match.block_ids),
+                adapter=cache_salt(request)[1])
         request.num_cached_tokens = match.num_tokens
         request.num_computed_tokens = match.num_tokens
         request.reserved_blocks = self.blocks_demand(request) - len(match.block_ids)
@@ -250,7 +260,8 @@ class KVCacheManager:
         if len(request.block_hashes) >= full:
             return
         tokens = request.all_token_ids
-        parent = request.block_hashes[-1] if request.block_hashes else _tenant_seed(request.tenant)
+        parent = (request.block_hashes[-1] if request.block_hashes
+                  else _tenant_seed(*cache_salt(request)))
         for i in range(len(request.block_hashes), full):
             content = tuple(tokens[i * bs:(i + 1) * bs])
             parent = self._chain_hash(parent, content)

@@ -27,14 +27,14 @@ from inference.engine.backends.base import ModelBackend
 from inference.engine.compute_thread import ComputeThread
 from inference.engine.config import EngineConfig
 from inference.engine.request import (
-    ErrorCode,
-    ErrorInfo,
+    AdapterSpec,
     Event,
     FinalEvent,
     Request,
     ResumeState,
     SamplingParams,
 )
+from inference.engine.sched.outputs import tick_failed, worker_shutdown
 from inference.engine.sched.preemption import for_another_engine
 from inference.engine.sched.scheduler import Scheduler
 from inference.engine.structured.compiler import GrammarCompiler
@@ -46,6 +46,7 @@ from inference.engine.submission import (
     QueueFullError,
     RequestHandle,
     build_request,
+    checked_adapter,
     gate_one_refusal,
 )
 
@@ -94,6 +95,8 @@ class LLMEngine:
 
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
+        if (pool := self.scheduler.state.adapters) is not None:  # an adapter's files read
+            pool.notify = self._wakeup.set
         self._inbox: list[tuple[str, Any]] = []
         self.grammars = GrammarCompiler(self.tokenizer, self.backend.vocab_size, config)
         self._handles: dict[str, RequestHandle] = {}
@@ -123,7 +126,8 @@ class LLMEngine:
                fairness_key: str = "", priority: int = 0, fairness_weight: float = 1.0,
                request_id: str | None = None, queue_wait_s: float | None = None,
                resume: ResumeState | None = None, batch: bool = False,
-               deadline_s: float | None = None) -> RequestHandle:
+               deadline_s: float | None = None, adapter: AdapterSpec | None = None
+               ) -> RequestHandle:
         """Queue a request; never waits for a tick.
 
         Exactly one of ``prompt_token_ids``, ``prompt`` (text) or ``messages`` (chat, rendered
@@ -136,6 +140,7 @@ class LLMEngine:
         ``resume.sampling`` (``sampling`` ignored). ``batch``: the batch service class
         (``queue_wait_s`` ignored; past ``deadline_s``, seconds from now, it ends with
         ``batch_expired`` in any phase; ``docs/design.md``, "The batch service class").
+        ``adapter``: the LoRA adapter it runs under (None: the bare model).
 
         Returns:
             A handle whose :meth:`RequestHandle.events` yields the request's events.
@@ -156,6 +161,7 @@ class LLMEngine:
             fairness_weight=fairness_weight, request_id=request_id, queue_wait_s=queue_wait_s,
             resume=resume, clock=self.scheduler.clock, max_n=self.config.max_batch_size,
             batch=batch, deadline_s=deadline_s)
+        request.adapter = adapter and checked_adapter(adapter, self.scheduler.state.adapters)
         handle = RequestHandle(request.request_id,
                                resume.prompt_len if resume is not None else request.prompt_len)
         with self._lock:
@@ -212,8 +218,7 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         """The stats snapshot published after the latest tick (never waits for a tick)."""
-        snapshot = dict(self._stats)
-        snapshot["num_queued"] = self.num_queued()
+        snapshot = dict(self._stats, num_queued=self.num_queued())
         snapshot["uptime_s"] = time.time() - self._started_at  # now, not at that tick
         return snapshot
 
@@ -245,11 +250,13 @@ class LLMEngine:
         return early + events
 
     def has_work(self) -> bool:  # a request queued, running, or waiting for its grammar
-        return self.grammars.compiling() > 0 or self._has_tick_work()
+        with self._lock:
+            queued = bool(self._inbox)
+        return queued or self.grammars.compiling() > 0 or self.scheduler.has_work()
 
     def _has_tick_work(self) -> bool:
         with self._lock:
-            return bool(self._inbox) or self.scheduler.has_work()
+            return bool(self._inbox) or self.scheduler.state.has_tick_work()
 
     def start(self) -> None:
         """Start the worker thread that ticks while there is work (the compute thread; one of
@@ -298,9 +305,7 @@ class LLMEngine:
         with self._lock:
             for request in withdrawn:
                 self._handles.pop(request.request_id, None)
-        self.scheduler.fail_all(ErrorInfo(
-            code=ErrorCode.WORKER_SHUTDOWN, retryable=True,
-            message="the inference worker shut down while serving this request"))
+        self.scheduler.fail_all(worker_shutdown())
         self._after_tick(self.scheduler.take_events())
         return withdrawn
 
@@ -335,12 +340,10 @@ class LLMEngine:
             try:
                 self._step()
             except Exception:  # keep serving: fail what was live, then go on
-                # Not reached by one request's own values (the scheduler contains those); the
-                # log has the exception, the clients a message without its (torch) text.
+                # (not one request's own values: the scheduler contains those) logged whole,
+                # the clients told without its (torch) text
                 log.exception("tick failed")
-                self.scheduler.fail_all(ErrorInfo(
-                    code=ErrorCode.ENGINE_ERROR, details={"phase": "tick"}, retryable=True,
-                    message="the engine failed while serving this request"))
+                self.scheduler.fail_all(tick_failed())
                 self._after_tick(self.scheduler.take_events())
 
     def _drain_inbox(self) -> None:
@@ -392,9 +395,6 @@ class LLMEngine:
                 log.exception("event sink failed")
 
     def _build_stats(self) -> dict[str, Any]:
-        snapshot = self.scheduler.stats()
-        snapshot["last_tick_s"] = self._tick_seconds
-        snapshot["tick_seconds_total"] = round(self._tick_seconds_total, 4)
-        snapshot["max_model_len"] = self.max_model_len
-        snapshot["structured"] = self.grammars.stats()
-        return snapshot
+        return dict(self.scheduler.stats(), last_tick_s=self._tick_seconds,
+                    tick_seconds_total=round(self._tick_seconds_total, 4),
+                    max_model_len=self.max_model_len, structured=self.grammars.stats())

@@ -201,6 +201,18 @@ class ResumeState:
         return len(self.generated) + sum(c.completion_tokens for c in self.choices)
 
 
+@dataclass(frozen=True)
+class AdapterSpec:
+    """The adapter a request runs under: ``name`` (``base:adapter``, for errors and stats),
+    ``path`` (its folder), ``digest`` (SHA-256 of its safetensors file, hex: what the pool and
+    the prefix cache key it by) and ``rank``."""
+
+    name: str
+    path: str
+    digest: str
+    rank: int
+
+
 @dataclass(eq=False)
 class Request:
     """A request inside the engine and its mutable serving state.
@@ -269,6 +281,10 @@ class Request:
     expires_at: float | None = None
     recomputed_prefix: int = 0
     first_cached_tokens: int = 0
+    # The LoRA adapter it runs under (None: the bare base model); docs/engine.md, "LoRA
+    # adapters". ``parked``: it waits out of the order for its adapter to load.
+    adapter: AdapterSpec | None = None
+    parked: bool = False
 
     def __post_init__(self) -> None:
         if not self.fairness_key:

@@ -8,9 +8,11 @@ import queue
 import time
 import uuid
 from collections.abc import Callable, Collection, Iterator, Sequence
+from typing import Any
 
 from inference.engine.backends.base import Tokenizer
 from inference.engine.request import (
+    AdapterSpec,
     ErrorCode,
     ErrorInfo,
     Event,
@@ -117,6 +119,23 @@ def gate_one_refusal(stopping: bool, queued: int, max_pending: int, live: bool,
         return InvalidRequestError(ErrorInfo(code=ErrorCode.INVALID_REQUEST,
                                              message=f"request id {request_id} is already live"))
     return None
+
+
+def checked_adapter(adapter: AdapterSpec, pool: Any) -> AdapterSpec:
+    """``adapter`` for a request of an engine whose adapter pool is ``pool``.
+
+    Raises:
+        InvalidRequestError: the engine serves no adapters (``MAX_LORAS=0``, or a backend
+            without them), or the adapter's rank is over its ``MAX_LORA_RANK``; ``param``
+            ``model``.
+    """
+    if pool is None:
+        raise _invalid(f"this worker serves no LoRA adapters (asked for '{adapter.name}')",
+                       param="model")
+    if adapter.rank > pool.max_rank:
+        raise _invalid(f"the adapter '{adapter.name}' has rank {adapter.rank}, over this "
+                       f"worker's MAX_LORA_RANK={pool.max_rank}", param="model")
+    return adapter
 
 
 def build_request(tokenizer: Tokenizer, eos_token_ids: Collection[int], max_model_len: int, *,

@@ -65,6 +65,8 @@ class ErrorCode(StrEnum):
     INTERRUPTED = "interrupted"  # stopped by the server, not by its client (a drain's end)
     # Its tenant already has STRUCTURED_COMPILES_PER_TENANT grammars compiling on that worker.
     GRAMMAR_BUSY = "grammar_busy"
+    # Its LoRA adapter could not be loaded on the worker (a file gone, changed or unreadable).
+    ADAPTER_UNAVAILABLE = "adapter_unavailable"
 
 
 class ErrorInfo(Message):

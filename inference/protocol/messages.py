@@ -181,6 +181,27 @@ class Resume(Message):
             completion_tokens=len(c.generated)) for c in self.choices)
 
 
+# What separates a base model's name from its adapter's in the API's ``model`` (``base:adapter``).
+ADAPTER_SEPARATOR = ":"
+
+
+class AdapterRef(Message):
+    """The LoRA adapter a request runs under (``docs/platform.md``, "LoRA adapters").
+
+    ``name``: as the API calls it, ``{base}:{adapter}``. ``path``: the folder holding its
+    ``adapter_config.json`` and ``adapter_model.safetensors``; a worker loads only a folder
+    under its ``ADAPTER_ROOT``. ``digest``: the SHA-256 (hex) of the safetensors file as the
+    registry validated it; the worker's adapter pool and its prefix cache key the adapter by it,
+    so a replaced file is never mistaken for the one before, and a file that no longer has this
+    digest fails its requests. ``rank``: its LoRA rank ``r``.
+    """
+
+    name: str = Field(min_length=3, max_length=300)
+    path: str = Field(min_length=1, max_length=4096)
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$")
+    rank: int = Field(ge=1)
+
+
 # What a batch request's fairness key ends with: batch work is charged to a key of its own.
 BATCH_KEY_SUFFIX = ":batch"
 
@@ -229,6 +250,8 @@ class RequestMessage(Message):
     resume: Resume | None = None
     batch: bool = False
     batch_deadline_at: float = Field(0.0, ge=0, allow_inf_nan=False)
+    # The LoRA adapter the answer is generated under; None: the bare base model.
+    adapter: AdapterRef | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> RequestMessage:

@@ -25,3 +25,18 @@ def model_folder(model_path: str = "", llm_cache_dir: str = "") -> Path:
     return model_cache_dir(llm_cache_dir) / DEFAULT_MODEL_DIRNAME
 
 
+
+
+def adapter_root(root: str = "") -> Path:
+    """The folder LoRA adapters live under: ``root`` (``ADAPTER_ROOT``), else
+    ``<repo>/.cache/adapters``; resolved, symlinks followed (not created)."""
+    if root.strip():
+        return Path(root.strip()).expanduser().resolve()
+    return (REPO_ROOT / ".cache" / "adapters").resolve()
+
+
+def under_adapter_root(path: str | Path, root: Path) -> Path | None:
+    """``path`` resolved (symlinks followed) when it lies strictly inside ``root`` (itself
+    resolved), else None: a LoRA adapter's folder must (``ADAPTER_ROOT``)."""
+    resolved = Path(path).expanduser().resolve()
+    return resolved if resolved != root and resolved.is_relative_to(root) else None

@@ -9,7 +9,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from inference.protocol.keys import Keys
-from inference.protocol.models import model_cache_dir, model_folder
+from inference.protocol.models import adapter_root, model_cache_dir, model_folder
 from inference.protocol.structured import DEFAULT_MAX_SPEC_BYTES
 
 # A base model's name (the API's `model`; the registry's): '/'-separated segments, each starting
@@ -64,6 +64,13 @@ class PlatformSettings(BaseSettings):
     # Where the default model is prepared; empty: .cache/models at the repository root.
     llm_cache_dir: str = ""
     log_level: str = "INFO"
+    # LoRA adapters (docs/platform.md, "LoRA adapters"): the one folder their files live under
+    # (uploads are written there; a worker loads no adapter outside it); empty:
+    # <repo>/.cache/adapters.
+    adapter_root: str = ""
+    # The largest LoRA rank an adapter may have (the registry refuses a larger one; the worker
+    # refuses to load one).
+    max_lora_rank: int = Field(64, ge=1, le=1024)
 
     @field_validator("served_model_name", "model_name")
     @classmethod
@@ -102,6 +109,12 @@ class PlatformSettings(BaseSettings):
     def model_folder(self) -> Path:
         """The model's folder: ``MODEL_PATH``, else the default model's (prepared or not)."""
         return model_folder(self.model_path, self.llm_cache_dir)
+
+    @property
+    def adapter_folder(self) -> Path:
+        """The folder LoRA adapters live under (``ADAPTER_ROOT``), resolved (symlinks
+        followed)."""
+        return adapter_root(self.adapter_root)
 
     @property
     def model_cache_dir(self) -> Path:

@@ -101,6 +101,11 @@ class FairQueue:
                          for name in ("take", "events", "requeue", "charge", "withdraw",
                                       "reclaim", "enqueue", "gate1", "preempt", "release")}
         self.wake_self = keys.fq("wake", worker_id)
+        # Adapter affinity (take.lua): the LoRA adapters this worker holds loaded (digests, as
+        # its last heartbeat saw them), and the most seconds a request waits for a worker that
+        # holds its adapter (0: no affinity).
+        self.adapters_held: tuple[str, ...] = ()
+        self.affinity_s = 0.0
         self._tiers: list[int] = []
         self._tiers_read_at = float("-inf")
         # Counter updates not yet known to have arrived (release: n; charge: key -> amount):
@@ -130,10 +135,9 @@ class FairQueue:
         n, batch_extra = max(0, n), max(0, batch_extra)
         if n + batch_extra <= 0:
             return []
-        extra = [] if above is None else [int(above)]
-        if batch_extra:
-            extra = [extra[0] if extra else "", batch_extra]
-        raw = self._run("take", self.worker_id, n, self.policy, *extra)
+        raw = self._run("take", self.worker_id, n, self.policy,
+                        "" if above is None else int(above), batch_extra,
+                        ",".join(self.adapters_held), self.affinity_s)
         if not isinstance(raw, list):
             raise Reclaimed(self.worker_id)
         return [QueuedRequest.from_record(raw[i], raw[i + 1]) for i in range(0, len(raw), 2)]
@@ -321,7 +325,19 @@ class FairQueue:
     def enqueue(self, message: RequestMessage) -> int:
         """Put a new request in the queue without the web tier's limits (tools, tests)."""
         return int(self._run("enqueue", message.request_id, message.fairness_key,
-                             message.priority, message.deadline() or 0, message.to_json()))
+                             message.priority, message.deadline() or 0, message.to_json(),
+                             message.adapter.digest if message.adapter is not None else ""))
+
+    def hold_adapters(self, digests: Sequence[str], ttl_s: float,
+                      pipe: redis.client.Pipeline | None = None) -> None:
+        """Say that this worker holds the LoRA adapters ``digests`` loaded, for ``ttl_s``
+        seconds (its heartbeat renews it), for the queue's adapter affinity (take.lua); a
+        ``pipe`` queues the write in it."""
+        self.adapters_held = tuple(digests)
+        if digests:
+            until = f"{self.worker_id} {time.time() + ttl_s:.3f}"
+            (pipe or self.client).hset(self.keys.fq("adapter_holder"),
+                                       mapping=dict.fromkeys(digests, until))
 
     def gate1(self) -> int:
         """Requests accepted and not yet admitted by any worker."""

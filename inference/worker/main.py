@@ -148,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         loaded.set()
+    if (pool := engine.scheduler.state.adapters) is not None:  # LoRA adapters: ADAPTER_ROOT only
+        pool.root, pool.max_rank = settings.adapter_folder, settings.max_lora_rank
     usage_sink = None if settings.broker_url == "none" else celery_usage_sink(
         settings.broker_url, settings.celery_queue)
     bridge = WorkerBridge(engine, client, settings.keys, worker_id,
@@ -158,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                           event_hold_s=settings.event_hold_ms / 1000,
                           event_hold_min_streams=settings.event_hold_min_streams,
                           model=settings.served_model)
+    bridge.queue.affinity_s = settings.adapter_affinity_ms / 1000
     pubsub = client.pubsub(ignore_subscribe_messages=True)
     pubsub.subscribe(**{bridge.keys.control: bridge.on_control})
 

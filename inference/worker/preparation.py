@@ -18,6 +18,7 @@ from typing import Any
 from inference.engine.backends.base import Tokenizer
 from inference.engine.llm_engine import InvalidRequestError
 from inference.engine.request import (
+    AdapterSpec,
     ChoiceState,
     ErrorCode,
     ErrorInfo,
@@ -92,7 +93,9 @@ def submit_args(message: RequestMessage, tokenizer: Tokenizer,
             "fairness_key": message.fairness_key, "priority": message.priority,
             "fairness_weight": message.fairness_weight, "request_id": message.request_id,
             "queue_wait_s": None if message.batch else left, "batch": message.batch,
-            "deadline_s": left if message.batch else None}
+            "deadline_s": left if message.batch else None,
+            "adapter": None if message.adapter is None else AdapterSpec(
+                **message.adapter.model_dump())}
 
 
 def _b64(state: bytes | None) -> str | None:

@@ -58,6 +58,9 @@ class WorkerSettings(PlatformSettings, EngineConfig):
     # tokens go one at a time (its inter-token latency is the step's, not two steps'), while
     # many streams, where the web tier's cost per write adds up, get two a write.
     event_hold_min_streams: int = Field(2, ge=1)
+    # Adapter affinity: the most a request of a LoRA adapter waits at the head of the order for a
+    # worker that holds its adapter loaded, before any worker takes it (take.lua); 0: none.
+    adapter_affinity_ms: int = Field(200, ge=0)
 
     def batch_prefetch(self) -> int:
         """``WORKER_BATCH_PREFETCH``, or ``MAX_BATCH_SIZE`` when it is not set."""

@@ -67,6 +67,16 @@ class RecordingBackend(ModelBackend):
     def remove_row(self, row_id: str) -> None:
         self.inner.remove_row(row_id)
 
+    @property
+    def serves_adapters(self) -> bool:
+        return self.inner.serves_adapters
+
+    def build_adapter(self, files, max_rank: int):
+        return self.inner.build_adapter(files, max_rank)
+
+    def set_row_adapter(self, row_id: str, weights) -> None:
+        self.inner.set_row_adapter(row_id, weights)
+
     def prefill(self, chunks: Sequence[PrefillChunk]) -> torch.Tensor:
         logits = self.inner.prefill(chunks)
         self.prefill_calls.append([(c.row_id, c.start_pos, len(c.token_ids)) for c in chunks])
@@ -133,8 +143,10 @@ def make_engine(backend: ModelBackend, **settings) -> tuple[LLMEngine, Recording
 
 def run_requests(engine: LLMEngine, recorder: RecordingBackend,
                  prompts: dict[str, list[int]], sampling: SamplingParams,
-                 ticks_between: int = 0, max_ticks: int = 20_000) -> dict[str, Run]:
-    """Submit ``prompts`` in order (``ticks_between`` ticks apart) and tick until idle."""
+                 ticks_between: int = 0, max_ticks: int = 20_000,
+                 adapters: dict | None = None) -> dict[str, Run]:
+    """Submit ``prompts`` in order (``ticks_between`` ticks apart) and tick until idle;
+    ``adapters`` maps a request id to the LoRA adapter it runs under (AdapterSpec)."""
     tokens: dict[str, list[int]] = defaultdict(list)
     texts: dict[str, list[str]] = defaultdict(list)
     finals: dict[str, FinalEvent] = {}
@@ -148,7 +160,8 @@ def run_requests(engine: LLMEngine, recorder: RecordingBackend,
                 finals[event.request_id] = event
 
     for rid, prompt in prompts.items():
-        engine.submit(prompt_token_ids=prompt, sampling=sampling, request_id=rid)
+        engine.submit(prompt_token_ids=prompt, sampling=sampling, request_id=rid,
+                      adapter=(adapters or {}).get(rid))
         for _ in range(ticks_between):
             tick()
     for _ in range(max_ticks):

@@ -114,10 +114,17 @@ def _hf_model(model_path: str, dtype: str):
 
 def run_generate(model_path: str, dtype: str, wl: Workload) -> list[Trace]:
     """Static batching: batches of ``concurrency`` requests, left-padded, run to the longest."""
+    return generate_static(_hf_model(model_path, dtype), wl)
+
+
+def generate_static(model, wl: Workload) -> list[Trace]:
+    """``model.generate`` over ``wl``'s requests in batches of ``concurrency``, greedy: each
+    batch left-padded to its longest prompt and run to its longest ``max_tokens`` (EOS held off
+    until then); each request's trace keeps the times of its own ``max_tokens`` steps, from its
+    batch's start."""
     import torch
     from transformers import StoppingCriteria, StoppingCriteriaList
 
-    model = _hf_model(model_path, dtype)
     pad = model.generation_config.pad_token_id
     pad = pad if pad is not None else model.config.eos_token_id
     traces: list[Trace] = []
@@ -130,13 +137,15 @@ def run_generate(model_path: str, dtype: str, wl: Workload) -> list[Trace]:
 
         def __call__(self, input_ids, scores, **kwargs):  # noqa: ANN001 - transformers' signature
             self.times.append(time.perf_counter())
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     for first in range(0, len(wl.requests), wl.concurrency):
         batch = wl.requests[first:first + wl.concurrency]
         width = max(len(s.prompt) for s in batch)
-        ids = torch.tensor([[pad] * (width - len(s.prompt)) + s.prompt for s in batch])
-        mask = torch.tensor([[0] * (width - len(s.prompt)) + [1] * len(s.prompt) for s in batch])
+        ids = torch.tensor([[pad] * (width - len(s.prompt)) + s.prompt for s in batch],
+                           device=model.device)
+        mask = torch.tensor([[0] * (width - len(s.prompt)) + [1] * len(s.prompt) for s in batch],
+                            device=model.device)
         n_new = max(s.max_tokens for s in batch)
         clock = StepClock()
         submitted = time.perf_counter()

@@ -100,6 +100,26 @@ class ModelBackend(ABC):
     def remove_row(self, row_id: str) -> None:  # noqa: B027 - optional hook
         """A row leaves the batch; its blocks may be reused by other rows afterwards."""
 
+    # Whether the backend runs rows under LoRA adapters (build_adapter, set_row_adapter).
+    serves_adapters: bool = False
+
+    def build_adapter(self, files: Any, max_rank: int) -> Any:
+        """Lay out an adapter's read files (:class:`inference.engine.lora.AdapterFiles`) as
+        this model's :class:`inference.engine.lora.AdapterWeights`, on the compute thread.
+
+        Raises:
+            inference.engine.lora.AdapterError: it does not fit the model; this backend
+                serves no adapters.
+        """
+        from inference.engine.lora import AdapterError
+
+        raise AdapterError(f"{type(self).__name__} serves no LoRA adapters")
+
+    def set_row_adapter(self, row_id: str, weights: Any) -> None:
+        """Run row ``row_id`` (added) under ``weights`` (an
+        :class:`inference.engine.lora.AdapterWeights`) until it is removed."""
+        raise NotImplementedError(f"{type(self).__name__} serves no LoRA adapters")
+
     def copy_block(self, source: int, target: int) -> None:
         """Copy the KV of every token slot of block ``source`` into block ``target``
         (copy-on-write of a prompt's last, partial block when a request forks into ``n``

@@ -36,9 +36,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from inference.engine.config import PrefillMode
-from inference.engine.request import BATCH_TIER, Request, RequestPhase
+from inference.engine.request import BATCH_TIER, FinishReason, Request, RequestPhase
 from inference.engine.sched.choice_resume import preempted_group_state, resumed_group_request
 from inference.engine.sched.lifecycle import RowLifecycle
+from inference.engine.sched.outputs import adapter_unavailable
 from inference.engine.sched.preemption import preempted_state, restarted, resumed_request
 from inference.engine.sched.state import SchedulerState
 from inference.engine.sched.tick_budget import PassCostModel, PassShape, batch_row_fits
@@ -77,9 +78,20 @@ class Admission:
         """Admit the head of ``_pending`` while a row is free and gates 2 and 3 pass; a head
         that has no row or fails gate 2 may preempt lower-tier rows (:meth:`_preempt_for`)."""
         state = self.state
+        if state.adapters is not None:
+            self._settle_adapters()
         while state.pending:
             request = state.policy.peek_next()
-            assert request is not None
+            if request is None:  # every pending request waits for its adapter
+                return
+            if request.adapter is not None and not state.adapters.is_loaded(
+                    request.adapter.digest):
+                # Skipped, not held: it waits out of the order for its adapter's load and
+                # comes back to its place when loaded (docs/design.md, "LoRA adapters").
+                state.policy.park(request)
+                state.parked.setdefault(request.adapter.digest, []).append(request)
+                state.adapters.want(request.adapter)
+                continue
             if request.batch and not self._batch_fits(request):
                 state.batch_itl_held += 1  # every request behind it is batch too
                 return
@@ -114,11 +126,34 @@ class Admission:
             request.admit_seq = state.admissions
             if request.admitted_time is None:  # a resumed request keeps its first admission
                 request.admitted_time = state.clock()
-            state.backend.add_row(request.request_id)
+            state.add_row(request)
             request.phase = RequestPhase.PREFILLING
             state.prefilling.append(request)
             if state.prefill_mode is PrefillMode.MONOLITHIC:
                 self.rows.run_prefill([request], whole_prompt=True)
+
+    def _settle_adapters(self) -> None:
+        """Lay out the adapters whose files were read (:meth:`AdapterPool.poll`): requests
+        parked on one loaded go back to their place in the order; those parked on one that
+        failed to load end with ``adapter_unavailable`` (only they: no running row is
+        touched)."""
+        state = self.state
+
+        def in_use() -> set[str]:
+            rows = (*state.prefilling, *state.active,
+                    *(r for r in state.pending.values() if not r.parked))
+            return {r.adapter.digest for r in rows if r.adapter is not None}
+
+        loaded, failed = state.adapters.poll(in_use)
+        for digest in loaded:
+            for request in state.parked.pop(digest, ()):
+                if state.pending.get(request.request_id) is request:
+                    state.policy.unpark(request)
+        for digest, why in failed.items():
+            for request in state.parked.pop(digest, ()):
+                if state.pending.get(request.request_id) is request:
+                    self.rows.finish(request, FinishReason.ERROR,
+                                     adapter_unavailable(request.adapter.name, why))
 
     def _batch_fits(self, head: Request) -> bool:
         """Whether a batch ``head`` keeps the predicted pass within the interactive rows' own
@@ -261,6 +296,7 @@ class Admission:
                 eos_token_ids=state.eos_token_ids, clock=state.clock,
                 arrival_seq=request.arrival_seq)
         resumed.batch, resumed.expires_at = request.batch, request.expires_at
+        resumed.adapter = request.adapter
         # Arrived before the old row leaves, so its key never looks idle (no VTC lift).
         self.rows.enqueue(resumed)
         state.policy.on_request_finished(request)

@@ -151,6 +151,7 @@ def fork_resumed(state: SchedulerState, parent: Request) -> tuple[list[Request],
                               clock=state.clock, arrival_seq=parent.arrival_seq)
         row.request_id = choice_row_id(parent.request_id, choice.index)
         row.group, row.choice_index = group, choice.index
+        row.adapter = parent.adapter
         row.admit_seq, row.admitted_time = parent.admit_seq, parent.admitted_time
         row.queue_deadline = None
         row.batch, row.expires_at = parent.batch, parent.expires_at
@@ -168,7 +169,7 @@ def fork_resumed(state: SchedulerState, parent: Request) -> tuple[list[Request],
                 failed.append((row, error))
             row.reserved_kv_tokens = max_tokens
             parent.reserved_kv_tokens -= max_tokens
-            state.backend.add_row(row.request_id)
+            state.add_row(row)
         rows.append(row)
     first = rows[0]  # takes over the prompt's row, its blocks and the rest of its reservation
     first.block_table, parent.block_table = parent.block_table, []
@@ -179,7 +180,7 @@ def fork_resumed(state: SchedulerState, parent: Request) -> tuple[list[Request],
     first.reserved_kv_tokens, parent.reserved_kv_tokens = parent.reserved_kv_tokens, 0
     if first.request_id != parent.request_id:  # choice 0 had ended: another row id
         state.backend.remove_row(parent.request_id)
-        state.backend.add_row(first.request_id)
+        state.add_row(first)
     parent.phase = RequestPhase.FINISHED
     for row in rows:
         row.phase = RequestPhase.PREFILLING

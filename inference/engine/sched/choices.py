@@ -236,7 +236,7 @@ def fork(state: SchedulerState, request: Request
             arrival_seq=request.arrival_seq, arrival_time=request.arrival_time,
             phase=RequestPhase.ACTIVE, admitted_time=request.admitted_time,
             admit_seq=request.admit_seq, group=group, choice_index=index,
-            batch=request.batch, expires_at=request.expires_at)
+            batch=request.batch, expires_at=request.expires_at, adapter=request.adapter)
         child.detokenizer = IncrementalDetokenizer(state.tokenizer, one.stop)
         child.logprobs = new_logprob_state(child, state.tokenizer)
         if request.grammar is not None:
@@ -246,7 +246,7 @@ def fork(state: SchedulerState, request: Request
             failed.append((child, error))
         child.reserved_kv_tokens = one.max_tokens
         request.reserved_kv_tokens -= one.max_tokens
-        state.backend.add_row(child.request_id)
+        state.add_row(child)
         group.rows[index] = child
         state.active.append(child)
     assert sum(r.reserved_kv_tokens for r in group.rows.values()) == total_kv

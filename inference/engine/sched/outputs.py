@@ -59,6 +59,26 @@ def queue_timeout(waited_s: float) -> ErrorInfo:
         retryable=True, details={"waited_s": round(waited_s, 3)})
 
 
+def tick_failed() -> ErrorInfo:
+    """The error of the requests live when a tick failed (the engine goes on serving)."""
+    return ErrorInfo(code=ErrorCode.ENGINE_ERROR, details={"phase": "tick"}, retryable=True,
+                     message="the engine failed while serving this request")
+
+
+def worker_shutdown() -> ErrorInfo:
+    """The error of the requests live when the engine shut down."""
+    return ErrorInfo(code=ErrorCode.WORKER_SHUTDOWN, retryable=True,
+                     message="the inference worker shut down while serving this request")
+
+
+def adapter_unavailable(name: str, why: str) -> ErrorInfo:
+    """The error of a request whose LoRA adapter ``name`` could not be loaded (``why``): it
+    ends alone, before its first token; a retry may load it (a file restored)."""
+    return ErrorInfo(code=ErrorCode.ADAPTER_UNAVAILABLE,
+                     message=f"the adapter '{name}' could not be loaded: {why}",
+                     details={"param": "model", "adapter": name})
+
+
 def batch_expired() -> ErrorInfo:
     """The error of a batch request not done by its own deadline (its completion window),
     in any phase; a retry cannot help (the window has passed)."""

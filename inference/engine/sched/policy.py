@@ -103,10 +103,27 @@ class SchedulingPolicy(ABC):
         self._release(request)
 
     def remove(self, request: Request) -> None:
-        """Take a pending request out of the queue without admitting it."""
-        self._pop(request)
+        """Take a pending request out of the queue without admitting it (parked or not)."""
+        if request.parked:
+            request.parked = False
+        else:
+            self._pop(request)
         self.keys[request.fairness_key].pending -= 1
         self._release(request)
+
+    def park(self, request: Request) -> None:
+        """Take a pending request out of the order while it cannot be admitted (its LoRA
+        adapter loads): it keeps its arrival, its key stays backlogged (no VTC lift when it
+        comes back) and it still counts as pending."""
+        if not request.parked:
+            self._pop(request)
+            request.parked = True
+
+    def unpark(self, request: Request) -> None:
+        """Put a parked request back in its place in the order (its arrival and rank)."""
+        if request.parked:
+            request.parked = False
+            self._push(request)
 
     # Internals -----------------------------------------------------------------------------
 

@@ -96,6 +96,7 @@ def restarted(request: Request) -> Request:
                     arrival_seq=request.arrival_seq, arrival_time=request.arrival_time)
     fresh.queue_deadline, fresh.admitted_time = request.queue_deadline, request.admitted_time
     fresh.batch, fresh.expires_at = request.batch, request.expires_at
+    fresh.adapter = request.adapter
     fresh.preemptions, fresh.event_seq = request.preemptions + 1, request.event_seq
     fresh.recomputed_prefix = max(request.recomputed_prefix, request.num_computed_tokens)
     fresh.first_cached_tokens = (request.first_cached_tokens if request.recomputed_prefix

@@ -38,6 +38,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from inference.engine.adapter_pool import AdapterPool
 from inference.engine.backends.base import ModelBackend
 from inference.engine.config import EngineConfig, PrefillMode
 from inference.engine.kv_cache import KVCacheManager
@@ -82,6 +83,9 @@ class Scheduler:
         policy = make_policy(
             config.scheduling_policy, config.vtc_input_weight, config.vtc_output_weight)
         self.state = SchedulerState(config, backend, kv, policy, active_kv_budget)
+        if config.max_loras and backend.serves_adapters:
+            self.state.adapters = AdapterPool(config.max_loras, backend.build_adapter,
+                                              clock=self.state.clock)
         self.rows = RowLifecycle(self.state)
         self.admission = Admission(self.state, self.rows)
         self.mixed = MixedPass(self.state, self.rows)  # calibrates its cost model

@@ -120,6 +120,10 @@ class SchedulerState:
     # What the engine's next tick takes in (``(kind, item)``: a ``"submit"``'s item is the
     # request), read while a pass runs (:mod:`inference.engine.sched.mixed_tick`).
     arrivals: Callable[[], Sequence[tuple[str, Any]]] = lambda: ()
+    # The loaded LoRA adapters (inference.engine.adapter_pool; None: the backend serves none),
+    # and the pending requests parked on each adapter's load, by digest.
+    adapters: Any = None
+    parked: dict[str, list[Request]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.tokenizer = self.backend.tokenizer
@@ -136,6 +140,26 @@ class SchedulerState:
     def has_work(self) -> bool:
         """Whether any request is live (in one of the three queues)."""
         return bool(self.pending or self.prefilling or self.active)
+
+    def has_tick_work(self) -> bool:
+        """Whether a tick would do anything: a row runs, a request waits in the order, or an
+        adapter's files were read (requests parked on a loading adapter alone wait for it)."""
+        if self.prefilling or self.active:
+            return True
+        now = self.clock()
+        if any(not r.parked or (r.queue_deadline is not None and now > r.queue_deadline)
+               for r in self.pending.values()):
+            return True
+        return self.adapters is not None and self.adapters.has_news()
+
+    def add_row(self, request: Request) -> None:
+        """``request``'s row joins the backend's batch, under its LoRA adapter if it has one
+        (loaded: it was admitted only once it was)."""
+        self.backend.add_row(request.request_id)
+        if request.adapter is not None:
+            weights = self.adapters.get(request.adapter.digest)
+            assert weights is not None, "a row admitted before its adapter loaded"
+            self.backend.set_row_adapter(request.request_id, weights)
 
     def find(self, request_id: str) -> Request | None:
         """The live request with ``request_id`` in any queue, or None."""

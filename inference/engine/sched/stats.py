@@ -60,6 +60,16 @@ class SchedulerStats:
         if state.prefill_mode is PrefillMode.MIXED_BATCH:
             snapshot["tick_budget"] = self.mixed.tick_budget_stats()
         snapshot.update(state.kv.snapshot())
+        if state.adapters is not None:
+            # The LoRA adapters: loaded, loads and evictions, and the rows running under each.
+            adapters = state.adapters.stats()
+            adapters["num_parked"] = sum(1 for r in state.pending.values() if r.parked)
+            running: dict[str, int] = {}
+            for row in (*state.prefilling, *state.active):
+                if row.adapter is not None:
+                    running[row.adapter.name] = running.get(row.adapter.name, 0) + 1
+            adapters["running"] = running
+            snapshot["adapters"] = adapters
         return snapshot
 
     def debug_snapshot(self) -> dict[str, Any]:

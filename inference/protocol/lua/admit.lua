@@ -112,7 +112,7 @@ for _, c in ipairs(spec.concurrency) do
   leases[#leases + 1] = KEYS[c.key]
 end
 fq_enqueue(spec.prefix, spec.member, spec.fairness_key, spec.priority, spec.deadline, ARGV[2],
-           leases)
+           leases, spec.adapter)
 local verdict = cjson.encode({ok = true, windows = windows(true),
                               epoch = fq_epoch(spec.prefix, spec.epoch)})
 redis.call('SET', marker, verdict, 'EX', spec.marker_ttl_s)

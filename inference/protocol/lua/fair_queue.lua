@@ -47,6 +47,10 @@
 --   wake:{worker}       list: the worker's own wake-ups (a row of it freed, a row preempted)
 --   next                hash request id -> the seq of its next token event (running requests):
 --                       an event written again after a lost reply is not written twice
+--   adapter_holder      hash LoRA adapter digest -> '{worker} {until}': a worker that holds the
+--                       adapter loaded, until (unix s) its heartbeat renews it
+--   deferred            hash request id -> unix s when a worker without its adapter first left
+--                       it, at the head of the order, for a worker holding it (take.lua)
 -- and the deployment's, whatever the queue:
 --   {p}:fq:batch_ended:{batch}  set, expiring with the events: the ended requests of a batch
 --                       (the message's meta.batch_id), for its next step (api.batch_runner)
@@ -56,7 +60,8 @@
 --   {p}:usage:pending   hash request id -> usage entry of an ended request not yet recorded in
 --                       the database (gateway.usage records it, then deletes it)
 -- A record (JSON) holds id, key (fairness key), prio, seq (arrival), deadline, body (the request
--- message's JSON), leases (concurrency lease keys holding its id), and once it runs,
+-- message's JSON), leases (concurrency lease keys holding its id), adapter (its LoRA adapter's
+-- digest, absent for the bare model), and once it runs,
 -- prompt_tokens and first_at (unix s of its first event); a request preempted and waiting again
 -- (preempt.lua) also usage (what it has streamed so far) and preemptions.
 -- Gate 1 (requests accepted and not yet admitted) is HLEN wait + the sum of held, less the batch
@@ -169,6 +174,7 @@ local function fq_remove_waiting(p, id)
   redis.call('SREM', fq(p, 'batch_wait'), id)
   local queue = fq(p, 'q', prio, rec.key)
   redis.call('HDEL', fq(p, 'wait'), id)
+  redis.call('HDEL', fq(p, 'deferred'), id)
   redis.call('ZREM', fq(p, 'deadlines'), id)
   redis.call('ZREM', queue, id)
   local next_head = redis.call('ZRANGE', queue, 0, 0, 'WITHSCORES')
@@ -207,7 +213,7 @@ local function fq_release(p, key)
 end
 
 -- A new request enters the queue; returns its arrival number.
-local function fq_enqueue(p, id, key, prio, deadline, body, leases)
+local function fq_enqueue(p, id, key, prio, deadline, body, leases, adapter)
   local seq = redis.call('INCR', fq(p, 'seq'))
   if p ~= fq_root(p) then
     redis.call('SADD', fq(fq_root(p), 'queues'), p)
@@ -215,7 +221,8 @@ local function fq_enqueue(p, id, key, prio, deadline, body, leases)
   fq_backlog(p, key)
   fq_add_waiting(p, {id = id, key = key, prio = tonumber(prio), seq = seq,
                      deadline = tonumber(deadline), body = body, leases = leases or {},
-                     batch = fq_is_batch(body) or nil})
+                     batch = fq_is_batch(body) or nil,
+                     adapter = (adapter and adapter ~= '') and adapter or nil})
   return seq
 end
 

@@ -30,6 +30,7 @@ from inference.engine.backends.hf.loading import (
     resolve_device,
     resolve_dtype,
 )
+from inference.engine.backends.hf.lora_rows import _LoraRows
 from inference.engine.backends.hf.quantized import load_q4_1
 from inference.engine.backends.native import decode as native_decode
 from inference.engine.backends.native import gemm as native_gemm
@@ -40,7 +41,7 @@ from inference.tokenization import Tokenizer, TokenizerLoadError
 logger = logging.getLogger(__name__)
 
 
-class TransformersBackend(_Forward, ModelBackend):
+class TransformersBackend(_LoraRows, _Forward, ModelBackend):
     """A Hugging Face causal LM over a paged KV block pool (see
     :mod:`inference.engine.backends.hf`).
 
@@ -306,7 +307,7 @@ class TransformersBackend(_Forward, ModelBackend):
         rows = [(list(c.token_ids), c.start_pos, c.block_table) for c in chunks]
         # A pass of one-token chunks is a decode pass (the decode attention paths).
         return self._run(rows, 0 if all(len(t) == 1 for t, _, _ in rows) else len(rows),
-                         [c.all_logits for c in chunks])
+                         [c.all_logits for c in chunks], [c.row_id for c in chunks])
 
     def decode(self, rows: Sequence[DecodeRow]) -> torch.Tensor:
         """One decode step for every row in one forward pass (rows may differ in length).
@@ -319,7 +320,8 @@ class TransformersBackend(_Forward, ModelBackend):
         """
         if not rows:
             return torch.empty(0, self.vocab_size)
-        return self._run([([r.token_id], r.position, r.block_table) for r in rows], 0)
+        return self._run([([r.token_id], r.position, r.block_table) for r in rows], 0,
+                         row_ids=[r.row_id for r in rows])
 
     def prefill_and_decode(self, chunks: Sequence[PrefillChunk],
                            rows: Sequence[DecodeRow]) -> torch.Tensor:
@@ -343,13 +345,16 @@ class TransformersBackend(_Forward, ModelBackend):
             return self.decode(rows)
         prefill = [(list(c.token_ids), c.start_pos, c.block_table) for c in chunks]
         decode = [([r.token_id], r.position, r.block_table) for r in rows]
-        return self._run(prefill + decode, len(prefill), [c.all_logits for c in chunks])
+        return self._run(prefill + decode, len(prefill), [c.all_logits for c in chunks],
+                         [c.row_id for c in chunks] + [r.row_id for r in rows])
 
     def _run(self, rows: list[tuple[list[int], int, Sequence[int]]],
-             decode_from: int, all_logits: Sequence[bool] = ()) -> torch.Tensor:
-        """One pass over ``rows``: rows ``[0, decode_from)`` prefill chunks, the rest decode
-        rows (one token each); ``[len(rows) + extra, vocab]`` logits in ``rows``' order, then
-        the other tokens' of the rows ``all_logits`` marks (prefill rows only)."""
+             decode_from: int, all_logits: Sequence[bool] = (),
+             row_ids: Sequence[str] = ()) -> torch.Tensor:
+        """One pass over ``rows`` (ids ``row_ids``: their LoRA adapters): rows
+        ``[0, decode_from)`` prefill chunks, the rest decode rows (one token each);
+        ``[len(rows) + extra, vocab]`` logits in ``rows``' order, then the other tokens' of the
+        rows ``all_logits`` marks (prefill rows only)."""
         if self._kv is None:
             raise RuntimeError("allocate_kv_pool() must be called before prefill or decode")
         order = None
@@ -365,6 +370,7 @@ class TransformersBackend(_Forward, ModelBackend):
             order = [*range(decode_from),
                      *sorted(range(decode_from, len(rows)), key=lambda r: rows[r][1])]
             rows = [rows[r] for r in order]
+            row_ids = [row_ids[r] for r in order] if row_ids else row_ids
         with torch.inference_mode():
             batch = _make_batch(
                 rows, block_size=self.block_size, num_blocks=self.num_blocks,
@@ -373,6 +379,8 @@ class TransformersBackend(_Forward, ModelBackend):
                 device=self.device, grouped=order is not None, native=native,
                 decode_from=decode_from, all_logits=all_logits, native_prefill=native_prefill,
             )
+            if row_ids:
+                batch.lora = self._lora_segments(row_ids, [len(t) for t, _, _ in rows])
             logits = self._forward(batch)
             if order is not None:  # (only decode rows moved: the extra rows keep their place)
                 restore = torch.arange(logits.shape[0])

@@ -10,7 +10,8 @@ as one :class:`_Batch`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -66,6 +67,8 @@ class _Batch:
     # the rows that asked for every position's logits (in row, then position order)
     logit_index: torch.Tensor
     rows: int
+    # Each LoRA adapter's tokens of the pass (inference.engine.lora); empty: none
+    lora: list[Any] = field(default_factory=list)
 
 
 # A further attention group costs about as much as gathering this many more K/V slots per row

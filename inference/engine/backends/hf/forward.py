@@ -22,6 +22,7 @@ from inference.engine.backends.hf.attention import _attend
 from inference.engine.backends.hf.batch import _Batch
 from inference.engine.backends.hf.loading import _Layer
 from inference.engine.backends.native import gemm as native_gemm
+from inference.engine.lora import add_deltas
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -115,8 +116,9 @@ class _Forward:
         packed_gemm = self.packed_gemm
         h = F.embedding(b.tokens, self._embed)  # [N, hidden]
         give_way = self.yield_check
-        fused, part = self._decode_layers, b.parts[0]
+        fused, part, lora = self._decode_layers, b.parts[0], b.lora
         if (fused is not None and packed_gemm and self.fused_decode and len(b.parts) == 1
+                and not lora
                 and part.tables is not None and part.lengths is not None
                 and part.row_offsets is None and num_tokens == b.rows <= fused.max_rows):
             # A decode pass: one native call per layer (native.decode).
@@ -138,6 +140,8 @@ class _Forward:
             x = _rms_norm(h, layer.ln1_w, layer.ln1_eps)
             # [N, (H + 2 KV) * D]
             qkv = packed[0](x) if packed else linear(x, layer.w_qkv, layer.b_qkv)
+            if lora:
+                qkv = add_deltas(qkv, x, lora, i, "qkv")
             qk = qkv[:, : qk_heads * dim].reshape(num_tokens, qk_heads, dim)
             if layer.q_norm is not None and layer.k_norm is not None:
                 qk = torch.cat([
@@ -157,14 +161,18 @@ class _Forward:
 
             o = _attend(native_lib, b, q, pool, n_heads, kv_heads, group, dim, block_size,
                         scale)  # [N, H * D]
-            h = h + (packed[1](o) if packed else linear(o, layer.w_o, layer.b_o))
+            o_out = packed[1](o) if packed else linear(o, layer.w_o, layer.b_o)
+            h = h + (add_deltas(o_out, o, lora, i, "o") if lora else o_out)
 
             x = _rms_norm(h, layer.ln2_w, layer.ln2_eps)
             gate_up = (packed[2](x) if packed
                        else linear(x, layer.w_gate_up, layer.b_gate_up))
+            if lora:
+                gate_up = add_deltas(gate_up, x, lora, i, "gate_up")
             gate, up = gate_up.chunk(2, dim=-1)
             act = self._act(gate) * up
-            h = h + (packed[3](act) if packed else linear(act, layer.w_down, layer.b_down))
+            down = packed[3](act) if packed else linear(act, layer.w_down, layer.b_down)
+            h = h + (add_deltas(down, act, lora, i, "down") if lora else down)
 
         return self._logits(h.index_select(0, b.logit_index), linear)  # [R + extra, vocab]
 

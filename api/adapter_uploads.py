@@ -1,0 +1,225 @@
+"""What ``POST /v1/adapters`` is sent, checked and stored: a LoRA adapter's two files.
+
+The form (``multipart/form-data``) holds ``name`` (the adapter's part of ``base:adapter``),
+``model`` (the base model) and two file parts, ``adapter_config`` (its ``adapter_config.json``)
+and ``adapter_model`` (its ``adapter_model.safetensors``). The body is bounded before it is read
+(``MAX_BODY_BYTES_BY_PATH``: ``MAX_ADAPTER_BYTES`` and the multipart framing, from its
+``Content-Length``, or as a chunked body arrives) and the files as Django's parser streams them
+(:class:`CappedUpload`: never more than ``MAX_ADAPTER_BYTES`` of them). Only their form is
+checked here (a safetensors header, a JSON object); the Celery task checks the rest
+(:mod:`gateway.adapter_validation`). The files are written under ``ADAPTER_ROOT``
+(:func:`tenants.adapters.upload_folder`), the folders 0700 and the files 0600.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig, SuspiciousOperation
+from django.core.files.uploadedfile import UploadedFile
+from django.core.files.uploadhandler import FileUploadHandler
+from django.db import IntegrityError, transaction
+from django.http import HttpRequest
+from django.http.multipartparser import MultiPartParserError
+
+from gateway.conf import platform_settings
+from gateway.errors import APIError
+from gateway.model_registry import Access, find, read_served_models
+from tenants import adapter_check, adapters
+from tenants.models import ADAPTER_NAME_MAX, ApiKey, LoraAdapter, valid_adapter_name
+
+NAME, MODEL = "name", "model"
+CONFIG, WEIGHTS = "adapter_config", "adapter_model"
+FIELDS, FILES = (NAME, MODEL), (CONFIG, WEIGHTS)
+# Longest part of a bad value repeated in an error.
+MAX_ECHOED = 64
+
+
+def _shown(value: str) -> str:
+    return value if len(value) <= MAX_ECHOED else value[:MAX_ECHOED] + "..."
+
+
+def invalid(param: str, message: str, code: str = "invalid_value") -> APIError:
+    """A 400 naming ``param``."""
+    return APIError(400, message, param=param, code=code)
+
+
+def too_large(limit: int) -> APIError:
+    """413: the adapter's files are over ``limit`` bytes (``MAX_ADAPTER_BYTES``)."""
+    return APIError(413, f"The adapter's files are larger than the limit of {limit} bytes "
+                         f"(MAX_ADAPTER_BYTES).", param=WEIGHTS, code="request_too_large",
+                    should_retry=False, details={"limit_bytes": limit})
+
+
+class FilesTooLarge(Exception):
+    """The files of an upload passed their limit while they arrived."""
+
+
+class CappedUpload(FileUploadHandler):
+    """An upload handler, first in line, that counts the bytes of every file part as Django's
+    parser streams them and stops the parse (:class:`FilesTooLarge`) once they pass ``limit``:
+    no more of them is written to the temporary files of the handlers after it."""
+
+    def __init__(self, request: HttpRequest, limit: int):
+        super().__init__(request)
+        self.limit = limit
+        self.received = 0
+
+    def receive_data_chunk(self, raw_data: bytes, start: int) -> bytes:
+        self.received += len(raw_data)
+        if self.received > self.limit:
+            raise FilesTooLarge
+        return raw_data
+
+    def file_complete(self, file_size: int) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class Upload:
+    """An upload's checked form: the adapter's ``name``, its ``base`` model and its two
+    files."""
+
+    name: str
+    base: str
+    config: UploadedFile
+    weights: UploadedFile
+
+
+def read_form(request: HttpRequest) -> tuple[dict[str, list[str]], Any]:
+    """The request's form fields and files, the files bounded by ``MAX_ADAPTER_BYTES``.
+
+    Raises:
+        APIError: 413 :func:`too_large` for a ``Content-Length`` over the limit and its
+            framing, or files over the limit; 400 for a body that is not a form.
+    """
+    limit = platform_settings()["MAX_ADAPTER_BYTES"]
+    try:
+        length = int(request.META.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        length = 0
+    if length > limit + settings.MULTIPART_OVERHEAD_BYTES:
+        raise too_large(limit)
+    request.upload_handlers.insert(0, CappedUpload(request, limit))
+    try:
+        fields = {name: request.POST.getlist(name) for name in request.POST}
+        return fields, request.FILES
+    except FilesTooLarge as exc:
+        raise too_large(limit) from exc
+    except RequestDataTooBig as exc:
+        raise APIError(400, "The form's fields other than the files are too large.",
+                       code="invalid_request") from exc
+    except (MultiPartParserError, SuspiciousOperation) as exc:
+        raise APIError(400, f"The request body is not a multipart/form-data form this server "
+                            f"can read: {exc}", code="invalid_request") from exc
+
+
+def check_form(fields: Mapping[str, list[str]], files: Any) -> Upload:
+    """The checked form of an upload.
+
+    Raises:
+        APIError: 400 naming the field: an unknown field or file part, one given twice, a
+            missing one (``missing_required_parameter``), a file part sent as a text field, an
+            invalid ``name``; ``adapter_model`` not named ``*.safetensors`` or not starting
+            with a safetensors header, ``adapter_config`` not a JSON object (``invalid_file``).
+    """
+    names = [*(name for name, values in fields.items() for _ in values),
+             *(name for name in files for _ in files.getlist(name))]
+    for name in names:
+        if name not in (*FIELDS, *FILES):
+            raise invalid(_shown(name), f"Unknown parameter: '{_shown(name)}'. An upload takes "
+                                        f"'name', 'model', 'adapter_config' and "
+                                        f"'adapter_model'.", code="unknown_parameter")
+        if names.count(name) > 1:
+            raise invalid(name, f"'{name}' is given more than once.")
+    for name in FILES:
+        if name in fields:
+            raise invalid(name, f"'{name}' must be a file part (with a filename), not a text "
+                                "field.")
+    for name in (*FIELDS, *FILES):
+        if name not in names:
+            raise invalid(name, f"Missing required parameter: '{name}'.",
+                          code="missing_required_parameter")
+    name = fields[NAME][0]
+    if not valid_adapter_name(name):
+        raise invalid(NAME, f"Invalid value for 'name': '{_shown(name)}' is not an adapter "
+                            "name (a letter or digit, then letters, digits, '.', '_' or '-'; "
+                            f"{ADAPTER_NAME_MAX} characters at most).")
+    upload = Upload(name, fields[MODEL][0], files[CONFIG], files[WEIGHTS])
+    _check_weights(upload.weights)
+    _check_config(upload.config)
+    return upload
+
+
+def _check_weights(file: UploadedFile) -> None:
+    filename = file.name or ""
+    if not filename.endswith(".safetensors"):
+        raise invalid(WEIGHTS, f"Invalid file: '{_shown(filename)}' is not a .safetensors file; "
+                               f"an adapter's weights are {adapter_check.WEIGHTS_FILE} only "
+                               "(never a pickle such as adapter_model.bin).",
+                      code="invalid_file")
+    try:
+        adapter_check.read_header(file, file.size or 0)
+    except ValueError as exc:
+        raise invalid(WEIGHTS, f"Invalid file: {exc}", code="invalid_file") from exc
+
+
+def _check_config(file: UploadedFile) -> None:
+    if (file.size or 0) > adapter_check.MAX_CONFIG_BYTES:
+        raise invalid(CONFIG, f"Invalid file: {adapter_check.CONFIG_FILE} is over "
+                              f"{adapter_check.MAX_CONFIG_BYTES} bytes.", code="invalid_file")
+    file.seek(0)
+    try:
+        config = json.loads(file.read().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise invalid(CONFIG, f"Invalid file: {adapter_check.CONFIG_FILE} is not valid JSON.",
+                      code="invalid_file") from exc
+    if not isinstance(config, dict):
+        raise invalid(CONFIG, f"Invalid file: {adapter_check.CONFIG_FILE} is not a JSON "
+                              "object.", code="invalid_file")
+
+
+def taken(name: str) -> APIError:
+    """409: an adapter of that name over that base model exists."""
+    return APIError(409, f"An adapter named '{name}' exists already over this base model; "
+                         "choose another name or delete it first.", param=NAME,
+                    code="adapter_exists")
+
+
+def store(upload: Upload, key: ApiKey) -> LoraAdapter:
+    """Create ``key``'s tenant's adapter of ``upload``: its row ``pending`` and its files
+    written, then its check queued once the row is committed.
+
+    Raises:
+        APIError: 404 ``model_not_found`` for a base model the key may not call or that is not
+            served (:func:`gateway.model_registry.model_not_found`); 409 :func:`taken`.
+        OSError: its files could not be written (nothing is kept).
+    """
+    base = find(read_served_models(), Access.of_key(key), upload.base).name
+    if LoraAdapter.objects.filter(base_model=base, name=upload.name).exists():
+        raise taken(upload.name)
+    folder = adapters.upload_folder(key.tenant.slug, base, upload.name)
+    try:
+        with transaction.atomic():
+            row = LoraAdapter.objects.create(name=upload.name, base_model=base,
+                                             owner_id=key.tenant_id, folder=str(folder))
+            _write(folder, upload)
+            adapters.queue_validation(row.pk)
+    except IntegrityError as exc:  # taken meanwhile, before anything was written
+        raise taken(upload.name) from exc
+    except BaseException:
+        adapters.remove_folder(folder)
+        raise
+    return row
+
+
+def _write(folder: Path, upload: Upload) -> None:
+    adapters.remove_folder(folder)  # a folder left by an upload that failed
+    adapters.private_folder(folder)
+    adapters.write_private_file(folder, adapter_check.CONFIG_FILE, upload.config.chunks())
+    adapters.write_private_file(folder, adapter_check.WEIGHTS_FILE, upload.weights.chunks())

@@ -1,0 +1,237 @@
+"""LoRA adapters in the forward pass: one adapter's weights laid out per fused projection, and
+the low-rank delta of a pass whose rows run under different adapters.
+
+A PEFT LoRA adapter (Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", 2021)
+adds to a projection ``y = x W^T`` the term ``s * (x A^T) B^T``, with ``A [r, in]``,
+``B [out, r]`` and ``s = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``). The
+backend fuses q/k/v into one projection and gate/up into another; :class:`AdapterWeights` lays
+an adapter out the same way: per layer and fused projection, ``A`` of its modules stacked
+``[sum r, in]`` and ``B`` transposed, scaled and block-diagonal ``[sum r, out]`` (a module the
+adapter does not target is left out; a projection none of whose modules it targets has none).
+
+A pass mixes rows of several adapters and of the bare base model (S-LoRA, Sheng et al. 2023;
+Punica, Chen et al. 2023): the base projection runs once over all the pass's tokens, then
+:func:`add_deltas` adds each adapter's delta to its own tokens only, gathered by index (a
+segment per adapter). Row for row this is the merged model ``W + s B A`` up to rounding.
+
+Tensor work here runs on the engine's compute thread; :func:`read_adapter_files` (file reading
+only) is what a loader thread runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+# The projections an adapter may target, per fused projection of the backend, in fused order.
+FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
+         "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+PROJECTIONS = tuple(name for names in FUSED.values() for name in names)
+_TENSOR = re.compile(
+    r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+class AdapterError(Exception):
+    """An adapter that cannot be loaded: its files are missing or unreadable, its digest is not
+    the registry's, or its shapes or settings do not fit the model. The message says which."""
+
+
+@dataclass(frozen=True)
+class AdapterFiles:
+    """An adapter's files as read from disk (by a loader thread): its config and the bytes of
+    its safetensors file, whose SHA-256 matched the registry's ``digest``."""
+
+    digest: str
+    config: dict[str, Any]
+    weights: bytes
+
+
+def read_adapter_files(folder: str | Path, digest: str, max_bytes: int) -> AdapterFiles:
+    """Read an adapter's ``adapter_config.json`` and ``adapter_model.safetensors`` (file reading
+    and hashing only: no tensor work, safe off the compute thread).
+
+    Raises:
+        AdapterError: a file is missing, unreadable or over ``max_bytes``, the config is not a
+            JSON object, or the weights' SHA-256 is not ``digest``.
+    """
+    folder = Path(folder)
+    try:
+        config = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
+        path = folder / WEIGHTS_FILE
+        size = path.stat().st_size
+        if size > max_bytes:
+            raise AdapterError(f"{WEIGHTS_FILE} holds {size} bytes, over {max_bytes}")
+        weights = path.read_bytes()
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AdapterError(f"cannot read the adapter in {folder}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise AdapterError(f"{CONFIG_FILE} is not a JSON object")
+    found = hashlib.sha256(weights).hexdigest()
+    if found != digest:
+        raise AdapterError(f"{WEIGHTS_FILE} changed since it was validated (SHA-256 {found[:12]}"
+                           f"..., registered {digest[:12]}...)")
+    return AdapterFiles(digest=digest, config=config, weights=weights)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What an adapter's shapes are checked against: the model's layers and each projection's
+    ``(in, out)`` features."""
+
+    num_layers: int
+    features: dict[str, tuple[int, int]]
+
+    @classmethod
+    def of(cls, num_layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int,
+           head_dim: int) -> ModelShape:
+        q, kv = heads * head_dim, kv_heads * head_dim
+        return cls(num_layers, {
+            "q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+            "o_proj": (q, hidden), "gate_proj": (hidden, intermediate),
+            "up_proj": (hidden, intermediate), "down_proj": (intermediate, hidden)})
+
+
+@dataclass
+class AdapterWeights:
+    """One loaded adapter: per layer, per fused projection (``qkv``, ``o``, ``gate_up``,
+    ``down``), ``(A [sum r, in], B [sum r, out])`` in the model's dtype, or None where the
+    adapter targets none of its modules. ``rank``: its ``r``; ``nbytes``: its tensors' bytes."""
+
+    digest: str
+    rank: int
+    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor] | None]]
+    nbytes: int
+
+
+def _scale(config: dict[str, Any], rank: int) -> float:
+    alpha = config.get("lora_alpha", rank)
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not alpha > 0:
+        raise AdapterError(f"lora_alpha must be a positive number, got {alpha!r}")
+    return float(alpha) / (math.sqrt(rank) if config.get("use_rslora") else rank)
+
+
+def build_adapter(files: AdapterFiles, shape: ModelShape, dtype: torch.dtype,
+                  max_rank: int) -> AdapterWeights:
+    """Lay out an adapter's tensors for the forward pass (on the compute thread).
+
+    Raises:
+        AdapterError: not a LoRA adapter the engine runs (another PEFT type, DoRA,
+            ``modules_to_save``, a rank over ``max_rank``, per-module ranks or alphas), a tensor
+            it does not expect (embeddings, the LM head), a shape that is not the model's, a
+            missing ``A`` or ``B``, or a value that is not finite.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load as load_safetensors
+
+    config = files.config
+    if str(config.get("peft_type", "")).upper() != "LORA":
+        raise AdapterError(f"peft_type is {config.get('peft_type')!r}, not LORA")
+    if config.get("use_dora") or config.get("modules_to_save") or config.get("rank_pattern") \
+            or config.get("alpha_pattern"):
+        raise AdapterError("DoRA, modules_to_save and per-module ranks or alphas are not served")
+    rank = config.get("r")
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= max_rank:
+        raise AdapterError(f"rank r={rank!r} is not within 1..{max_rank} (MAX_LORA_RANK)")
+    scale = _scale(config, rank)
+    try:
+        tensors = load_safetensors(files.weights)
+    except (SafetensorError, ValueError, RuntimeError) as exc:
+        raise AdapterError(f"{WEIGHTS_FILE} is not a readable safetensors file: {exc}") from exc
+    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        match = _TENSOR.match(name)
+        if match is None or match.group(2) not in PROJECTIONS:
+            raise AdapterError(f"tensor {name!r} is not a LoRA A/B of a served projection "
+                               "(embeddings and the LM head cannot be adapted)")
+        layer, module, part = int(match.group(1)), match.group(2), match.group(3)
+        if layer >= shape.num_layers:
+            raise AdapterError(f"tensor {name!r}: the model has {shape.num_layers} layers")
+        fan_in, fan_out = shape.features[module]
+        want = (rank, fan_in) if part == "A" else (fan_out, rank)
+        if tuple(tensor.shape) != want:
+            raise AdapterError(f"tensor {name!r} is {tuple(tensor.shape)}, the model needs "
+                               f"{want}")
+        if not torch.isfinite(tensor).all():
+            raise AdapterError(f"tensor {name!r} holds a value that is not finite")
+        found.setdefault((layer, module), {})[part] = tensor
+    for (layer, module), parts in found.items():
+        if set(parts) != {"A", "B"}:
+            raise AdapterError(f"layer {layer} {module}: lora_A and lora_B come in pairs")
+    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor] | None]] = []
+    nbytes = 0
+    for i in range(shape.num_layers):
+        fused: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = {}
+        for proj, modules in FUSED.items():
+            outs = [shape.features[m][1] for m in modules]
+            present = [(j, found[(i, m)]) for j, m in enumerate(modules) if (i, m) in found]
+            if not present:
+                fused[proj] = None
+                continue
+            a = torch.cat([p["A"].float() for _, p in present]).to(dtype).contiguous()
+            b = torch.zeros(len(present) * rank, sum(outs))
+            for slot, (j, p) in enumerate(present):
+                start = sum(outs[:j])
+                b[slot * rank:(slot + 1) * rank, start:start + outs[j]] = p["B"].float().t()
+            b = (b * scale).to(dtype).contiguous()
+            fused[proj] = (a, b)
+            nbytes += a.numel() * a.element_size() + b.numel() * b.element_size()
+        layers.append(fused)
+    if not found:
+        raise AdapterError("the adapter holds no LoRA tensors")
+    return AdapterWeights(digest=files.digest, rank=rank, layers=layers, nbytes=nbytes)
+
+
+@dataclass(frozen=True)
+class LoraSegment:
+    """The tokens of one pass that run under one adapter: ``index`` ``[n]`` int64 positions in
+    the pass's packed tokens (None: every token of the pass)."""
+
+    weights: AdapterWeights
+    index: torch.Tensor | None
+
+
+def segments(row_adapters: Sequence[AdapterWeights | None],
+             row_tokens: Sequence[int]) -> list[LoraSegment]:
+    """Group a pass's rows by adapter: one :class:`LoraSegment` per adapter present, over the
+    packed token positions of its rows (rows in pass order, ``row_tokens[i]`` new tokens each);
+    rows of the bare base model get none. ``[]`` when no row has an adapter."""
+    by_adapter: dict[str, tuple[AdapterWeights, list[int]]] = {}
+    start = 0
+    for weights, count in zip(row_adapters, row_tokens, strict=True):
+        if weights is not None:
+            by_adapter.setdefault(weights.digest, (weights, []))[1].extend(
+                range(start, start + count))
+        start += count
+    out = []
+    for weights, index in by_adapter.values():
+        whole = len(index) == start
+        out.append(LoraSegment(weights, None if whole else torch.tensor(index)))
+    return out
+
+
+def add_deltas(y: torch.Tensor, x: torch.Tensor, lora: Sequence[LoraSegment], layer: int,
+               proj: str) -> torch.Tensor:
+    """``y [N, out]`` (the base projection of ``x [N, in]``) plus each segment's low-rank delta
+    on its own tokens: ``(x A^T) B`` with ``B`` already scaled and transposed. Returns ``y``
+    (changed in place when it is not a view shared elsewhere)."""
+    for segment in lora:
+        pair = segment.weights.layers[layer][proj]
+        if pair is None:
+            continue
+        a, b = pair
+        if segment.index is None:
+            y = y + (x @ a.t()) @ b
+        else:
+            rows = x.index_select(0, segment.index)
+            y = y.index_add(0, segment.index, (rows @ a.t()) @ b)
+    return y
