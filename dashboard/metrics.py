@@ -3,7 +3,8 @@
 Read at scrape time from Redis: the live workers' stats snapshots (queues, KV cache, admissions
 blocked and rejected per gate; labelled by worker, so a restarted worker's counters reset as
 Prometheus expects) and the counters and histograms of :mod:`dashboard.recorder` (tokens and
-latencies per tenant, tokens and requests per base model, refusals before any worker). Workers
+latencies per tenant, tokens and requests per base model and per LoRA adapter, refusals before any
+worker; the adapters each worker holds, loads and runs). Workers
 and gate 1 are counted per base model; ``llm_worker_info`` names each worker's model.
 """
 
@@ -50,6 +51,7 @@ class PlatformCollector(Collector):
         yield from self._kv(workers)
         yield from self._admissions(client, workers)
         yield from self._structured(workers)
+        yield from self._adapters(workers)
         yield from self._usage(client)
         yield from self._batches(client)
 
@@ -188,6 +190,32 @@ class PlatformCollector(Collector):
                 refusals.add_metric([worker, reason], n)
         yield from (*families.values(), refusals)
 
+    def _adapters(self, workers: dict) -> Iterator[Metric]:
+        """LoRA adapters: loaded (per worker and adapter), loads, evictions, failures, requests
+        parked on a load, rows running under each."""
+        loaded = GaugeMetricFamily("llm_adapter_loaded", "1 per LoRA adapter a worker holds "
+                                   "loaded.", labels=["worker", "adapter"])
+        running = GaugeMetricFamily("llm_adapter_running_rows", "Rows running under each LoRA "
+                                    "adapter, per worker.", labels=["worker", "adapter"])
+        parked = GaugeMetricFamily("llm_adapter_parked_requests", "Requests waiting for their "
+                                   "LoRA adapter to load, per worker.", labels=["worker"])
+        counters = {field: CounterMetricFamily(f"llm_adapter_{field}", doc, labels=["worker"])
+                    for field, doc in (("loads", "LoRA adapters each worker loaded."),
+                                       ("evictions", "LoRA adapters each worker evicted (LRU)."),
+                                       ("load_failures", "LoRA adapter loads that failed."))}
+        for worker, snap in workers.items():
+            figures = snap.get("adapters")
+            if not figures:
+                continue
+            for name in figures.get("loaded") or []:
+                loaded.add_metric([worker, name], 1)
+            for name, rows in (figures.get("running") or {}).items():
+                running.add_metric([worker, name], rows)
+            parked.add_metric([worker], figures.get("num_parked", 0))
+            for field, family in counters.items():
+                family.add_metric([worker], figures.get(field, 0))
+        yield from (loaded, running, parked, *counters.values())
+
     def _usage(self, client: redis.Redis) -> Iterator[Metric]:
         raw = {k.decode(): int(v) for k, v in client.hgetall(recorder.usage_key()).items()}
         tokens = {
@@ -227,15 +255,21 @@ class PlatformCollector(Collector):
             yield family
 
     def _model_usage(self, client: redis.Redis) -> Iterator[Metric]:
-        raw = {k.decode(): int(v) for k, v in client.hgetall(recorder.model_usage_key()).items()}
-        prompt = CounterMetricFamily("llm_model_prompt_tokens",
-                                     "Prompt tokens of finished requests per base model.",
-                                     labels=["model"])
-        generated = CounterMetricFamily("llm_model_generation_tokens",
-                                        "Generated tokens per base model.", labels=["model"])
-        requests = CounterMetricFamily("llm_model_requests",
-                                       "Finished requests per base model and status.",
-                                       labels=["model", "status"])
+        for kind, what, key in (("model", "base model", recorder.model_usage_key()),
+                                ("adapter", "LoRA adapter", recorder.adapter_usage_key())):
+            yield from self._usage_of(client, kind, what, key)
+
+    def _usage_of(self, client: redis.Redis, kind: str, what: str,
+                  key: str) -> Iterator[Metric]:
+        raw = {k.decode(): int(v) for k, v in client.hgetall(key).items()}
+        prompt = CounterMetricFamily(f"llm_{kind}_prompt_tokens",
+                                     f"Prompt tokens of finished requests per {what}.",
+                                     labels=[kind])
+        generated = CounterMetricFamily(f"llm_{kind}_generation_tokens",
+                                        f"Generated tokens per {what}.", labels=[kind])
+        requests = CounterMetricFamily(f"llm_{kind}_requests",
+                                       f"Finished requests per {what} and status.",
+                                       labels=[kind, "status"])
         for field, value in sorted(raw.items()):
             model, _, rest = field.partition("|")
             if rest == "prompt_tokens":

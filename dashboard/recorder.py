@@ -11,6 +11,7 @@ Keys, under the platform's Redis prefix ``{p}``:
   charged by service class: ``{tenant}|billed_tokens|{interactive or batch}``)
 - ``{p}:metrics:model``: ``{model}|{counter}`` -> count (prompt and completion tokens, requests
   by status, of each base model)
+- ``{p}:metrics:adapter``: ``{adapter}|{counter}`` -> count (the same, of each LoRA adapter)
 - ``{p}:metrics:hist:{name}``: ``{tenant}|{bucket index}`` -> count, ``{tenant}|sum``,
   ``{tenant}|count``
 - ``{p}:metrics:refused``: ``{code}`` -> requests refused before reaching a worker
@@ -69,6 +70,10 @@ def model_usage_key() -> str:
     return f"{redis_keys().prefix}:metrics:model"
 
 
+def adapter_usage_key() -> str:
+    return f"{redis_keys().prefix}:metrics:adapter"
+
+
 def histogram_key(spec: HistogramSpec) -> str:
     return f"{redis_keys().prefix}:metrics:hist:{spec.name}"
 
@@ -81,18 +86,19 @@ def refused_key() -> str:
 def record_request(client: redis.Redis, *, tenant: str, status: int, prompt_tokens: int,
                    cached_prompt_tokens: int, completion_tokens: int, ttft_s: float | None,
                    duration_s: float | None, billed_tokens: int | None = None,
-                   batch: bool = False, model: str = "") -> None:
+                   batch: bool = False, model: str = "", adapter: str = "") -> None:
     """Count one finished request of ``tenant`` and observe its latencies (seconds).
 
     ``billed_tokens``: the tokens it was charged (None: prompt + completion); ``batch``: it was
     batch work (a Batch API line), counted apart from interactive requests; ``model``: the base
-    model it named (its tokens and status are counted per model too).
+    model it named (its tokens and status are counted per model too); ``adapter``: the LoRA
+    adapter it ran under (counted per adapter too; empty: none).
     """
     tally = Tally()
     tally.add(tenant=tenant, status=status, prompt_tokens=prompt_tokens,
               cached_prompt_tokens=cached_prompt_tokens, completion_tokens=completion_tokens,
               ttft_s=ttft_s, duration_s=duration_s, billed_tokens=billed_tokens, batch=batch,
-              model=model)
+              model=model, adapter=adapter)
     tally.send(client)
 
 
@@ -109,13 +115,14 @@ class Tally:
 
     def add(self, *, tenant: str, status: int, prompt_tokens: int, cached_prompt_tokens: int,
             completion_tokens: int, ttft_s: float | None, duration_s: float | None,
-            billed_tokens: int | None = None, batch: bool = False, model: str = "") -> None:
+            billed_tokens: int | None = None, batch: bool = False, model: str = "",
+            adapter: str = "") -> None:
         """Count one request (the arguments of :func:`record_request`)."""
-        if model:
-            per_model = model_usage_key()
-            self._int(per_model, f"{model}|prompt_tokens", prompt_tokens)
-            self._int(per_model, f"{model}|completion_tokens", completion_tokens)
-            self._int(per_model, f"{model}|requests|{status}", 1)
+        for name, key in ((model, model_usage_key()), (adapter, adapter_usage_key())):
+            if name:
+                self._int(key, f"{name}|prompt_tokens", prompt_tokens)
+                self._int(key, f"{name}|completion_tokens", completion_tokens)
+                self._int(key, f"{name}|requests|{status}", 1)
         counters = usage_key()
         self._int(counters, f"{tenant}|prompt_tokens", prompt_tokens)
         self._int(counters, f"{tenant}|cached_prompt_tokens", cached_prompt_tokens)

@@ -27,7 +27,8 @@ def count_usage(sender, instance: UsageRecord, created: bool, **kwargs) -> None:
                        cached_prompt_tokens=instance.cached_prompt_tokens,
                        completion_tokens=instance.completion_tokens, ttft_s=instance.ttft_s,
                        duration_s=instance.duration_s, billed_tokens=instance.billed_tokens,
-                       batch=instance.is_batch, model=instance.model)
+                       batch=instance.is_batch, model=instance.model,
+                       adapter=instance.adapter)
     except Exception:  # noqa: BLE001 - metrics are best effort
         log.exception("could not count usage of %s in the metrics", instance.request_id)
 
@@ -45,7 +46,7 @@ def count_usage_many(sender, records: list[UsageRecord], **kwargs) -> None:
                       cached_prompt_tokens=row.cached_prompt_tokens,
                       completion_tokens=row.completion_tokens, ttft_s=row.ttft_s,
                       duration_s=row.duration_s, billed_tokens=row.billed_tokens,
-                      batch=row.is_batch, model=row.model)
+                      batch=row.is_batch, model=row.model, adapter=row.adapter)
         tally.send(sync_redis())
     except Exception:  # noqa: BLE001 - metrics are best effort
         log.exception("could not count %d usage records in the metrics", len(records))

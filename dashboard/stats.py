@@ -29,13 +29,14 @@ def summarize(snapshots: dict[str, dict[str, Any]], queued: int,
 
     Returns:
         ``{"workers", "gate1_queued", "max_queue_size", "totals", "per_key", "per_worker",
-        "per_model"}``;
+        "per_model", "per_adapter"}``;
         ``totals`` holds :data:`TOTAL_FIELDS` of :func:`gateway.workers.aggregate` (0 without
         workers); ``per_key`` maps each fairness key to its aggregate; ``per_worker`` maps each
         worker to its ``tokens_generated``, ``uptime_s`` and ``published_at`` (for rates),
         ``num_active`` and ``kv_pressure``; ``per_model`` maps each model to its ``workers``,
         ``gate1_queued``, ``num_pending``, ``num_active``, ``kv_pressure`` and
-        ``tokens_generated``.
+        ``tokens_generated``; ``per_adapter`` maps each LoRA adapter loaded or running to the
+        ``workers`` holding it and its ``running`` rows.
     """
     total = workers.aggregate(list(snapshots.values()))
     gate1 = workers.gate1(queued)
@@ -46,6 +47,7 @@ def summarize(snapshots: dict[str, dict[str, Any]], queued: int,
         "totals": {name: total.get(name) or 0 for name in TOTAL_FIELDS},
         "per_key": total["per_key"],
         "per_model": _per_model(snapshots, queued_by_model or {}),
+        "per_adapter": _per_adapter(snapshots),
         "per_worker": {
             w: {"tokens_generated": s.get("tokens_generated", 0),
                 "uptime_s": s.get("uptime_s", 0.0), "published_at": s.get("published_at", 0.0),
@@ -53,6 +55,19 @@ def summarize(snapshots: dict[str, dict[str, Any]], queued: int,
             for w, s in snapshots.items()
         },
     }
+
+
+def _per_adapter(snapshots: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each LoRA adapter some worker holds loaded or runs: ``workers`` holding it loaded and
+    ``running`` rows under it, over the live workers."""
+    out: dict[str, dict[str, Any]] = {}
+    for snap in snapshots.values():
+        figures = snap.get("adapters") or {}
+        for name in figures.get("loaded") or []:
+            out.setdefault(name, {"workers": 0, "running": 0})["workers"] += 1
+        for name, rows in (figures.get("running") or {}).items():
+            out.setdefault(name, {"workers": 0, "running": 0})["running"] += rows
+    return dict(sorted(out.items()))
 
 
 def _per_model(snapshots: dict[str, dict[str, Any]],

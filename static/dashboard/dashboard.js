@@ -156,6 +156,11 @@
                               fmt.int(m.num_pending), fmt.int(m.num_active),
                               fmt.pct(m.kv_pressure), fmt.int(m.tokens_generated)]];
     }));
+    const perAdapter = live.per_adapter || {};
+    fillTable("#per-adapter", 3, "no adapter loaded", Object.keys(perAdapter).map(function (name) {
+      const a = perAdapter[name];
+      return ["adapter", name, [name, fmt.int(a.workers), fmt.int(a.running)]];
+    }));
     const rate = liveRate(live, data.now);
     if (rate !== null) setText("m-tokens_per_s", fmt.rate(rate));
 
