@@ -6,13 +6,15 @@ adds to a projection ``y = x W^T`` the term ``s * (x A^T) B^T``, with ``A [r, in
 ``B [out, r]`` and ``s = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``). The
 backend fuses q/k/v into one projection and gate/up into another; :class:`AdapterWeights` lays
 an adapter out the same way: per layer and fused projection, ``A`` of its modules stacked
-``[sum r, in]`` and ``B`` transposed, scaled and block-diagonal ``[sum r, out]`` (a module the
-adapter does not target is left out; a projection none of whose modules it targets has none).
+``[m * r, in]`` and each module's ``B`` transposed and scaled, side by side ``[r, sum widths]``
+(a module the adapter does not target is left out; a projection none of whose modules it
+targets has none).
 
 A pass mixes rows of several adapters and of the bare base model (S-LoRA, Sheng et al. 2023;
-Punica, Chen et al. 2023): the base projection runs once over all the pass's tokens, then
-:func:`add_deltas` adds each adapter's delta to its own tokens only, gathered by index (a
-segment per adapter). Row for row this is the merged model ``W + s B A`` up to rounding.
+Punica, Chen et al. 2023): the base projection runs once over all the pass's tokens, then each
+adapter's delta is added to its own tokens only: :func:`add_deltas` in PyTorch, gathered by
+index (a segment per adapter), or, in a decode pass, the native kernel row by row
+(``decode_layer.c``). Row for row this is the merged model ``W + s B A`` up to rounding.
 
 Tensor work here runs on the engine's compute thread; :func:`read_adapter_files` (file reading
 only) is what a loader thread runs.
@@ -101,16 +103,34 @@ class ModelShape:
             "up_proj": (hidden, intermediate), "down_proj": (intermediate, hidden)})
 
 
+@dataclass(frozen=True)
+class ProjectionLora:
+    """An adapter's part of one fused projection of one layer: ``a [m * r, in]`` (the ``A`` of
+    its ``m`` modules stacked) and ``b [r, sum widths]`` (each module's ``B`` transposed and
+    scaled, side by side); module ``j`` writes output columns ``[offsets[j], offsets[j] +
+    widths[j])`` of the fused projection from ``b``'s columns starting at ``columns[j]``."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    offsets: tuple[int, ...]
+    widths: tuple[int, ...]
+    columns: tuple[int, ...]
+
+
 @dataclass
 class AdapterWeights:
     """One loaded adapter: per layer, per fused projection (``qkv``, ``o``, ``gate_up``,
-    ``down``), ``(A [sum r, in], B [sum r, out])`` in the model's dtype, or None where the
-    adapter targets none of its modules. ``rank``: its ``r``; ``nbytes``: its tensors' bytes."""
+    ``down``), its :class:`ProjectionLora` in the model's dtype, or None where the adapter
+    targets none of its modules. ``rank``: its ``r``; ``nbytes``: its tensors' bytes;
+    ``dtype``: its tensors'; ``native``: the native kernel's description of it
+    (:mod:`inference.engine.backends.native.lora`, made on first use)."""
 
     digest: str
     rank: int
-    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor] | None]]
+    layers: list[dict[str, ProjectionLora | None]]
     nbytes: int
+    dtype: torch.dtype = torch.float32
+    native: Any = None
 
 
 def _scale(config: dict[str, Any], rank: int) -> float:
@@ -167,10 +187,10 @@ def build_adapter(files: AdapterFiles, shape: ModelShape, dtype: torch.dtype,
     for (layer, module), parts in found.items():
         if set(parts) != {"A", "B"}:
             raise AdapterError(f"layer {layer} {module}: lora_A and lora_B come in pairs")
-    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor] | None]] = []
+    layers: list[dict[str, ProjectionLora | None]] = []
     nbytes = 0
     for i in range(shape.num_layers):
-        fused: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = {}
+        fused: dict[str, ProjectionLora | None] = {}
         for proj, modules in FUSED.items():
             outs = [shape.features[m][1] for m in modules]
             present = [(j, found[(i, m)]) for j, m in enumerate(modules) if (i, m) in found]
@@ -178,17 +198,18 @@ def build_adapter(files: AdapterFiles, shape: ModelShape, dtype: torch.dtype,
                 fused[proj] = None
                 continue
             a = torch.cat([p["A"].float() for _, p in present]).to(dtype).contiguous()
-            b = torch.zeros(len(present) * rank, sum(outs))
-            for slot, (j, p) in enumerate(present):
-                start = sum(outs[:j])
-                b[slot * rank:(slot + 1) * rank, start:start + outs[j]] = p["B"].float().t()
-            b = (b * scale).to(dtype).contiguous()
-            fused[proj] = (a, b)
+            b = (torch.cat([p["B"].float().t() for _, p in present], dim=1) * scale)
+            b = b.to(dtype).contiguous()
+            widths = tuple(outs[j] for j, _ in present)
+            fused[proj] = ProjectionLora(
+                a, b, offsets=tuple(sum(outs[:j]) for j, _ in present), widths=widths,
+                columns=tuple(sum(widths[:k]) for k in range(len(widths))))
             nbytes += a.numel() * a.element_size() + b.numel() * b.element_size()
         layers.append(fused)
     if not found:
         raise AdapterError("the adapter holds no LoRA tensors")
-    return AdapterWeights(digest=files.digest, rank=rank, layers=layers, nbytes=nbytes)
+    return AdapterWeights(digest=files.digest, rank=rank, layers=layers, nbytes=nbytes,
+                          dtype=dtype)
 
 
 @dataclass(frozen=True)
@@ -221,17 +242,22 @@ def segments(row_adapters: Sequence[AdapterWeights | None],
 
 def add_deltas(y: torch.Tensor, x: torch.Tensor, lora: Sequence[LoraSegment], layer: int,
                proj: str) -> torch.Tensor:
-    """``y [N, out]`` (the base projection of ``x [N, in]``) plus each segment's low-rank delta
-    on its own tokens: ``(x A^T) B`` with ``B`` already scaled and transposed. Returns ``y``
-    (changed in place when it is not a view shared elsewhere)."""
+    """Add to ``y [N, out]`` (the base projection of ``x [N, in]``, changed in place) each
+    segment's low-rank delta on its own tokens: ``(x A^T) B`` per module of the fused
+    projection, ``B`` already scaled and transposed. Returns ``y``."""
     for segment in lora:
-        pair = segment.weights.layers[layer][proj]
-        if pair is None:
+        part = segment.weights.layers[layer][proj]
+        if part is None:
             continue
-        a, b = pair
-        if segment.index is None:
-            y = y + (x @ a.t()) @ b
-        else:
-            rows = x.index_select(0, segment.index)
-            y = y.index_add(0, segment.index, (rows @ a.t()) @ b)
+        rows = x if segment.index is None else x.index_select(0, segment.index)
+        t = rows @ part.a.t()  # [n, modules * r]
+        r = segment.weights.rank
+        for j, (offset, width, column) in enumerate(
+                zip(part.offsets, part.widths, part.columns, strict=True)):
+            delta = t[:, j * r:(j + 1) * r] @ part.b[:, column:column + width]
+            target = y[:, offset:offset + width]
+            if segment.index is None:
+                target.add_(delta)
+            else:
+                target.index_add_(0, segment.index, delta)
     return y

@@ -14,6 +14,7 @@ import torch
 
 from benchmarks.harness.adapters import make_adapter, merged_model
 from inference.engine.backends.base import DecodeRow, PrefillChunk
+from inference.engine.backends.hf import forward
 from inference.engine.backends.hf.backend import TransformersBackend
 from inference.engine.llm_engine import InvalidRequestError
 from inference.engine.lora import ModelShape, build_adapter, read_adapter_files
@@ -53,8 +54,17 @@ def references(folder, adapters, chat_prompt):
     return out
 
 
+@pytest.fixture(params=["native", "torch"])
+def deltas(request, monkeypatch):
+    """Each test twice: the adapters' deltas by the native kernel (passes of up to
+    NATIVE_LORA_MAX_TOKENS tokens), and all in PyTorch."""
+    if request.param == "torch":
+        monkeypatch.setattr(forward, "NATIVE_LORA_MAX_TOKENS", 0)
+    return request.param
+
+
 def test_each_adapter_changes_the_answer_and_equals_peft_merged_alone(
-        backend, adapters, references, chat_prompt):
+        backend, adapters, references, chat_prompt, deltas):
     for spec in adapters:
         assert references[spec.digest].tokens != references["base"].tokens
         engine, recorder = make_engine(backend, prefill_mode="monolithic")
@@ -66,7 +76,7 @@ def test_each_adapter_changes_the_answer_and_equals_peft_merged_alone(
 
 @pytest.mark.parametrize("mode", ["mixed_batch", "chunked"])
 def test_a_batch_mixing_three_adapters_with_base_rows_equals_each_alone(
-        backend, adapters, references, chat_prompt, corpus_ids, mode):
+        backend, adapters, references, chat_prompt, corpus_ids, mode, deltas):
     engine, recorder = make_engine(backend, prefill_mode=mode, prefill_chunk_size=32)
     prompts = {"base0": chat_prompt, "a0": chat_prompt, "base1": chat_prompt,
                "a1": chat_prompt, "a2": chat_prompt, "a0-again": chat_prompt,
@@ -188,7 +198,7 @@ def _teacher_forced(b: TransformersBackend, weights, corpus_ids: list[int]) -> t
 
 
 @pytest.mark.skipif(os.environ.get("LLM_SKIP_BF16") == "1", reason="bf16 tests switched off")
-def test_an_adapter_in_bf16_tracks_it_in_fp32(backend, adapters, corpus_ids):
+def test_an_adapter_in_bf16_tracks_it_in_fp32(backend, adapters, corpus_ids, deltas):
     bf16 = TransformersBackend.from_pretrained(resolve_model_path(""), device="cpu",
                                                dtype="bfloat16")
     files = read_adapter_files(adapters[1].path, adapters[1].digest, 1 << 30)
@@ -198,12 +208,12 @@ def test_an_adapter_in_bf16_tracks_it_in_fp32(backend, adapters, corpus_ids):
     diff = (ours - ref).abs()
     agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
     stats = f"max {diff.max().item():.3f}, mean {diff.mean().item():.3f}, top-1 {agree:.0%}"
-    print(f"bf16 vs fp32 under a rank-16 adapter: {stats}")
+    print(f"bf16 vs fp32 under a rank-16 adapter, deltas {deltas}: {stats}")
     assert diff.max().item() < BF16_MAX_ABS and diff.mean().item() < BF16_MEAN_ABS, stats
     assert agree >= 0.9, stats
 
 
-def test_an_adapter_over_q4_1_weights_applies_its_delta(backend, adapters, corpus_ids):
+def test_an_adapter_over_q4_1_weights_applies_its_delta(backend, adapters, corpus_ids, deltas):
     """QUANTIZATION=q4_1 serves adapters too (their deltas in fp32 over the Q4_1 projections):
     under the adapter, q4_1's logits are much nearer fp32's under it than q4_1's bare ones."""
     q4 = TransformersBackend.from_pretrained(resolve_model_path(""), device="cpu",
@@ -217,6 +227,6 @@ def test_an_adapter_over_q4_1_weights_applies_its_delta(backend, adapters, corpu
     bare = _teacher_forced(q4, None, corpus_ids)
     near, far = (got - want).abs().mean().item(), (bare - want).abs().mean().item()
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
-    print(f"q4_1 under a rank-8 adapter vs fp32 under it: mean |diff| {near:.3f} "
+    print(f"q4_1 under a rank-8 adapter vs fp32 under it, deltas {deltas}: mean |diff| {near:.3f} "
           f"(bare q4_1: {far:.3f}), top-1 {agree:.0%}")
     assert near < far / 3 and agree >= 0.8

@@ -34,6 +34,7 @@ from inference.engine.backends.hf.lora_rows import _LoraRows
 from inference.engine.backends.hf.quantized import load_q4_1
 from inference.engine.backends.native import decode as native_decode
 from inference.engine.backends.native import gemm as native_gemm
+from inference.engine.backends.native import lora as native_lora
 from inference.engine.backends.native import prefill as prefill_kernel
 from inference.engine.model_store import ModelLoadError, default_gguf_path, resolve_model_path
 from inference.tokenization import Tokenizer, TokenizerLoadError
@@ -210,6 +211,8 @@ class TransformersBackend(_LoraRows, _Forward, ModelBackend):
         """Build or load the native kernel; without it, switch ``native_attention`` off."""
         self._native = native_kernels.load(self._kernel_dir) or False
         self.native_attention = bool(self._native)
+        if self._native:
+            native_lora.declare(self._native)
         self._prefill_kernel_runs = prefill_kernel.supported(self._native, self.dtype,
                                                              self.head_dim, self.group)
         if (self._native and self.dtype == torch.bfloat16 and self.device.type == "cpu"
@@ -380,7 +383,8 @@ class TransformersBackend(_LoraRows, _Forward, ModelBackend):
                 decode_from=decode_from, all_logits=all_logits, native_prefill=native_prefill,
             )
             if row_ids:
-                batch.lora = self._lora_segments(row_ids, [len(t) for t, _, _ in rows])
+                batch.lora, batch.lora_tokens = self._lora_segments(
+                    row_ids, [len(t) for t, _, _ in rows])
             logits = self._forward(batch)
             if order is not None:  # (only decode rows moved: the extra rows keep their place)
                 restore = torch.arange(logits.shape[0])

@@ -67,8 +67,10 @@ class _Batch:
     # the rows that asked for every position's logits (in row, then position order)
     logit_index: torch.Tensor
     rows: int
-    # Each LoRA adapter's tokens of the pass (inference.engine.lora); empty: none
+    # Each LoRA adapter's tokens of the pass (inference.engine.lora), and each token's adapter
+    # (None: the bare model); both empty when no row runs under one
     lora: list[Any] = field(default_factory=list)
+    lora_tokens: list[Any] = field(default_factory=list)
 
 
 # A further attention group costs about as much as gathering this many more K/V slots per row

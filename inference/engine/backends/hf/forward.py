@@ -22,7 +22,12 @@ from inference.engine.backends.hf.attention import _attend
 from inference.engine.backends.hf.batch import _Batch
 from inference.engine.backends.hf.loading import _Layer
 from inference.engine.backends.native import gemm as native_gemm
+from inference.engine.backends.native import lora as native_lora_kernel
 from inference.engine.lora import add_deltas
+
+# Most tokens of a pass whose adapters' deltas the native kernel adds (token by token, about as
+# fast as PyTorch's grouped products up to there); more go to PyTorch (inference.engine.lora).
+NATIVE_LORA_MAX_TOKENS = 64
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -117,8 +122,13 @@ class _Forward:
         h = F.embedding(b.tokens, self._embed)  # [N, hidden]
         give_way = self.yield_check
         fused, part, lora = self._decode_layers, b.parts[0], b.lora
+        # Up to NATIVE_LORA_MAX_TOKENS tokens the adapters' deltas run in the native kernel
+        # (token by token), above in PyTorch (grouped products, which pay off at that size).
+        native_lora = (native_lora_kernel.rows(b.lora_tokens)
+                       if lora and native_lib and num_tokens <= NATIVE_LORA_MAX_TOKENS
+                       and all(s.weights.dtype == h.dtype for s in lora) else None)
         if (fused is not None and packed_gemm and self.fused_decode and len(b.parts) == 1
-                and not lora
+                and (not lora or native_lora is not None)
                 and part.tables is not None and part.lengths is not None
                 and part.row_offsets is None and num_tokens == b.rows <= fused.max_rows):
             # A decode pass: one native call per layer (native.decode).
@@ -127,7 +137,7 @@ class _Forward:
             for i in range(len(self._layers)):
                 if give_way is not None and give_way():
                     raise PassYielded(f"stopped before layer {i}")
-                fused(i, h, part.tables, part.lengths)
+                fused(i, h, part.tables, part.lengths, native_lora)
             return self._logits(h.index_select(0, b.logit_index), linear)
 
         cos = self._cos[b.positions][:, None, :]  # [N, 1, D]
@@ -141,7 +151,7 @@ class _Forward:
             # [N, (H + 2 KV) * D]
             qkv = packed[0](x) if packed else linear(x, layer.w_qkv, layer.b_qkv)
             if lora:
-                qkv = add_deltas(qkv, x, lora, i, "qkv")
+                qkv = self._lora(qkv, x, lora, native_lora, i, "qkv")
             qk = qkv[:, : qk_heads * dim].reshape(num_tokens, qk_heads, dim)
             if layer.q_norm is not None and layer.k_norm is not None:
                 qk = torch.cat([
@@ -162,19 +172,29 @@ class _Forward:
             o = _attend(native_lib, b, q, pool, n_heads, kv_heads, group, dim, block_size,
                         scale)  # [N, H * D]
             o_out = packed[1](o) if packed else linear(o, layer.w_o, layer.b_o)
-            h = h + (add_deltas(o_out, o, lora, i, "o") if lora else o_out)
+            h = h + (self._lora(o_out, o, lora, native_lora, i, "o") if lora else o_out)
 
             x = _rms_norm(h, layer.ln2_w, layer.ln2_eps)
             gate_up = (packed[2](x) if packed
                        else linear(x, layer.w_gate_up, layer.b_gate_up))
             if lora:
-                gate_up = add_deltas(gate_up, x, lora, i, "gate_up")
+                gate_up = self._lora(gate_up, x, lora, native_lora, i, "gate_up")
             gate, up = gate_up.chunk(2, dim=-1)
             act = self._act(gate) * up
             down = packed[3](act) if packed else linear(act, layer.w_down, layer.b_down)
-            h = h + (add_deltas(down, act, lora, i, "down") if lora else down)
+            h = h + (self._lora(down, act, lora, native_lora, i, "down") if lora else down)
 
         return self._logits(h.index_select(0, b.logit_index), linear)  # [R + extra, vocab]
+
+    def _lora(self, y: torch.Tensor, x: torch.Tensor, lora: list[Any], native: Any, layer: int,
+              proj: str) -> torch.Tensor:
+        """``y`` (a projection's output over ``x``) plus the pass's adapters' deltas: by the
+        native kernel over the tokens' table ``native`` (None: in PyTorch)."""
+        if native is None:
+            return add_deltas(y, x, lora, layer, proj)
+        y = y.contiguous()
+        native_lora_kernel.add(self._native, y, x.contiguous(), native, layer, proj)
+        return y
 
     def _logits(self, h: torch.Tensor, linear: Any) -> torch.Tensor:
         """``[R, vocab]`` logits of the hidden states ``h [R, hidden]``: final norm and LM head.

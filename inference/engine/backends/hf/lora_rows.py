@@ -62,11 +62,17 @@ class _LoraRows:
             rows = self.__dict__["_adapters_by_row"] = {}
         return rows
 
-    def _lora_segments(self, row_ids: Sequence[str],
-                       row_tokens: Sequence[int]) -> list[LoraSegment]:
+    def _lora_segments(self, row_ids: Sequence[str], row_tokens: Sequence[int]
+                       ) -> tuple[list[LoraSegment], list[AdapterWeights | None]]:
         """The adapter segments of a pass over rows ``row_ids`` (in pass order) of
-        ``row_tokens`` new tokens each; ``[]`` when none runs under an adapter."""
+        ``row_tokens`` new tokens each, and each token's adapter (None: the bare model);
+        ``([], [])`` when no row runs under an adapter."""
         by_row = self.__dict__.get("_adapters_by_row")
         if not by_row:
-            return []
-        return segments([by_row.get(r) for r in row_ids], row_tokens)
+            return [], []
+        adapters = [by_row.get(r) for r in row_ids]
+        found = segments(adapters, row_tokens)
+        if not found:
+            return [], []
+        tokens = [w for w, n in zip(adapters, row_tokens, strict=True) for _ in range(n)]
+        return found, tokens

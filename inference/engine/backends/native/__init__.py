@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("paged_attention.c", "bf16_head.c", "bf16_gemm.c",
-                             "prefill_attention.c", "quant.c", "decode_layer.c"))
+                             "prefill_attention.c", "quant.c", "decode_layer.c", "lora.c"))
 REPO_ROOT = Path(__file__).resolve().parents[4]
 # Compiled with -ffast-math (vectorised dot products and expf) but linked without it: linking
 # with it adds start-up code that flushes subnormal floats to zero for the whole process.

@@ -49,7 +49,8 @@ def declare(lib: ctypes.CDLL) -> None:
     for symbol in SYMBOLS.values():
         fn = getattr(lib, symbol)
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 3
+        fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 3 + [ctypes.c_void_p,
+                                                                      ctypes.c_int64]
 
 
 def supported(lib: Any, dtype: torch.dtype, layers: Sequence[Any], activation: Any,
@@ -186,10 +187,12 @@ class DecodeLayers:
         return self._pool
 
     def __call__(self, i: int, h: torch.Tensor, tables: torch.Tensor,
-                 lens: torch.Tensor) -> None:
+                 lens: torch.Tensor, lora: Any = None) -> None:
         """Run layer ``i`` over ``h [rows, hidden]`` in :attr:`dtype` (contiguous; overwritten
         with the layer's output), each row's new token at position ``lens[r] - 1``, its K/V
-        written to the pool's slot that ``tables [rows, max_blocks]`` int64 names.
+        written to the pool's slot that ``tables [rows, max_blocks]`` int64 names; ``lora``:
+        None, or each row's LoRA adapter (:func:`inference.engine.backends.native.lora.rows`),
+        whose deltas the layer adds to its projections.
 
         Raises:
             ValueError: before :meth:`bind`; for tensors of another dtype, layout or row count
@@ -201,7 +204,8 @@ class DecodeLayers:
             self._check(h, tables, lens)
         rc = self._fn(ctypes.byref(self._layers[i]), ctypes.byref(self._dims_t), h.data_ptr(),
                       self._cos.data_ptr(), self._sin.data_ptr(), tables.data_ptr(),
-                      lens.data_ptr(), tables.shape[1], h.shape[0], torch.get_num_threads())
+                      lens.data_ptr(), tables.shape[1], h.shape[0], torch.get_num_threads(),
+                      lora, i)
         if rc == 2:
             raise MemoryError(f"decode layers: {_ERRORS[2]}")
         if rc:

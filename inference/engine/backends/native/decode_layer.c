@@ -3,7 +3,8 @@
  * AVX512-BF16, in one call: the work that the forward pass otherwise spreads over some thirty
  * PyTorch operations per layer, each with its own dispatch and temporary tensors.
  *
- *   decode_layer_bf16(layer, dims, h, cos, sin, tables, lens, max_blocks, rows, threads)
+ *   decode_layer_bf16(layer, dims, h, cos, sin, tables, lens, max_blocks, rows, threads, lora,
+ *                     layer_index)
  *     layer   the layer's weights (layer_t below): RMSNorm weights, the four projections packed
  *             for bf16_packed_matmul (bf16_gemm.c) with their fp32 biases or NULL, and this
  *             layer's slice of the KV pool [2 * kv_heads][num_blocks][block_size][head_dim]
@@ -13,6 +14,8 @@
  *     cos, sin [max_positions][head_dim] bf16 rotary tables (rotate-half layout)
  *     tables  [rows][max_blocks] int64 block ids; lens [rows] int64 tokens each row attends to,
  *             its new token (at position lens - 1) included
+ *     lora    NULL, or [rows] pointers: each row's LoRA adapter (lora.c), its deltas added to
+ *             each projection's output (before the residual adds) for layer layer_index
  *
  * The steps and their roundings are those of the PyTorch pass in bf16 (forward.py): RMSNorm
  * computed in fp32, times its weight, rounded once to bf16; the fused q/k/v
@@ -56,6 +59,12 @@ int bf16_packed_matmul(const uint16_t *wp, const uint16_t *x, const float *bias,
                        int64_t rows, int64_t parts, int64_t out_features, int64_t in_features,
                        int64_t y_f32, int64_t threads);
 int bf16_packed_matmul_available(void);
+typedef struct lora_proj lora_proj_t;  /* lora.c */
+int lora_add_bf16(const lora_proj_t *const *adapters, int64_t layer, int64_t proj,
+                  const uint16_t *x, int64_t in, uint16_t *y, int64_t out, int64_t tokens,
+                  int64_t threads);
+int lora_add_f32(const lora_proj_t *const *adapters, int64_t layer, int64_t proj, const float *x,
+                 int64_t in, float *y, int64_t out, int64_t tokens, int64_t threads);
 int paged_decode_attention(const float *q, const float *pool, const int64_t *tables,
                            const int64_t *lens, float *out, int64_t rows, int64_t kv_heads,
                            int64_t group, int64_t head_dim, int64_t num_blocks,
@@ -156,7 +165,8 @@ static int check(const dims_t *M, const int64_t *tables, const int64_t *lens, in
 
 int decode_layer_bf16(const layer_t *L, const dims_t *M, uint16_t *h, const uint16_t *cos,
                       const uint16_t *sin, const int64_t *tables, const int64_t *lens,
-                      int64_t max_blocks, int64_t rows, int64_t threads)
+                      int64_t max_blocks, int64_t rows, int64_t threads,
+                      const lora_proj_t *const *lora, int64_t layer)
 {
     if (rows == 0) return 0;
     if (!bf16_packed_matmul_available()) return 5;
@@ -179,6 +189,7 @@ int decode_layer_bf16(const layer_t *L, const dims_t *M, uint16_t *h, const uint
     rms_norm(h, (const uint16_t *)L->ln1_w, x, rows, H, L->eps1);
     rc = bf16_packed_matmul((const uint16_t *)L->w_qkv, x, L->b_qkv, qkv, rows, 1, qkv_w, H, 0, threads);
     if (rc) { rc = rc == 3 ? 5 : 4; goto done; }
+    if (lora && (rc = lora_add_bf16(lora, layer, 0, x, H, qkv, qkv_w, rows, threads))) goto done;
     const int64_t head_stride = nb * bs * D;
     for (int64_t r = 0; r < rows; r++) {
         const int64_t pos = lens[r] - 1;
@@ -195,11 +206,13 @@ int decode_layer_bf16(const layer_t *L, const dims_t *M, uint16_t *h, const uint
     if (rc) goto done;
     rc = bf16_packed_matmul((const uint16_t *)L->w_o, o, L->b_o, d, rows, 1, H, NH * D, 0, threads);
     if (rc) { rc = rc == 3 ? 5 : 4; goto done; }
+    if (lora && (rc = lora_add_bf16(lora, layer, 1, o, NH * D, d, H, rows, threads))) goto done;
     add_residual(h, d, (int64_t)n_x);
 
     rms_norm(h, (const uint16_t *)L->ln2_w, x, rows, H, L->eps2);
     rc = bf16_packed_matmul((const uint16_t *)L->w_gate_up, x, L->b_gate_up, gu, rows, 1, 2 * I, H, 0, threads);
     if (rc) { rc = rc == 3 ? 5 : 4; goto done; }
+    if (lora && (rc = lora_add_bf16(lora, layer, 2, x, H, gu, 2 * I, rows, threads))) goto done;
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < I; i++) {
             const float g = to_f32(gu[r * 2 * I + i]);
@@ -208,6 +221,7 @@ int decode_layer_bf16(const layer_t *L, const dims_t *M, uint16_t *h, const uint
         }
     rc = bf16_packed_matmul((const uint16_t *)L->w_down, act, L->b_down, d, rows, 1, H, I, 0, threads);
     if (rc) { rc = rc == 3 ? 5 : 4; goto done; }
+    if (lora && (rc = lora_add_bf16(lora, layer, 3, act, I, d, H, rows, threads))) goto done;
     add_residual(h, d, (int64_t)n_x);
 done:
     free(buf);
@@ -259,7 +273,8 @@ static int q4_1_project(const dims_t *M, const uint8_t *blocks, const uint16_t *
  */
 int decode_layer_q4_1(const layer_t *L, const dims_t *M, float *h, const float *cos,
                       const float *sin, const int64_t *tables, const int64_t *lens,
-                      int64_t max_blocks, int64_t rows, int64_t threads)
+                      int64_t max_blocks, int64_t rows, int64_t threads,
+                      const lora_proj_t *const *lora, int64_t layer)
 {
     if (rows == 0) return 0;
     const int64_t H = M->hidden, NH = M->n_heads, KV = M->kv_heads, D = M->head_dim;
@@ -288,6 +303,7 @@ int decode_layer_q4_1(const layer_t *L, const dims_t *M, float *h, const float *
     rc = q4_1_project(M, (const uint8_t *)L->w_qkv, L->p_qkv, x, xb, L->b_qkv, qkv, rows, qkv_w,
                       H, nt);
     if (rc) goto done;
+    if (lora && (rc = lora_add_f32(lora, layer, 0, x, H, qkv, qkv_w, rows, threads))) goto done;
     const int64_t half = D / 2, head_stride = nb * bs * D;
     for (int64_t r = 0; r < rows; r++) {
         const int64_t pos = lens[r] - 1;
@@ -320,12 +336,14 @@ int decode_layer_q4_1(const layer_t *L, const dims_t *M, float *h, const float *
     if (rc) goto done;
     rc = q4_1_project(M, (const uint8_t *)L->w_o, L->p_o, o, xb, L->b_o, d, rows, H, NH * D, nt);
     if (rc) goto done;
+    if (lora && (rc = lora_add_f32(lora, layer, 1, o, NH * D, d, H, rows, threads))) goto done;
     for (size_t i = 0; i < n_x; i++) h[i] += d[i];
 
     rms_norm_f32(h, (const float *)L->ln2_w, x, rows, H, L->eps2);
     rc = q4_1_project(M, (const uint8_t *)L->w_gate_up, L->p_gate_up, x, xb, L->b_gate_up, gu,
                       rows, 2 * I, H, nt);
     if (rc) goto done;
+    if (lora && (rc = lora_add_f32(lora, layer, 2, x, H, gu, 2 * I, rows, threads))) goto done;
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < I; i++) {
             const float g = gu[r * 2 * I + i];
@@ -334,6 +352,7 @@ int decode_layer_q4_1(const layer_t *L, const dims_t *M, float *h, const float *
     rc = q4_1_project(M, (const uint8_t *)L->w_down, L->p_down, act, xb, L->b_down, d, rows, H,
                       I, nt);
     if (rc) goto done;
+    if (lora && (rc = lora_add_f32(lora, layer, 3, act, I, d, H, rows, threads))) goto done;
     for (size_t i = 0; i < n_x; i++) h[i] += d[i];
 done:
     free(buf);
