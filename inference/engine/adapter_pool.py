@@ -103,6 +103,13 @@ class AdapterPool:
         self._queued.append(spec)
         self._start_reads()
 
+    def prefetch(self, spec: AdapterSpec) -> None:
+        """Start loading ``spec`` for a request that just arrived, if it takes a free slot (no
+        eviction: a request waiting for its turn never pushes out an adapter in use)."""
+        busy = len(self._loaded) + len(self._reading) + len(self._staged) + len(self._queued)
+        if busy < self.capacity:
+            self.want(spec)
+
     def has_news(self) -> bool:
         """Whether :meth:`poll` has something to do: files read, or a failure to report."""
         with self._lock:
@@ -134,7 +141,9 @@ class AdapterPool:
         for digest in list(self._staged):
             if len(self._loaded) >= self.capacity:
                 busy = in_use() if busy is None else busy
-                victim = next((d for d in self._loaded if d not in busy), None)
+                # (not one loaded in this poll: its parked requests come back after it)
+                victim = next((d for d in self._loaded if d not in busy and d not in loaded),
+                              None)
                 if victim is None:
                     break  # every slot is in use: the files wait, read
                 del self._loaded[victim]

@@ -99,6 +99,8 @@ class ReferenceBackend(ModelBackend):
         self._weights = (positions * 2654435761 + 12345) % 65521
         self._vocab_ids = torch.arange(self.vocab_size, dtype=torch.int64)
         self.rows: set[str] = set()
+        # Each row's LoRA adapter as a salt of what it writes (0: the bare model), see _write.
+        self._salts: dict[str, int] = {}
         self.forward_calls = 0
         self.block_copies = 0
 
@@ -114,6 +116,30 @@ class ReferenceBackend(ModelBackend):
 
     def remove_row(self, row_id: str) -> None:
         self.rows.discard(row_id)
+        self._salts.pop(row_id, None)
+
+    # LoRA adapters: a row under one writes its tokens salted by the adapter's digest, so its
+    # answers are its own, and a KV slot written under another adapter (or the bare model) reads
+    # back as other values (a prefix cache that crossed adapters shows as different tokens).
+    serves_adapters = True
+
+    def build_adapter(self, files: Any, max_rank: int) -> Any:
+        """A stand-in for an adapter's tensors: its config's rank checked, nothing laid out.
+
+        Raises:
+            inference.engine.lora.AdapterError: not a LoRA config, or a rank over ``max_rank``.
+        """
+        from inference.engine.lora import AdapterError, AdapterWeights
+
+        rank = files.config.get("r")
+        if files.config.get("peft_type") != "LORA" or not isinstance(rank, int) or not (
+                0 < rank <= max_rank):
+            raise AdapterError(f"not a LoRA adapter of rank 1..{max_rank}")
+        return AdapterWeights(digest=files.digest, rank=rank, layers=[],
+                              nbytes=len(files.weights))
+
+    def set_row_adapter(self, row_id: str, weights: Any) -> None:
+        self._salts[row_id] = int(weights.digest[:6], 16) + 1
 
     def copy_block(self, source: int, target: int) -> None:
         """Copy block ``source``'s token slots into block ``target`` (copy-on-write at a fork)."""
@@ -134,12 +160,14 @@ class ReferenceBackend(ModelBackend):
                 raise PassYielded("an interactive request arrived")
             time.sleep(min(left, 0.002) if give_way is not None else left)
 
-    def _write(self, block_table: Sequence[int], start: int, tokens: Sequence[int]) -> None:
+    def _write(self, block_table: Sequence[int], start: int, tokens: Sequence[int],
+               row_id: str = "") -> None:
         assert self._pool is not None, "allocate_kv_pool first"
         bs = self._block_size
+        salt = self._salts.get(row_id, 0) << 20
         for offset, token in enumerate(tokens):
             pos = start + offset
-            self._pool[block_table[pos // bs], pos % bs] = token
+            self._pool[block_table[pos // bs], pos % bs] = token + salt
 
     def _read(self, block_table: Sequence[int], length: int) -> torch.Tensor:
         """The first ``length`` tokens the row holds, read back through its block table."""
@@ -186,7 +214,7 @@ class ReferenceBackend(ModelBackend):
         self._forward()
         out, others = [], []
         for chunk in chunks:
-            self._write(chunk.block_table, chunk.start_pos, chunk.token_ids)
+            self._write(chunk.block_table, chunk.start_pos, chunk.token_ids, chunk.row_id)
             end = chunk.start_pos + len(chunk.token_ids)
             if chunk.all_logits:
                 rows = self._position_logits(chunk.block_table, chunk.start_pos, end)
@@ -200,7 +228,7 @@ class ReferenceBackend(ModelBackend):
         self._forward()
         out = []
         for row in rows:
-            self._write(row.block_table, row.position, [row.token_id])
+            self._write(row.block_table, row.position, [row.token_id], row.row_id)
             out.append(self._logits(row.block_table, row.position + 1))
         return torch.stack(out)
 

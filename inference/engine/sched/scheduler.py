@@ -138,8 +138,13 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Put a validated request into ``_pending``; one that can never fit (bigger than the
-        active-KV budget or the whole pool) is hard-rejected at once, with its final event."""
+        active-KV budget or the whole pool) is hard-rejected at once, with its final event.
+        Its LoRA adapter, if not loaded, starts loading now when the pool has a free slot."""
         self.rows.enqueue(request)
+        pool = self.state.adapters
+        if (request.adapter is not None and pool is not None
+                and request.phase is RequestPhase.PENDING):
+            pool.prefetch(request.adapter)
 
     def abort_request(self, request_id: str) -> bool:
         """End a request in any phase with ``finish_reason=abort`` (every choice of a request

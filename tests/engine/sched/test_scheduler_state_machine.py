@@ -20,17 +20,49 @@ whole (every choice at once) and resumed as a whole, in the engine or from its r
 
 from __future__ import annotations
 
+import hashlib
+import json
+import tempfile
+from pathlib import Path
+
 from hypothesis import HealthCheck, event, settings, target
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from inference.engine.backends.reference import ReferenceBackend
 from inference.engine.llm_engine import InvalidRequestError, QueueFullError
-from inference.engine.request import FinalEvent, FinishReason, ResumeState, SamplingParams
+from inference.engine.request import (
+    AdapterSpec,
+    FinalEvent,
+    FinishReason,
+    ResumeState,
+    SamplingParams,
+)
 from tests.support.engine import EventLog, make_engine
 
 # A few shared prompt heads so that prefix-cache hits, shared blocks and evictions happen.
 HEADS = [list(range(1, 13)), list(range(20, 29)), [7] * 16]
+
+
+def _adapters() -> list[AdapterSpec]:
+    """Five LoRA adapters on disk for the reference backend (config and weights files): four
+    that load, and one whose weights changed since their digest was taken (its loads fail)."""
+    root = Path(tempfile.mkdtemp(prefix="sm-adapters-"))
+    specs = []
+    for i in range(5):
+        folder = root / f"a{i}"
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+        weights = f"weights of adapter {i}".encode()
+        (folder / "adapter_model.safetensors").write_bytes(weights)
+        digest = hashlib.sha256(weights if i < 4 else b"before").hexdigest()
+        specs.append(AdapterSpec(name=f"base:a{i}", path=str(folder), digest=digest, rank=8))
+    return specs
+
+
+# The run's adapters (None: the bare model, drawn more often); the last one never loads.
+ADAPTERS = _adapters()
+BROKEN = ADAPTERS[-1].name
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -42,14 +74,15 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(chunk=st.sampled_from([0, 1, 3, 8]), blocks=st.integers(12, 40),
                 batch=st.integers(1, 5), queue=st.integers(2, 12),
                 caching=st.booleans(), preemptions=st.sampled_from([0, 1, 2, 3]),
-                hand_out=st.booleans())
+                hand_out=st.booleans(), loras=st.sampled_from([1, 2, 8]))
     def setup(self, chunk: int, blocks: int, batch: int, queue: int, caching: bool,
-              preemptions: int, hand_out: bool) -> None:
+              preemptions: int, hand_out: bool, loras: int = 8) -> None:
         self.engine = make_engine(
             self.make_backend(), kv_num_blocks=blocks, kv_block_size=4, max_batch_size=batch,
             prefill_chunk_size=chunk, max_pending=queue, scheduling_policy=self.policy,
             enable_prefix_caching=caching, preemption=preemptions > 0,
-            max_preemptions=max(preemptions, 1))
+            max_preemptions=max(preemptions, 1), max_loras=loras)
+        self.adapter_of: dict[str, AdapterSpec | None] = {}
         self.log = EventLog()
         self.submitted: dict[str, tuple[int, int, int]] = {}
         self.prompts: dict[str, tuple[list[int], str, int]] = {}
@@ -77,9 +110,11 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(head=st.sampled_from(range(len(HEADS))), tail=st.integers(0, 30),
           max_tokens=st.integers(1, 40), tenant=st.sampled_from("abc"),
           priority=st.integers(0, 2), huge=st.integers(0, 9),
-          n=st.sampled_from([1, 1, 1, 2, 3]))
+          n=st.sampled_from([1, 1, 1, 2, 3]),
+          adapter=st.sampled_from([None, None, None, *ADAPTERS]))
     def submit(self, head: int, tail: int, max_tokens: int, tenant: str, priority: int,
-               huge: int, n: int = 1, batch: bool = False) -> None:
+               huge: int, n: int = 1, batch: bool = False,
+               adapter: AdapterSpec | None = None) -> None:
         prompt = HEADS[head] + [(self.counter * 31 + i) % 250 for i in range(tail)]
         if huge == 0:  # sometimes a request that can never fit
             max_tokens += 400
@@ -91,7 +126,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         try:
             self.engine.submit(prompt_token_ids=prompt, request_id=rid, tenant=tenant,
                                fairness_key=key, priority=priority, sampling=sampling,
-                               batch=batch)
+                               batch=batch, adapter=adapter)
         except QueueFullError:
             assert self.engine.num_queued() >= self.engine.config.max_pending
             return
@@ -100,6 +135,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert exc.error.details["param"] == "n"
             return
         self.submitted[rid] = (len(prompt), max_tokens, n)
+        self.adapter_of[rid] = adapter
         self.prompts[rid] = (prompt, tenant, priority, key, sampling, batch)
 
     @rule(tail=st.integers(0, 30), max_tokens=st.integers(1, 40), tenant=st.sampled_from("ab"),
@@ -128,7 +164,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             try:
                 self.engine.submit(prompt_token_ids=prompt, request_id=rid, tenant=tenant,
                                    fairness_key=key, priority=priority, batch=batch,
-                                   resume=None if again else state, **again)
+                                   resume=None if again else state,
+                                   adapter=self.adapter_of[rid], **again)
             except QueueFullError:
                 return
             del self.handed_out[rid]
@@ -191,6 +228,11 @@ class SchedulerMachine(RuleBasedStateMachine):
                 s.choices for s in self.handed_out.values()):
             self.choices_preempted = True
         assert stats["active_kv_reserved"] == snap["active_kv_reserved"]
+        # LoRA adapters: the pool's bound holds, and every admitted row's adapter is loaded.
+        pool = self.engine.scheduler.state.adapters
+        assert len(pool.stats()["loaded"]) <= pool.capacity
+        for row in self.engine.scheduler.state.prefilling + self.engine.scheduler.state.active:
+            assert row.adapter is None or pool.is_loaded(row.adapter.digest), row.request_id
 
     @invariant()
     def gate_one_bound(self) -> None:
@@ -237,6 +279,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             elif (final.finish_reason is FinishReason.ERROR and self.injects_faults
                   and final.error is not None and final.error.code == "engine_error"):
                 assert tokens <= max_tokens
+            elif final.finish_reason is FinishReason.ERROR and final.error.code == (
+                    "adapter_unavailable"):
+                assert final.error.details["adapter"] == BROKEN == self.adapter_of[rid].name
+                assert tokens == 0
             elif final.finish_reason is FinishReason.ERROR:
                 assert final.error is not None and final.error.code in (
                     "kv_budget_exceeded", "kv_pool_exceeded")
@@ -250,12 +296,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         if not self.max_preemptions:  # batch rows are preempted whatever the setting
             assert stats["preemptions"] == stats["batch_preemptions"]
         event("batch preempted" if stats["batch_preemptions"] else "no batch preempted")
+        event("adapter evicted" if stats["adapters"]["evictions"] else "no adapter evicted")
         assert stats["active_kv_reserved"] == 0
         assert stats["kv_blocks_held"] == 0
         assert stats["kv_blocks_reserved"] == 0
         assert stats["num_queued"] == 0
         assert all(v["in_flight"] == 0 for v in stats["per_key"].values())
-
 
     def check_choices(self, rid: str, events: list, final: FinalEvent, prompt_len: int,
                       max_tokens: int, n: int) -> None:
@@ -273,7 +319,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert tokens == max_tokens
             elif choice.finish_reason is FinishReason.ERROR:
                 assert choice.error is not None
-                if not (self.injects_faults and choice.error.code == "engine_error"):
+                if choice.error.code == "adapter_unavailable":
+                    assert self.adapter_of[rid].name == BROKEN and tokens == 0
+                elif not (self.injects_faults and choice.error.code == "engine_error"):
                     assert choice.error.code in ("kv_budget_exceeded", "kv_pool_exceeded")
                     assert tokens == 0
             else:
