@@ -185,3 +185,41 @@ def test_a_refused_rest_request_is_counted_in_the_metrics(admin_client, client, 
                    admin_client.get("/metrics").content.decode())
                for s in family.samples}
     assert samples[("llm_requests_refused_total", (("code", "no_worker_available"),))] == 1
+
+
+ADAPTERS = {"loaded": ["m:support", "m:legal"], "loaded_digests": ["a" * 64, "b" * 64],
+            "capacity": 8, "loading": 1, "loads": 5, "load_failures": 1, "evictions": 3,
+            "last_load_s": 0.4, "load_s_total": 2.0, "build_s_total": 0.2, "num_parked": 2,
+            "running": {"m:support": 3}}
+
+
+def test_the_dashboard_and_the_metrics_show_the_lora_adapters(admin_client, published,
+                                                              tenant_key):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    published("w1", adapters=ADAPTERS)
+    published("w2", adapters={**ADAPTERS, "loaded": ["m:support"], "running": {}})
+    live = admin_client.get("/admin/scheduler/data").json()["live"]
+    assert live["per_adapter"] == {"m:legal": {"workers": 1, "running": 0},
+                                   "m:support": {"workers": 2, "running": 3}}
+    assert b'id="per-adapter"' in admin_client.get("/admin/scheduler/").content
+    tenant, key, _ = tenant_key
+    for i, adapter in enumerate(("m:support", "m:support", "")):
+        UsageRecord.objects.create(request_id=f"a{i}", tenant=tenant, api_key=key, model="m",
+                                   adapter=adapter, prompt_tokens=10, completion_tokens=4,
+                                   status=200)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(
+                   admin_client.get("/metrics").content.decode())
+               for s in family.samples}
+    assert samples[("llm_adapter_loaded", (("adapter", "m:legal"), ("worker", "w1")))] == 1
+    assert ("llm_adapter_loaded", (("adapter", "m:legal"), ("worker", "w2"))) not in samples
+    assert samples[("llm_adapter_running_rows",
+                    (("adapter", "m:support"), ("worker", "w1")))] == 3
+    assert samples[("llm_adapter_parked_requests", (("worker", "w1"),))] == 2
+    assert samples[("llm_adapter_evictions_total", (("worker", "w1"),))] == 3
+    assert samples[("llm_adapter_load_failures_total", (("worker", "w2"),))] == 1
+    assert samples[("llm_adapter_generation_tokens_total", (("adapter", "m:support"),))] == 8
+    assert samples[("llm_adapter_requests_total",
+                    (("adapter", "m:support"), ("status", "200")))] == 2
+    assert samples[("llm_model_requests_total", (("model", "m"), ("status", "200")))] == 3
