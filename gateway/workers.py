@@ -58,8 +58,9 @@ FIELD_RULES: dict[str, Rule] = {
                      "batch_itl_slack_fraction"), Rule.SAME),
 }
 # Fields that only mean something for one worker (its own cost model and last pass, the rows it
-# may preempt): shown in each worker's snapshot, left out of the deployment's total.
-PER_WORKER_ONLY = frozenset({"tick_budget", "preemptible_rows"})
+# may preempt, the LoRA adapters it holds: the dashboard's per_adapter joins those): shown in
+# each worker's snapshot, left out of the deployment's total.
+PER_WORKER_ONLY = frozenset({"tick_budget", "preemptible_rows", "adapters"})
 # Per fairness key: served tokens add up; each worker keeps its own VTC counter (the largest is
 # shown: the most any worker has charged the key).
 PER_KEY_RULES: dict[str, Rule] = {

@@ -57,6 +57,9 @@ class AdapterPool:
         self.root = root
         self.max_rank = max_rank
         self.notify: Callable[[], None] = lambda: None
+        # Read files at once on the calling thread instead of the loader thread (a test that
+        # needs each tick's outcome to repeat exactly); a load is still laid out at a poll.
+        self.read_inline = False
         self._build = build
         self._clock = clock
         self._loaded: OrderedDict[str, AdapterWeights] = OrderedDict()  # LRU first
@@ -190,6 +193,16 @@ class AdapterPool:
         """Read queued adapters while fewer than ``capacity`` are read or waiting read."""
         while self._queued and len(self._reading) + len(self._staged) < self.capacity:
             spec = self._queued.popleft()
+            if self.read_inline:
+                future: Future[AdapterFiles] = Future()
+                try:
+                    future.set_result(read_adapter_files(spec.path, spec.digest,
+                                                         MAX_ADAPTER_FILE_BYTES))
+                except Exception as exc:  # noqa: BLE001 - reported by poll, as a thread's
+                    future.set_exception(exc)
+                with self._lock:
+                    self._reading[spec.digest] = (future, self._clock())
+                continue
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="adapter-read")
             future = self._executor.submit(read_adapter_files, spec.path, spec.digest,

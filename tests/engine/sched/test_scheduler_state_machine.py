@@ -83,6 +83,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             enable_prefix_caching=caching, preemption=preemptions > 0,
             max_preemptions=max(preemptions, 1), max_loras=loras)
         self.adapter_of: dict[str, AdapterSpec | None] = {}
+        # Adapters read at once: each run's ticks repeat exactly (hypothesis replays them).
+        self.engine.scheduler.state.adapters.read_inline = True
         self.log = EventLog()
         self.submitted: dict[str, tuple[int, int, int]] = {}
         self.prompts: dict[str, tuple[list[int], str, int]] = {}
