@@ -158,6 +158,10 @@ class AdapterPool:
             except AdapterError as exc:
                 failed[digest] = str(exc)
                 continue
+            except Exception as exc:  # its requests fail, never the tick and the rows in it
+                log.exception("laying out adapter %s failed", self._names.get(digest, digest))
+                failed[digest] = f"cannot lay it out: {type(exc).__name__}"
+                continue
             self.build_seconds_total += time.perf_counter() - built
             seconds = self._clock() - started
             self.loads += 1

@@ -230,3 +230,23 @@ def test_an_adapter_over_q4_1_weights_applies_its_delta(backend, adapters, corpu
     print(f"q4_1 under a rank-8 adapter vs fp32 under it, deltas {deltas}: mean |diff| {near:.3f} "
           f"(bare q4_1: {far:.3f}), top-1 {agree:.0%}")
     assert near < far / 3 and agree >= 0.8
+
+
+def test_an_adapter_whose_layout_fails_unexpectedly_fails_its_requests_not_the_batch(
+        backend, adapters, references, chat_prompt, monkeypatch):
+    engine, recorder = make_engine(backend, prefill_mode="mixed_batch")
+    build = backend.build_adapter
+
+    def flaky(files, max_rank):
+        if files.digest == adapters[2].digest:
+            raise MemoryError("no room for it")
+        return build(files, max_rank)
+
+    monkeypatch.setattr(backend, "build_adapter", flaky)
+    runs = run_requests(engine, recorder, {"ok": chat_prompt, "bad": chat_prompt,
+                                           "base": chat_prompt}, GREEDY, ticks_between=2,
+                        adapters={"ok": adapters[0], "bad": adapters[2]})
+    bad = runs["bad"].final
+    assert bad.error.code is ErrorCode.ADAPTER_UNAVAILABLE and "MemoryError" in bad.error.message
+    assert_same_greedy(references[adapters[0].digest], runs["ok"].tokens, "beside it")
+    assert_same_greedy(references["base"], runs["base"].tokens, "base beside it")
