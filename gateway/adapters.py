@@ -106,7 +106,9 @@ def _entry(row: LoraAdapter) -> AdapterEntry | None:
                     row.api_name)
         return None
     try:
-        ref = AdapterRef(name=row.api_name, path=str(folder), digest=row.digest, rank=row.rank)
+        checked = int(row.validated_at.timestamp()) if row.validated_at else 0
+        ref = AdapterRef(name=row.api_name, path=str(folder), digest=row.digest, rank=row.rank,
+                         revision=f"{row.pk}-{checked}")
     except ValueError as exc:
         log.warning("the LoRA adapter %r has no valid digest or rank: not served (%s)",
                     row.api_name, exc)

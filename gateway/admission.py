@@ -270,7 +270,7 @@ async def _admit(principal: Principal, message: RequestMessage,
     spec.update(fairness_key=message.fairness_key, priority=int(message.priority),
                 deadline=message.deadline() or 0, epoch=uuid.uuid4().hex,
                 marker_ttl_s=ADMITTED_MARKER_TTL_S,
-                adapter=message.adapter.digest if message.adapter is not None else "")
+                adapter=message.adapter.key if message.adapter is not None else "")
     raw = await ADMIT_LUA.arun(aredis(), len(limit_keys), *limit_keys, json.dumps(spec),
                               message.to_json())
     verdict = json.loads(raw)

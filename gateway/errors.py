@@ -49,6 +49,7 @@ TYPE_BY_STATUS = {
     404: "invalid_request_error",
     405: "invalid_request_error",
     408: "timeout_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     499: "client_closed_request",

@@ -1,20 +1,25 @@
 """The engine's pool of loaded LoRA adapters: at most ``MAX_LORAS`` at once, read from disk off
 the tick, laid out on the compute thread, evicted least recently used.
 
-An adapter a request needs is *wanted* when the request reaches the head of the fair order
-(:mod:`inference.engine.sched.admission` parks the request meanwhile). A loader thread reads its
-files and checks their SHA-256 (:func:`~inference.engine.lora.read_adapter_files`: file reading
-only); the next tick's :meth:`AdapterPool.poll` lays them out as tensors
+Adapters are keyed by :attr:`~inference.engine.request.AdapterSpec.key` (name, registry
+revision, weights digest): two adapters sharing a weights file are two adapters. One a request
+needs is *wanted* when the request arrives and a slot is free, or when it reaches the head of
+the fair order (:mod:`inference.engine.sched.admission` parks the request meanwhile). A loader
+thread (one of :data:`READER_THREADS`) reads its files and checks their SHA-256
+(:func:`~inference.engine.lora.read_adapter_files`: file reading only); a read not done within
+``read_timeout_s`` (:data:`READ_TIMEOUT_S`: a stalled volume) fails, its thread left blocked and
+the others going on. The next tick's :meth:`AdapterPool.poll` lays them out as tensors
 (:func:`~inference.engine.lora.build_adapter`, on the compute thread) into a free slot, or the
 slot of the least recently used adapter that no admitted row and no request waiting in the
 order uses. When every slot is in use the files wait, read, until a slot frees (at most
 ``MAX_LORAS`` adapters' files wait so; further wants queue without reading). A load that fails
-reports its error once: the scheduler fails the requests parked on it, and the next request
-naming the adapter tries again.
+reports its error once (and logs it): the scheduler fails the requests parked on it, and the
+next request naming the adapter tries again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -31,6 +36,9 @@ log = logging.getLogger(__name__)
 
 # The largest adapter file a worker reads (bytes); the registry's own limit is lower.
 MAX_ADAPTER_FILE_BYTES = 2 << 30
+# Seconds a read of an adapter's files may take before its requests fail; threads reading.
+READ_TIMEOUT_S = 30.0
+READER_THREADS = 4
 
 
 class AdapterPool:
@@ -57,6 +65,9 @@ class AdapterPool:
         self.root = root
         self.max_rank = max_rank
         self.notify: Callable[[], None] = lambda: None
+        # A read not done by then fails its requests (a stalled volume); its thread may stay
+        # blocked, the other reads go on on the other threads.
+        self.read_timeout_s = READ_TIMEOUT_S
         # Read files at once on the calling thread instead of the loader thread (a test that
         # needs each tick's outcome to repeat exactly); a load is still laid out at a poll.
         self.read_inline = False
@@ -77,22 +88,23 @@ class AdapterPool:
 
     # -- what the scheduler asks ---------------------------------------------------------------
 
-    def get(self, digest: str) -> AdapterWeights | None:
-        """The loaded adapter of ``digest`` (now the most recently used), or None."""
-        weights = self._loaded.get(digest)
+    def get(self, key: str) -> AdapterWeights | None:
+        """The loaded adapter of ``key`` (:attr:`AdapterSpec.key`; now the most recently
+        used), or None."""
+        weights = self._loaded.get(key)
         if weights is not None:
-            self._loaded.move_to_end(digest)
+            self._loaded.move_to_end(key)
         return weights
 
-    def is_loaded(self, digest: str) -> bool:
-        return digest in self._loaded
+    def is_loaded(self, key: str) -> bool:
+        return key in self._loaded
 
     def want(self, spec: AdapterSpec) -> None:
         """Start loading ``spec`` unless it is loaded or on its way. A folder outside the root
         fails at once (reported by the next :meth:`poll`)."""
-        digest = spec.digest
+        digest = spec.key  # (the adapter's key: its identity, not only its weights' digest)
         if (digest in self._loaded or digest in self._reading or digest in self._staged
-                or digest in self._failed or any(s.digest == digest for s in self._queued)):
+                or digest in self._failed or any(s.key == digest for s in self._queued)):
             return
         self._names[digest] = spec.name
         if spec.rank > self.max_rank:
@@ -115,8 +127,10 @@ class AdapterPool:
 
     def has_news(self) -> bool:
         """Whether :meth:`poll` has something to do: files read, or a failure to report."""
+        now = self._clock()
         with self._lock:
-            done = any(f.done() for f, _ in self._reading.values())
+            done = any(f.done() or now - t > self.read_timeout_s
+                       for f, t in self._reading.values())
         return done or bool(self._staged) or bool(self._failed)
 
     def poll(self, in_use: Callable[[], Collection[str]]) -> tuple[list[str], dict[str, str]]:
@@ -128,17 +142,24 @@ class AdapterPool:
             ``(loaded, failed)``: digests loaded now; digest -> why, for loads that failed.
         """
         failed, self._failed = self._failed, {}
+        now = self._clock()
         with self._lock:
             done = [d for d, (f, _) in self._reading.items() if f.done()]
+            stuck = [d for d, (f, t) in self._reading.items()
+                     if not f.done() and now - t > self.read_timeout_s]
+        for digest in stuck:  # its thread stays blocked; the other readers go on
+            self._reading.pop(digest)
+            failed[digest] = f"reading its files took over {self.read_timeout_s:g} s"
         for digest in done:
             future, started = self._reading.pop(digest)
             try:
-                self._staged[digest] = (future.result(), started)
+                self._staged[digest] = (dataclasses.replace(future.result(), key=digest),
+                                        started)
             except AdapterError as exc:
                 failed[digest] = str(exc)
             except Exception as exc:  # an unexpected read failure fails its requests only
                 log.exception("reading adapter %s failed", self._names.get(digest, digest))
-                failed[digest] = f"cannot read it: {exc}"
+                failed[digest] = f"cannot read it: {type(exc).__name__}"
         loaded: list[str] = []
         busy: Collection[str] | None = None
         for digest in list(self._staged):
@@ -169,6 +190,9 @@ class AdapterPool:
             self.load_seconds_total += seconds
             loaded.append(digest)
         self.load_failures += len(failed)
+        for digest, why in failed.items():
+            log.warning("LoRA adapter %s could not be loaded: %s",
+                        self._names.get(digest, digest), why)
         self._start_reads()
         return loaded, failed
 
@@ -177,7 +201,7 @@ class AdapterPool:
         capacity, loads in progress, and counters since start (load times in seconds)."""
         return {
             "loaded": [self._names.get(d, d) for d in self._loaded],
-            "loaded_digests": list(self._loaded),
+            "loaded_keys": list(self._loaded),
             "capacity": self.capacity,
             "loading": len(self._reading) + len(self._staged) + len(self._queued),
             "loads": self.loads, "load_failures": self.load_failures,
@@ -205,12 +229,13 @@ class AdapterPool:
                 except Exception as exc:  # noqa: BLE001 - reported by poll, as a thread's
                     future.set_exception(exc)
                 with self._lock:
-                    self._reading[spec.digest] = (future, self._clock())
+                    self._reading[spec.key] = (future, self._clock())
                 continue
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix="adapter-read")
+            if self._executor is None:  # as many readers as reads: a stuck one blocks no other
+                self._executor = ThreadPoolExecutor(READER_THREADS,
+                                                    thread_name_prefix="adapter-read")
             future = self._executor.submit(read_adapter_files, spec.path, spec.digest,
                                            MAX_ADAPTER_FILE_BYTES)
             with self._lock:
-                self._reading[spec.digest] = (future, self._clock())
+                self._reading[spec.key] = (future, self._clock())
             future.add_done_callback(lambda _: self.notify())

@@ -41,7 +41,7 @@ def _tenant_seed(tenant: str, adapter: str = "") -> int:
 
 def cache_salt(request: Request) -> tuple[str, str]:
     """What seeds ``request``'s hash chain: its tenant and its adapter's digest (or "")."""
-    return request.tenant, request.adapter.digest if request.adapter is not None else ""
+    return request.tenant, request.adapter.key if request.adapter is not None else ""
 
 
 @dataclass

@@ -51,11 +51,13 @@ class AdapterError(Exception):
 @dataclass(frozen=True)
 class AdapterFiles:
     """An adapter's files as read from disk (by a loader thread): its config and the bytes of
-    its safetensors file, whose SHA-256 matched the registry's ``digest``."""
+    its safetensors file, whose SHA-256 matched the registry's ``digest``; ``key``: the
+    adapter's (:func:`inference.protocol.messages.adapter_key`)."""
 
     digest: str
     config: dict[str, Any]
     weights: bytes
+    key: str = ""
 
 
 def read_adapter_files(folder: str | Path, digest: str, max_bytes: int) -> AdapterFiles:
@@ -74,8 +76,11 @@ def read_adapter_files(folder: str | Path, digest: str, max_bytes: int) -> Adapt
         if size > max_bytes:
             raise AdapterError(f"{WEIGHTS_FILE} holds {size} bytes, over {max_bytes}")
         weights = path.read_bytes()
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise AdapterError(f"cannot read the adapter in {folder}: {exc}") from exc
+    except OSError as exc:  # (its folder is the server's business: not in the message)
+        what = Path(exc.filename).name if exc.filename else "its files"
+        raise AdapterError(f"cannot read {what}: {exc.strerror or type(exc).__name__}") from exc
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AdapterError(f"{CONFIG_FILE} is not JSON text: {exc}") from exc
     if not isinstance(config, dict):
         raise AdapterError(f"{CONFIG_FILE} is not a JSON object")
     found = hashlib.sha256(weights).hexdigest()
@@ -119,13 +124,14 @@ class ProjectionLora:
 
 @dataclass
 class AdapterWeights:
-    """One loaded adapter: per layer, per fused projection (``qkv``, ``o``, ``gate_up``,
-    ``down``), its :class:`ProjectionLora` in the model's dtype, or None where the adapter
-    targets none of its modules. ``rank``: its ``r``; ``nbytes``: its tensors' bytes;
-    ``dtype``: its tensors'; ``native``: the native kernel's description of it
-    (:mod:`inference.engine.backends.native.lora`, made on first use)."""
+    """One loaded adapter (``key``: :attr:`AdapterFiles.key`): per layer, per fused
+    projection (``qkv``, ``o``, ``gate_up``, ``down``), its :class:`ProjectionLora` in the
+    model's dtype, or None where the adapter targets none of its modules. ``rank``: its
+    ``r``; ``nbytes``: its tensors' bytes; ``dtype``: its tensors'; ``native``: the native
+    kernel's description of it (:mod:`inference.engine.backends.native.lora`, made on first
+    use)."""
 
-    digest: str
+    key: str
     rank: int
     layers: list[dict[str, ProjectionLora | None]]
     nbytes: int
@@ -208,7 +214,7 @@ def build_adapter(files: AdapterFiles, shape: ModelShape, dtype: torch.dtype,
         layers.append(fused)
     if not found:
         raise AdapterError("the adapter holds no LoRA tensors")
-    return AdapterWeights(digest=files.digest, rank=rank, layers=layers, nbytes=nbytes,
+    return AdapterWeights(key=files.key or files.digest, rank=rank, layers=layers, nbytes=nbytes,
                           dtype=dtype)
 
 
@@ -230,7 +236,7 @@ def segments(row_adapters: Sequence[AdapterWeights | None],
     start = 0
     for weights, count in zip(row_adapters, row_tokens, strict=True):
         if weights is not None:
-            by_adapter.setdefault(weights.digest, (weights, []))[1].extend(
+            by_adapter.setdefault(weights.key, (weights, []))[1].extend(
                 range(start, start + count))
         start += count
     out = []

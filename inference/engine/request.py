@@ -27,6 +27,7 @@ from inference.protocol.events import (
     TokenEvent,
     Usage,
 )
+from inference.protocol.models import adapter_key
 from inference.protocol.structured import StructuredOutput
 
 __all__ = ["BATCH_TIER", "SAMPLING_EPS", "SEED_RANGE", "ChoiceState", "ErrorCode", "ErrorInfo",
@@ -204,13 +205,20 @@ class ResumeState:
 @dataclass(frozen=True)
 class AdapterSpec:
     """The adapter a request runs under: ``name`` (``base:adapter``, for errors and stats),
-    ``path`` (its folder), ``digest`` (SHA-256 of its safetensors file, hex: what the pool and
-    the prefix cache key it by) and ``rank``."""
+    ``path`` (its folder), ``digest`` (SHA-256 of its safetensors file, hex: its files are
+    checked against it), ``rank`` and ``revision`` (its registry entry's); :attr:`key`
+    identifies it (the pool and the prefix cache key it by)."""
 
     name: str
     path: str
     digest: str
     rank: int
+    revision: str = ""
+
+    @property
+    def key(self) -> str:
+        """:func:`inference.protocol.messages.adapter_key` of this adapter."""
+        return adapter_key(self.name, self.revision, self.digest)
 
 
 @dataclass(eq=False)

@@ -25,6 +25,7 @@ from inference.protocol.events import (
     Message,
     Usage,
 )
+from inference.protocol.models import adapter_key
 from inference.protocol.structured import StructuredOutput
 
 
@@ -185,6 +186,7 @@ class Resume(Message):
 ADAPTER_SEPARATOR = ":"
 
 
+
 class AdapterRef(Message):
     """The LoRA adapter a request runs under (``docs/platform.md``, "LoRA adapters").
 
@@ -193,13 +195,20 @@ class AdapterRef(Message):
     under its ``ADAPTER_ROOT``. ``digest``: the SHA-256 (hex) of the safetensors file as the
     registry validated it; the worker's adapter pool and its prefix cache key the adapter by it,
     so a replaced file is never mistaken for the one before, and a file that no longer has this
-    digest fails its requests. ``rank``: its LoRA rank ``r``.
+    digest fails its requests. ``rank``: its LoRA rank ``r``. ``revision``: its registry
+    entry's revision (its id and the time of its check), part of :attr:`key`.
     """
 
     name: str = Field(min_length=3, max_length=300)
     path: str = Field(min_length=1, max_length=4096)
     digest: str = Field(pattern=r"^[0-9a-f]{64}$")
     rank: int = Field(ge=1)
+    revision: str = Field("", max_length=64)
+
+    @property
+    def key(self) -> str:
+        """:func:`adapter_key` of this adapter."""
+        return adapter_key(self.name, self.revision, self.digest)
 
 
 # What a batch request's fairness key ends with: batch work is charged to a key of its own.

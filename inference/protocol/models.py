@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -40,3 +41,11 @@ def under_adapter_root(path: str | Path, root: Path) -> Path | None:
     resolved), else None: a LoRA adapter's folder must (``ADAPTER_ROOT``)."""
     resolved = Path(path).expanduser().resolve()
     return resolved if resolved != root and resolved.is_relative_to(root) else None
+
+
+def adapter_key(name: str, revision: str, digest: str) -> str:
+    """What identifies one adapter as registered (hex SHA-256 of its name, its registry revision
+    and its weights' digest): a worker's adapter pool, its prefix cache and the queue's affinity
+    key adapters by it, so two adapters sharing a weights file (their configs may differ), or an
+    adapter uploaded again under its name, are never taken for one another."""
+    return hashlib.sha256(f"{name}\0{revision}\0{digest}".encode()).hexdigest()

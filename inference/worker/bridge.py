@@ -242,7 +242,7 @@ class WorkerBridge:
         pipe.set(self.keys.stats(self.worker_id), json.dumps(snapshot, default=str),
                  px=max(1, int(ttl_s * 1000)))
         # The LoRA adapters it holds, for the queue's affinity (take.lua): until its next beat.
-        self.queue.hold_adapters((snapshot.get("adapters") or {}).get("loaded_digests") or [],
+        self.queue.hold_adapters((snapshot.get("adapters") or {}).get("loaded_keys") or [],
                                  ttl_s, pipe)
         if not state.registered:  # afresh: what a reclaim of its id marked is over
             pipe.delete(self.keys.fq("reclaimed", self.worker_id))

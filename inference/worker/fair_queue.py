@@ -326,7 +326,7 @@ class FairQueue:
         """Put a new request in the queue without the web tier's limits (tools, tests)."""
         return int(self._run("enqueue", message.request_id, message.fairness_key,
                              message.priority, message.deadline() or 0, message.to_json(),
-                             message.adapter.digest if message.adapter is not None else ""))
+                             message.adapter.key if message.adapter is not None else ""))
 
     def hold_adapters(self, digests: Sequence[str], ttl_s: float,
                       pipe: redis.client.Pipeline | None = None) -> None:

@@ -187,7 +187,7 @@ def test_a_refused_rest_request_is_counted_in_the_metrics(admin_client, client, 
     assert samples[("llm_requests_refused_total", (("code", "no_worker_available"),))] == 1
 
 
-ADAPTERS = {"loaded": ["m:support", "m:legal"], "loaded_digests": ["a" * 64, "b" * 64],
+ADAPTERS = {"loaded": ["m:support", "m:legal"], "loaded_keys": ["a" * 64, "b" * 64],
             "capacity": 8, "loading": 1, "loads": 5, "load_failures": 1, "evictions": 3,
             "last_load_s": 0.4, "load_s_total": 2.0, "build_s_total": 0.2, "num_parked": 2,
             "running": {"m:support": 3}}

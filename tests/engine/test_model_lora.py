@@ -250,3 +250,30 @@ def test_an_adapter_whose_layout_fails_unexpectedly_fails_its_requests_not_the_b
     assert bad.error.code is ErrorCode.ADAPTER_UNAVAILABLE and "MemoryError" in bad.error.message
     assert_same_greedy(references[adapters[0].digest], runs["ok"].tokens, "beside it")
     assert_same_greedy(references["base"], runs["base"].tokens, "base beside it")
+
+
+def test_two_adapters_sharing_a_weights_file_are_two_adapters(
+        backend, adapters, chat_prompt, tmp_path):
+    """The same weights under another config (lora_alpha quartered), registered under another
+    name: its own answer, whichever loads first (the pool keys adapters by name, registry
+    revision and digest, not by the weights' digest alone)."""
+    import json
+    import shutil
+
+    source = Path(adapters[1].path)
+    copy = tmp_path / "quarter"
+    shutil.copytree(source, copy)
+    config = json.loads((copy / "adapter_config.json").read_text())
+    config["lora_alpha"] = config["lora_alpha"] / 4
+    (copy / "adapter_config.json").write_text(json.dumps(config))
+    quarter = dataclasses.replace(adapters[1], name="base:quarter", path=str(copy))
+    assert quarter.key != adapters[1].key and quarter.digest == adapters[1].digest
+    answers = {}
+    for order in ((adapters[1], quarter), (quarter, adapters[1])):
+        engine, recorder = make_engine(backend, prefill_mode="mixed_batch")
+        runs = run_requests(engine, recorder, {"first": chat_prompt, "second": chat_prompt},
+                            GREEDY, adapters={"first": order[0], "second": order[1]})
+        answers[order[0].name] = (runs["first"].tokens, runs["second"].tokens)
+    full, quartered = answers[adapters[1].name]
+    assert full != quartered
+    assert answers["base:quarter"] == (quartered, full)

@@ -21,11 +21,13 @@ B = "b" * 64
 WAIT_S = 0.4
 
 
+def ref(digest: str) -> AdapterRef:
+    return AdapterRef(name=f"base:{digest[:4]}", path="/x", digest=digest, rank=8)
+
+
 def message(key: str = "acme", adapter: str | None = None) -> RequestMessage:
-    ref = None if adapter is None else AdapterRef(name=f"base:{adapter[:4]}", path="/x",
-                                                  digest=adapter, rank=8)
     return RequestMessage(request_id=uuid.uuid4().hex, tenant=key, fairness_key=key,
-                          prompt="hi", adapter=ref)
+                          prompt="hi", adapter=None if adapter is None else ref(adapter))
 
 
 @pytest.fixture
@@ -36,7 +38,7 @@ def workers(rclient, redis_prefix):
         queue = FairQueue(rclient, Keys(redis_prefix), name, "fcfs")
         queue.affinity_s = WAIT_S
         made.append(queue)
-    made[0].hold_adapters([A], ttl_s=30)
+    made[0].hold_adapters([ref(A).key], ttl_s=30)
     return made
 
 
@@ -78,7 +80,7 @@ def test_no_wait_without_a_live_holder_for_the_bare_model_or_for_the_holder_itse
     request = message(adapter=A)
     w1.enqueue(request)
     assert taken(w1) == [request.request_id]  # the holder takes its own at once
-    w1.hold_adapters([A], ttl_s=-1)  # its hold lapsed (a dead worker's)
+    w1.hold_adapters([ref(A).key], ttl_s=-1)  # its hold lapsed (a dead worker's)
     request = message(adapter=A)
     w2.enqueue(request)
     assert taken(w2) == [request.request_id]

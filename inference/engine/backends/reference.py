@@ -135,11 +135,11 @@ class ReferenceBackend(ModelBackend):
         if files.config.get("peft_type") != "LORA" or not isinstance(rank, int) or not (
                 0 < rank <= max_rank):
             raise AdapterError(f"not a LoRA adapter of rank 1..{max_rank}")
-        return AdapterWeights(digest=files.digest, rank=rank, layers=[],
+        return AdapterWeights(key=files.key or files.digest, rank=rank, layers=[],
                               nbytes=len(files.weights))
 
     def set_row_adapter(self, row_id: str, weights: Any) -> None:
-        self._salts[row_id] = int(weights.digest[:6], 16) + 1
+        self._salts[row_id] = int(weights.key[:6], 16) + 1
 
     def copy_block(self, source: int, target: int) -> None:
         """Copy block ``source``'s token slots into block ``target`` (copy-on-write at a fork)."""

@@ -85,11 +85,11 @@ class Admission:
             if request is None:  # every pending request waits for its adapter
                 return
             if request.adapter is not None and not state.adapters.is_loaded(
-                    request.adapter.digest):
+                    request.adapter.key):
                 # Skipped, not held: it waits out of the order for its adapter's load and
                 # comes back to its place when loaded (docs/design.md, "LoRA adapters").
                 state.policy.park(request)
-                state.parked.setdefault(request.adapter.digest, []).append(request)
+                state.parked.setdefault(request.adapter.key, []).append(request)
                 state.adapters.want(request.adapter)
                 continue
             if request.batch and not self._batch_fits(request):
@@ -142,7 +142,7 @@ class Admission:
         def in_use() -> set[str]:
             rows = (*state.prefilling, *state.active,
                     *(r for r in state.pending.values() if not r.parked))
-            return {r.adapter.digest for r in rows if r.adapter is not None}
+            return {r.adapter.key for r in rows if r.adapter is not None}
 
         loaded, failed = state.adapters.poll(in_use)
         for digest in loaded:

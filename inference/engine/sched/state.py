@@ -157,7 +157,7 @@ class SchedulerState:
         (loaded: it was admitted only once it was)."""
         self.backend.add_row(request.request_id)
         if request.adapter is not None:
-            weights = self.adapters.get(request.adapter.digest)
+            weights = self.adapters.get(request.adapter.key)
             assert weights is not None, "a row admitted before its adapter loaded"
             self.backend.set_row_adapter(request.request_id, weights)
 

@@ -234,7 +234,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         pool = self.engine.scheduler.state.adapters
         assert len(pool.stats()["loaded"]) <= pool.capacity
         for row in self.engine.scheduler.state.prefilling + self.engine.scheduler.state.active:
-            assert row.adapter is None or pool.is_loaded(row.adapter.digest), row.request_id
+            assert row.adapter is None or pool.is_loaded(row.adapter.key), row.request_id
 
     @invariant()
     def gate_one_bound(self) -> None:
