@@ -250,9 +250,9 @@ class LLMEngine:
         return early + events
 
     def has_work(self) -> bool:  # a request queued, running, or waiting for its grammar
-        with self._lock:
-            queued = bool(self._inbox)
-        return queued or self.grammars.compiling() > 0 or self.scheduler.has_work()
+        if self.grammars.compiling() > 0:  # first: a compile joins the inbox, then ends
+            return True
+        return self._has_tick_work() or self.scheduler.has_work()
 
     def _has_tick_work(self) -> bool:
         with self._lock:

@@ -128,7 +128,8 @@ def test_a_request_for_an_adapter_waits_in_its_base_models_queue_carrying_it(
     assert call(client, owner, path, f"{MODEL}:own").status_code == 504  # nobody answers
     [(message, waiting)] = queued
     expected = AdapterRef(name=f"{MODEL}:own", path=rows["own"].folder,
-                          digest=rows["own"].digest, rank=4)
+                          digest=rows["own"].digest, rank=4,
+                          revision=f"{rows['own'].pk}-{int(rows['own'].validated_at.timestamp())}")
     assert message.adapter == expected
     assert (message.meta["model"], message.meta["adapter"]) == (MODEL, f"{MODEL}:own")
     [entry] = waiting

@@ -97,8 +97,9 @@ def test_an_adapter_resolves_for_its_owner_and_shared_ones_for_all(three):
     mine, theirs = Access.of_key(key), Access.of_key(other_key)
     own = resolve(mine, f"{MODEL}:own")
     assert isinstance(own, Target) and own.model.name == MODEL and own.name == f"{MODEL}:own"
-    assert own.adapter == AdapterRef(name=f"{MODEL}:own", path=rows["own"].folder,
-                                     digest=rows["own"].digest, rank=4)
+    assert own.adapter == AdapterRef(
+        name=f"{MODEL}:own", path=rows["own"].folder, digest=rows["own"].digest, rank=4,
+        revision=f"{rows['own'].pk}-{int(rows['own'].validated_at.timestamp())}")
     for access in (mine, theirs):
         shared = resolve(access, f"{MODEL}:shared")
         assert isinstance(shared, Target) and shared.owned_by == "system"
@@ -163,7 +164,8 @@ def test_the_request_message_carries_the_adapter_to_the_base_models_queue(
     [entry] = queued  # in the default model's own queue
     on_redis = RequestMessage.from_json(entry["body"])
     assert on_redis.adapter == AdapterRef(name=f"{MODEL}:own", path=rows["own"].folder,
-                                          digest=rows["own"].digest, rank=4)
+                                          digest=rows["own"].digest, rank=4,
+                                          revision=f"{rows['own'].pk}-{int(rows['own'].validated_at.timestamp())}")
 
 
 def test_the_usage_record_names_the_adapter(three, live_worker, rclient, keys):
