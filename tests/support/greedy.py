@@ -138,7 +138,11 @@ def make_engine(backend: ModelBackend, **settings) -> tuple[LLMEngine, Recording
                   prefill_chunk_size=256, max_pending=1000)
     config.update(settings)
     recorder = RecordingBackend(backend)
-    return LLMEngine(EngineConfig(**config), recorder), recorder
+    engine = LLMEngine(EngineConfig(**config), recorder)
+    if engine.scheduler.state.adapters is not None:
+        # Adapters read at once: a test ticking by hand never outruns a loader thread.
+        engine.scheduler.state.adapters.read_inline = True
+    return engine, recorder
 
 
 def run_requests(engine: LLMEngine, recorder: RecordingBackend,
