@@ -24,6 +24,7 @@ from django.core.exceptions import RequestDataTooBig, SuspiciousOperation
 from django.core.files.uploadedfile import UploadedFile
 from django.core.files.uploadhandler import FileUploadHandler
 from django.db import IntegrityError, transaction
+from django.db.models import Q
 from django.http import HttpRequest
 from django.http.multipartparser import MultiPartParserError
 
@@ -185,7 +186,8 @@ def _check_config(file: UploadedFile) -> None:
 
 
 def taken(name: str) -> APIError:
-    """409: an adapter of that name over that base model exists."""
+    """409: the tenant has an adapter of that name over that base model, or a shared one is
+    (another tenant's adapters never are: names are per tenant)."""
     return APIError(409, f"An adapter named '{name}' exists already over this base model; "
                          "choose another name or delete it first.", param=NAME,
                     code="adapter_exists")
@@ -201,7 +203,8 @@ def store(upload: Upload, key: ApiKey) -> LoraAdapter:
         OSError: its files could not be written (nothing is kept).
     """
     base = find(read_served_models(), Access.of_key(key), upload.base).name
-    if LoraAdapter.objects.filter(base_model=base, name=upload.name).exists():
+    mine_or_shared = Q(owner_id=key.tenant_id) | Q(owner__isnull=True)
+    if LoraAdapter.objects.filter(mine_or_shared, base_model=base, name=upload.name).exists():
         raise taken(upload.name)
     folder = adapters.upload_folder(key.tenant.slug, base, upload.name)
     try:

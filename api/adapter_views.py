@@ -63,10 +63,11 @@ def _visible(key: ApiKey) -> list[LoraAdapter]:
 
 
 def _find(key: ApiKey, name: str) -> LoraAdapter:
-    for row in _visible(key):
-        if row.api_name == name:
-            return row
-    raise adapter_not_found(name)
+    """The tenant's own adapter of that name, else the shared one (names are per tenant)."""
+    found = [row for row in _visible(key) if row.api_name == name]
+    if not found:
+        raise adapter_not_found(name)
+    return min(found, key=lambda row: row.owner_id is None)
 
 
 def _create(request: HttpRequest, key: ApiKey) -> dict[str, Any]:

@@ -202,10 +202,11 @@ def find_target(models: list[ModelEntry], adapters: list[AdapterEntry], access: 
         model = find(models, access, base)
     except APIError:
         raise model_not_found(name) from None
-    for entry in adapters:
-        if entry.name == name and entry.visible_to(access):
-            return Target(model, entry)
-    raise model_not_found(name)
+    # Names are per tenant: the key's tenant's own adapter, else a shared one of that name.
+    found = [entry for entry in adapters if entry.name == name and entry.visible_to(access)]
+    if not found:
+        raise model_not_found(name)
+    return Target(model, min(found, key=lambda entry: entry.owner_id is None))
 
 
 def read_target(access: Access, name: str) -> Target:
@@ -236,10 +237,14 @@ async def resolve_target(key: ApiKey, name: str) -> Target:
 def callable_adapters(models: list[ModelEntry], adapters: list[AdapterEntry],
                       access: Access) -> list[AdapterEntry]:
     """Those of ``adapters`` that ``access`` may call (visible, over a base model of ``models``
-    that it may call), by name."""
+    that it may call), by name; of a name both its own and shared, its own."""
     bases = {m.name for m in allowed(models, access)}
-    return sorted((a for a in adapters if a.base in bases and a.visible_to(access)),
-                  key=lambda a: a.name)
+    chosen: dict[str, AdapterEntry] = {}  # by name: its own before a shared one (find_target)
+    for entry in adapters:
+        if entry.base in bases and entry.visible_to(access) and (
+                entry.name not in chosen or chosen[entry.name].owner_id is None):
+            chosen[entry.name] = entry
+    return sorted(chosen.values(), key=lambda a: a.name)
 
 
 async def callable_targets(key: ApiKey) -> list[Target]:

@@ -285,7 +285,9 @@ class ServedModel(models.Model):
 class LoraAdapter(models.Model):
     """A LoRA adapter (PEFT) over a served base model, called as ``{base_model}:{name}``.
 
-    ``owner``: the tenant whose keys may call it (None: every tenant's; shared). ``folder``
+    ``owner``: the tenant whose keys may call it (None: every tenant's; shared). Names are per
+    tenant: two tenants may each have their own ``base:x``; a tenant's own adapter comes before a
+    shared one of the same name. ``folder``
     holds its ``adapter_config.json`` and ``adapter_model.safetensors``, under
     ``ADAPTER_ROOT``. A new or changed adapter is ``pending`` until the Celery task checks it
     (``tenants.adapter_check``): then ``ready``, with its ``rank``, ``target_modules``,
@@ -324,8 +326,16 @@ class LoraAdapter(models.Model):
     class Meta:
         ordering = ["base_model", "name"]
         verbose_name = "LoRA adapter"
-        constraints = [models.UniqueConstraint(fields=["base_model", "name"],
-                                               name="unique_adapter_per_base_model")]
+        # Each tenant names its adapters apart from every other tenant's (a name another
+        # tenant took is no business of its); shared adapters' names are unique among them.
+        constraints = [
+            models.UniqueConstraint(fields=["owner", "base_model", "name"],
+                                    condition=models.Q(owner__isnull=False),
+                                    name="unique_tenant_adapter_per_base_model"),
+            models.UniqueConstraint(fields=["base_model", "name"],
+                                    condition=models.Q(owner__isnull=True),
+                                    name="unique_shared_adapter_per_base_model"),
+        ]
 
     def __str__(self) -> str:
         return self.api_name

@@ -150,12 +150,28 @@ def test_a_base_model_the_key_may_not_call_or_not_served_is_the_404_of_an_unknow
     assert forbidden.json() == json.loads(json.dumps(model_not_found("org/secret").body()))
 
 
-def test_a_taken_name_is_409_whoever_took_it(client, tenant_key, make_tenant, adapter_root):
-    assert upload(client, tenant_key[2]).status_code == 200
-    assert refusal(upload(client, tenant_key[2])) == (409, "name", "adapter_exists")
-    _, _, other = make_tenant()
-    assert refusal(upload(client, other)) == (409, "name", "adapter_exists")
-    assert LoraAdapter.objects.count() == 1
+def test_names_are_per_tenant_and_409_names_only_its_own_or_a_shared_adapter(
+        client, tenant_key, make_tenant, adapter_root, base_config,
+        django_capture_on_commit_callbacks):
+    # Another tenant's adapter of the same name is no business of this one's: its upload is
+    # taken (no 409 that would tell the name is used), and each tenant's keys reach its own.
+    tenant, _, raw = tenant_key
+    assert upload(client, raw).status_code == 200
+    assert refusal(upload(client, raw)) == (409, "name", "adapter_exists")
+    other, _, other_raw = make_tenant()
+    assert upload(client, other_raw).status_code == 200
+    assert LoraAdapter.objects.filter(name="mine").count() == 2
+    for slug, key in ((tenant.slug, raw), (other.slug, other_raw)):
+        assert get(client, key, f"/v1/adapters/{MODEL}:mine").json()["owned_by"] == slug
+        assert [a["owned_by"] for a in get(client, key, "/v1/adapters").json()["data"]] == [
+            slug]
+    # A shared adapter's name is public (listed for every tenant): it is taken for all.
+    registered(adapter_root, "common")
+    assert refusal(upload(client, raw, name="common")) == (409, "name", "adapter_exists")
+    # Deleting one tenant's leaves the other's.
+    assert client.delete(f"/v1/adapters/{MODEL}:mine",
+                         HTTP_AUTHORIZATION=f"Bearer {raw}").status_code == 200
+    assert get(client, other_raw, f"/v1/adapters/{MODEL}:mine").status_code == 200
 
 
 def test_only_its_owner_deletes_an_adapter_with_its_files(

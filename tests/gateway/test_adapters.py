@@ -106,6 +106,26 @@ def test_an_adapter_resolves_for_its_owner_and_shared_ones_for_all(three):
     assert resolve(mine, MODEL).adapter is None
 
 
+def test_names_are_per_tenant_each_key_reaching_its_own_before_a_shared_one(three,
+                                                                             adapter_root):
+    # The other tenant registers "own" too, and the operator a shared "own": each key reaches
+    # its own tenant's (its digest and revision), never the other's; /v1/models lists one.
+    from gateway.adapters import callable_adapters
+
+    key, other_key, rows = three
+    other = rows["theirs"].owner
+    theirs_own = registered(adapter_root, "own", other, rank=8)
+    registered(adapter_root, "own")
+    mine, theirs = Access.of_key(key), Access.of_key(other_key)
+    assert resolve(mine, f"{MODEL}:own").adapter.revision.startswith(f"{rows['own'].pk}-")
+    got = resolve(theirs, f"{MODEL}:own")
+    assert got.adapter.revision.startswith(f"{theirs_own.pk}-") and got.adapter.rank == 8
+    assert got.adapter.key != resolve(mine, f"{MODEL}:own").adapter.key
+    listed = callable_adapters(read_served_models(), adapters.read_adapters(), theirs)
+    assert [(a.name, a.owner_id) for a in listed if a.name.endswith(":own")] == [
+        (f"{MODEL}:own", other.pk)]
+
+
 @pytest.mark.parametrize("name", ["theirs", "refused", "pending", "off", "never"])
 def test_what_a_sender_may_not_call_is_the_404_of_an_unknown_model(three, name):
     key, _, _ = three
