@@ -231,3 +231,27 @@ def output_from_events(events: list[Event], shape: OutputShape, tokens: int | No
             output.feed(event)
     output.finish(status)
     return output.items
+
+
+_DELTAS = ("response.output_text.delta", "response.function_call_arguments.delta")
+
+
+def merged_deltas(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``events`` with each run of consecutive delta events of one item (``output_text`` or a
+    call's arguments) merged into one: its ``delta`` the run's joined, its ``logprobs`` too. A
+    stream's events reach the web tier two ticks at a time (``EVENT_HOLD_MS``): one event a
+    write, not one a token."""
+    out: list[dict[str, Any]] = []
+    for event in events:
+        last = out[-1] if out else None
+        if (last is not None and event["type"] in _DELTAS and last["type"] == event["type"]
+                and last["item_id"] == event["item_id"]
+                and last.get("content_index") == event.get("content_index")):
+            merged = dict(last, delta=last["delta"] + event["delta"])
+            if "logprobs" in last:
+                merged["logprobs"] = [*last["logprobs"], *event.get("logprobs", [])]
+            out[-1] = merged
+            continue
+        out.append(event)
+    return out
+

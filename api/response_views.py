@@ -36,6 +36,7 @@ from api.response_events import (
     ResponseOutput,
     ended,
     error_object,
+    merged_deltas,
     outcome,
 )
 from api.response_fields import ResponsesRequest, input_items, parse_request
@@ -261,9 +262,9 @@ async def _sse(relay: Relay, first: Any, batches: AsyncIterator[Any]) -> AsyncIt
             if isinstance(batch, Waiting):
                 yield KEEPALIVE
             elif isinstance(batch[-1], TokenEvent):  # a final comes alone (event_batches)
-                if text := "".join(seq.frame(out) for event in batch
-                                   for out in relay.output.feed(event)):
-                    yield text
+                if text := "".join(seq.frame(out) for out in merged_deltas(
+                        [out for event in batch for out in relay.output.feed(event)])):
+                    yield text.encode()  # bytes: Django would look its charset up for each one
                 generation.sent(batch[-1].seq)  # resumed once its events were handed over
             else:
                 event = batch[-1]

@@ -107,6 +107,61 @@ def text_chunk(shape: ResponseShape, text: str, logprobs: dict[str, Any] | None 
                           "logprobs": logprobs})
 
 
+def merged_text_chunks(chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``chunks`` with each run of consecutive text chunks (:func:`text_chunk`) of one choice
+    merged into one: its text the run's texts joined, its logprobs' lists the run's joined (a
+    streamed delta may carry several tokens, as OpenAI's do). Other chunks (tool calls, a role,
+    a finish) and their neighbours stay as they are. One chunk a write instead of one a token:
+    a stream's events reach the web tier two ticks at a time (``EVENT_HOLD_MS``)."""
+    out: list[dict[str, Any]] = []
+    for chunk in chunks:
+        if out and _text_choice(out[-1]) is not None and _text_choice(chunk) is not None:
+            last, new = out[-1]["choices"][0], chunk["choices"][0]
+            logprobs = _joined_logprobs(last["logprobs"], new["logprobs"])
+            if last["index"] == new["index"] and logprobs is not False:
+                merged = dict(last, logprobs=logprobs)
+                if "delta" in last:
+                    merged["delta"] = {"content": last["delta"]["content"]
+                                       + new["delta"]["content"]}
+                else:
+                    merged["text"] = last["text"] + new["text"]
+                out[-1] = dict(out[-1], choices=[merged])
+                continue
+        out.append(chunk)
+    return out
+
+
+def _text_choice(chunk: dict[str, Any]) -> dict[str, Any] | None:
+    """The choice of a :func:`text_chunk`, or None for any other chunk."""
+    choices = chunk.get("choices")
+    if not choices or len(choices) != 1 or choices[0].get("finish_reason") is not None:
+        return None
+    choice = choices[0]
+    delta = choice.get("delta")
+    if delta is not None:
+        return choice if set(delta) == {"content"} and isinstance(delta["content"], str) else None
+    return choice if isinstance(choice.get("text"), str) else None
+
+
+def _joined_logprobs(a: dict[str, Any] | None,
+                     b: dict[str, Any] | None) -> dict[str, Any] | None | bool:
+    """Two chunks' logprobs joined list by list, their other fields equal (``refusal``: None);
+    None if both are; False when they cannot be (one has none, or their fields differ)."""
+    if a is None or b is None:
+        return None if a is None and b is None else False
+    if set(a) != set(b):
+        return False
+    joined = {}
+    for key, value in a.items():
+        if isinstance(value, list) and isinstance(b[key], list):
+            joined[key] = value + b[key]
+        elif value is None and b[key] is None:
+            joined[key] = None
+        else:
+            return False
+    return joined
+
+
 def finish_chunk(shape: ResponseShape, reason: str, index: int = 0) -> dict[str, Any]:
     """The single chunk carrying choice ``index``'s ``finish_reason``."""
     if shape.kind == "chat":

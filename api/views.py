@@ -252,7 +252,8 @@ async def _sse_events(
     batches: AsyncIterator[list[Event] | Waiting],
     worker_error: WorkerError,
 ) -> AsyncIterator[str]:
-    """The SSE body: what each read of the worker's events found, in one write."""
+    """The SSE body: what each read of the worker's events found, in one write, its text
+    chunks of a choice merged into one (:func:`api.responses.merged_text_chunks`)."""
     answer = responses.Choices(shape)
     try:
         for opening in responses.opening_chunks(shape):
@@ -273,8 +274,11 @@ async def _sse_events(
                     out.append(responses.usage_chunk(shape, event))
                 yield "".join([*map(sse_data, out), DONE])
                 return
-            if text := "".join(sse_data(c) for e in batch for c in answer.chunks(e)):
-                yield text
+            chunks = [c for e in batch for c in answer.chunks(e)]
+            if batch[0].seq > 0:  # the first event's (an echo, then the first token) stay apart
+                chunks = responses.merged_text_chunks(chunks)
+            if text := "".join(map(sse_data, chunks)):
+                yield text.encode()  # bytes: Django would look its charset up for each write
             generation.sent(event.seq)  # resumed once its chunks were handed to the client
             batch = await anext(batches, None)
     except APIError as exc:

@@ -269,16 +269,17 @@ def test_omitting_max_tokens_fits_the_default_answer_to_a_small_token_limit(
 def test_a_stream_whose_worker_holds_ticks_gets_each_token_once_two_to_a_write(
         client, tenant_key, redis_prefix, settings):
     """A worker that sends a stream's tokens two at a time (``EVENT_HOLD_MS``): each write of the
-    SSE body carries what one read found, so most carry two tokens; the client gets every token
-    once, in order, the same answer as without the hold, and the first token alone."""
+    SSE body carries what one read found, as one chunk, so most carry two tokens (their text
+    and their logprobs entries joined); the client gets every token once, in order, the same
+    answer and logprobs as without the hold, and the first token alone."""
     from tests.support.platform import InProcessWorker
 
     def is_token(chunk: dict) -> bool:  # a token's chunk (not the opening, the end or usage)
         return bool(chunk["choices"]) and "role" not in chunk["choices"][0]["delta"] and (
             chunk["choices"][0]["finish_reason"] is None)
 
-    body = chat(max_tokens=24, stream=True, temperature=0)
-    answers = {}
+    body = chat(max_tokens=24, stream=True, temperature=0, logprobs=True, top_logprobs=2)
+    answers, entries = {}, {}
     for hold_s in (0.0, 5.0):
         worker = InProcessWorker(redis_prefix, settings.REDIS_URL, max_model_len=256,
                                  max_batch_size=4, event_hold_s=hold_s,
@@ -295,10 +296,14 @@ def test_a_stream_whose_worker_holds_ticks_gets_each_token_once_two_to_a_write(
             worker.stop()
         frames = [read_sse(w) for w in writes]
         chunks = [json.loads(f) for write in frames for f in write if f != "[DONE]"]
-        deltas = [c["choices"][0]["delta"]["content"] for c in chunks if is_token(c)]
-        answers[hold_s] = "".join(deltas)
-        tokens_per_write = [sum(1 for f in write if f != "[DONE]" and is_token(json.loads(f)))
-                            for write in frames]
+        tokens = [c for c in chunks if is_token(c)]
+        answers[hold_s] = "".join(c["choices"][0]["delta"]["content"] for c in tokens)
+        entries[hold_s] = [e for c in tokens for e in c["choices"][0]["logprobs"]["content"]]
+        per_write = [[json.loads(f) for f in write if f != "[DONE]"] for write in frames]
+        chunks_per_write = [sum(1 for c in write if is_token(c)) for write in per_write]
+        tokens_per_write = [sum(len(c["choices"][0]["logprobs"]["content"])
+                                for c in write if is_token(c)) for write in per_write]
+        assert max(chunks_per_write) == 1  # a write's tokens are one chunk
         if hold_s:
             token_writes = [n for n in tokens_per_write if n]
             assert token_writes[0] == 1, "the first token waited for the second"
@@ -307,3 +312,4 @@ def test_a_stream_whose_worker_holds_ticks_gets_each_token_once_two_to_a_write(
         else:
             assert max(tokens_per_write) == 1
     assert answers[5.0] == answers[0.0] and len(answers[0.0]) > 0
+    assert entries[5.0] == entries[0.0] and len(entries[0.0]) == 24

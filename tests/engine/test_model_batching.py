@@ -14,7 +14,7 @@ from inference.engine.backends.hf.batch import (
     _prefill_parts,
 )
 from inference.engine.request import SamplingParams
-from tests.support.greedy import assert_same_greedy, make_engine, run_alone, run_requests
+from tests.support.greedy import Run, assert_same_greedy, make_engine, run_alone, run_requests
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -145,3 +145,47 @@ def test_prefill_rows_share_an_attention_run_only_when_it_pays():
     runs = _prefill_parts([5, 300, 6, 7, 250, 4], [16, 3000, 16, 16, 256, 2000])
     assert runs[0][0] == 0 and runs[-1][1] == 6
     assert all(a[1] == b[0] for a, b in zip(runs, runs[1:], strict=False))
+
+
+def test_batch_passes_that_give_way_at_random_layers_answer_as_if_they_never_had(
+        backend, corpus_ids):
+    # Batch rows whose passes stop between layers for interactive arrivals (here: a seeded coin
+    # at each layer), while they prefill in chunks and decode, and while a second wave hits the
+    # first wave's cached system prompt: every answer is its answer in a pass never stopped,
+    # and the second wave's prefix hits are as many (a stopped pass's K/V writes, redone by the
+    # next pass, never reach the prefix cache as another content).
+    import random
+
+    from inference.engine.request import TokenEvent
+
+    system = corpus_ids[:70]  # 4 full blocks of 16 shared by every prompt
+    prompts = {f"w{wave}q{i}": system + corpus_ids[300 + 40 * i + 7 * wave:][:20 + 3 * i]
+               for wave in range(2) for i in range(4)}
+    sampling = SamplingParams(max_tokens=10, ignore_eos=True)
+
+    def answers(give_way: float) -> tuple[dict[str, Run], int, int]:
+        engine, recorder = make_engine(backend, max_batch_size=4, prefill_chunk_size=32,
+                                batch_yield_s=0)
+        coin = random.Random(7)
+        engine.scheduler.mixed._interactive_arrived = lambda: coin.random() < give_way
+        tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
+        for wave in range(2):
+            for rid, prompt in prompts.items():
+                if rid.startswith(f"w{wave}"):
+                    engine.submit(prompt_token_ids=prompt, sampling=sampling, request_id=rid,
+                                  tenant="t", fairness_key="t", batch=True)
+            while engine.has_work():
+                for event in engine.step():
+                    if isinstance(event, TokenEvent):
+                        tokens[event.request_id].append(event.token_id)
+        stats = engine.stats()
+        runs = {rid: Run(t, list(recorder.gaps[rid]), "", None) for rid, t in tokens.items()}
+        return runs, stats["batch_passes_yielded"], stats["prefix_hit_tokens"]
+
+    whole, never, hits = answers(0.0)
+    stopped, yielded, stopped_hits = answers(0.25)
+    assert never == 0 and yielded > 10
+    assert stopped_hits == hits > 0
+    for rid, run in whole.items():
+        assert len(run.tokens) == 10
+        assert_same_greedy(run, stopped[rid].tokens, rid)
