@@ -75,7 +75,9 @@ def save(lines: Iterable[BatchLine]) -> None:
 def write_files(row: Batch) -> None:
     """Store the output file (the lines done) and the error file (the lines failed) of the batch
     ``row`` that are not stored yet, as its tenant's files, each line's result in input order,
-    and set their ids on ``row`` (not saved)."""
+    and set their ids on ``row`` (not saved), and its usage (:func:`set_usage`) if not set."""
+    if row.input_tokens is None:
+        set_usage(row)
     for state, field, name in ((BatchLine.State.DONE, "output_file_id", "output"),
                                (BatchLine.State.FAILED, "error_file_id", "error")):
         if getattr(row, field):
@@ -88,6 +90,24 @@ def write_files(row: Batch) -> None:
             made = file_store.create_from_bytes(data, tenant_id=row.tenant_id,
                                                 filename=f"{row.pk}_{name}.jsonl")
             setattr(row, field, made.pk)
+
+
+def set_usage(row: Batch) -> None:
+    """Set the batch ``row``'s usage (not saved): the sums of its answered lines' usage (each
+    response body's ``usage``: prompt, cached prompt and completion tokens)."""
+    row.input_tokens = row.cached_tokens = row.output_tokens = 0
+    results = (BatchLine.objects.filter(batch=row, state=BatchLine.State.DONE)
+               .values_list("result", flat=True))
+    for result in results.iterator(chunk_size=2000):
+        response = result.get("response") if isinstance(result, dict) else None
+        body = response.get("body") if isinstance(response, dict) else None
+        usage = body.get("usage") if isinstance(body, dict) else None
+        if not isinstance(usage, dict):
+            continue
+        details = usage.get("prompt_tokens_details")
+        row.input_tokens += int(usage.get("prompt_tokens") or 0)
+        row.output_tokens += int(usage.get("completion_tokens") or 0)
+        row.cached_tokens += int((details or {}).get("cached_tokens") or 0)
 
 
 def _refused(message: str, param: str, code: str = "invalid_value") -> dict[str, Any]:
@@ -273,4 +293,5 @@ def finalize(row: Batch) -> None:
     field = {Batch.Status.COMPLETED: "completed_at", Batch.Status.EXPIRED: "expired_at",
              Batch.Status.CANCELLED: "cancelled_at"}[row.status]
     setattr(row, field, timezone.now())
-    row.save(update_fields=["output_file_id", "error_file_id", "status", field])
+    row.save(update_fields=["output_file_id", "error_file_id", "input_tokens", "cached_tokens",
+                            "output_tokens", "status", field])

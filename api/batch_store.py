@@ -64,7 +64,8 @@ def _unix(moment: datetime | None) -> int | None:
 
 
 def batch_object(row: Batch) -> dict[str, Any]:
-    """The batch as OpenAI's Batch object (times in Unix seconds, null until reached)."""
+    """The batch as OpenAI's Batch object (times in Unix seconds, null until reached; ``usage``
+    null until its output file is written)."""
     return {
         "id": row.id, "object": "batch", "endpoint": row.endpoint,
         "errors": row.errors, "input_file_id": row.input_file_id,
@@ -78,6 +79,12 @@ def batch_object(row: Batch) -> dict[str, Any]:
         "request_counts": {"total": row.total, "completed": row.completed,
                            "failed": row.failed},
         "metadata": row.metadata,
+        "usage": None if row.input_tokens is None else {
+            "input_tokens": row.input_tokens,
+            "input_tokens_details": {"cached_tokens": row.cached_tokens or 0},
+            "output_tokens": row.output_tokens or 0,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": row.input_tokens + (row.output_tokens or 0)},
     }
 
 

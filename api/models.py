@@ -98,7 +98,10 @@ class Batch(models.Model):
     ``failed`` (the file could not be read as a batch: ``errors``), ``expired`` (its completion
     window ended first) or ``cancelled`` (after ``cancelling``). ``read_lines`` is how far
     validation has read the input file (it goes in steps); ``ends_as`` the status a finalizing
-    batch ends in; ``total``, ``completed`` and ``failed`` are its ``request_counts``.
+    batch ends in; ``total``, ``completed`` and ``failed`` are its ``request_counts``;
+    ``input_tokens``, ``cached_tokens`` and ``output_tokens`` its ``usage``: the sums of its
+    answered lines' usage, set when its output file is written (None until then, and for a batch
+    that failed).
     """
 
     class Status(models.TextChoices):
@@ -130,6 +133,9 @@ class Batch(models.Model):
     total = models.PositiveIntegerField(default=0)
     completed = models.PositiveIntegerField(default=0)
     failed = models.PositiveIntegerField(default=0)
+    input_tokens = models.PositiveBigIntegerField(null=True, blank=True)
+    cached_tokens = models.PositiveBigIntegerField(null=True, blank=True)
+    output_tokens = models.PositiveBigIntegerField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now, db_index=True)
     expires_at = models.DateTimeField()
     in_progress_at = models.DateTimeField(null=True, blank=True)

@@ -102,7 +102,7 @@ def test_a_batch_answers_every_line_once_as_its_endpoint_would(tenant_key, inpro
         return await create_batch(client, good + bad, metadata={"job": "eval-7"})
 
     made = in_process(raw, create)
-    assert made.status == "validating" and made.metadata == {"job": "eval-7"}
+    assert made.status == "validating" and made.metadata == {"job": "eval-7"} and made.usage is None
     row = run_until_ended(made.id)
 
     async def calls(client):
@@ -116,6 +116,16 @@ def test_a_batch_answers_every_line_once_as_its_endpoint_would(tenant_key, inpro
     assert shown["request_counts"] == {"total": 9, "completed": 5, "failed": 4}
     assert shown["in_progress_at"] and shown["finalizing_at"] and shown["completed_at"]
     out, err = outputs(raw, row)
+    # Its usage: the sums of its answered lines' (the refused ones ran nothing).
+    used = [o["response"]["body"]["usage"] for o in out]
+    assert shown["usage"] == {
+        "input_tokens": sum(u["prompt_tokens"] for u in used),
+        "input_tokens_details": {"cached_tokens": sum(
+            u["prompt_tokens_details"]["cached_tokens"] for u in used)},
+        "output_tokens": sum(u["completion_tokens"] for u in used),
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": sum(u["total_tokens"] for u in used)}
+    assert shown["usage"]["output_tokens"] > 0
     assert [o["custom_id"] for o in out] == [g["custom_id"] for g in good]
     for got, answer in zip(out, direct, strict=True):
         assert got["response"]["status_code"] == 200 and got["error"] is None
