@@ -338,6 +338,9 @@ def validate(model: type[GenerationRequest], body: dict[str, Any]) -> Generation
         raise APIError(400, f"Invalid value for 'min_tokens': expected at most "
                             f"'{req.max_tokens_param}' ({most}), but got {req.min_tokens}.",
                        param="min_tokens", code="invalid_value")
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "The 'stream_options' parameter is only allowed when 'stream' is "
+                            "enabled.", param="stream_options", code="invalid_value")
     conf = platform_settings()
     if req.n > conf["MAX_N"]:
         raise APIError(400, f"Invalid value for 'n': expected at most {conf['MAX_N']} choices "

@@ -43,14 +43,14 @@ HONOURED = {
     CHAT: {"max_tokens": (3, {}), "max_completion_tokens": (3, {"max_tokens": None}),
            "temperature": (0.5, {}),
            "top_p": (0.5, {}), "seed": (7, {}), "stop": (["x"], {}), "stream": (True, {}),
-           "stream_options": ({"include_usage": True}, {}), "logprobs": (True, {}),
+           "stream_options": ({"include_usage": True}, {"stream": True}), "logprobs": (True, {}),
            "top_logprobs": (2, {"logprobs": True}), "user": ("u1", {}), "top_k": (5, {}),
            "min_tokens": (1, {}), "ignore_eos": (True, {}), "n": (2, {}), "tools": ([TOOL], {}),
            "tool_choice": ("required", {"tools": [TOOL]}),
            "parallel_tool_calls": (False, {"tools": [TOOL]})},
     TEXT: {"max_tokens": (3, {}), "temperature": (0.5, {}), "top_p": (0.5, {}), "seed": (7, {}),
            "stop": (["x"], {}), "stream": (True, {}),
-           "stream_options": ({"include_usage": True}, {}), "logprobs": (2, {}),
+           "stream_options": ({"include_usage": True}, {"stream": True}), "logprobs": (2, {}),
            "echo": (True, {}), "user": ("u1", {}), "top_k": (5, {}), "min_tokens": (1, {}),
            "ignore_eos": (True, {}), "n": (2, {})},
 }
@@ -269,6 +269,22 @@ def test_guided_decoding_gets_400_pointing_to_response_format(client, tenant_key
     assert "'response_format'" in error["message"] and "guided decoding" in error["message"]
     assert "'structured_outputs'" in error["message"]
     assert asked(path, {**BASE[path], name: None}) == asked(path, BASE[path])
+
+
+@pytest.mark.parametrize("path", [CHAT, TEXT])
+@pytest.mark.parametrize("stream", [False, None])
+def test_stream_options_without_stream_is_a_400_naming_it(client, tenant_key, inproc_worker,
+                                                           path, stream):
+    # As OpenAI answers it: the options would be silently ignored.
+    body = sent(path, stream_options={"include_usage": True})
+    if stream is not None:
+        body["stream"] = stream
+    status, content = answer(tenant_key[2], path, body)
+    assert status == 400, content
+    error = content["error"]
+    assert (error["param"], error["code"]) == ("stream_options", "invalid_value")
+    assert "only allowed when 'stream' is enabled" in error["message"]
+    assert answer(tenant_key[2], path, sent(path, stream_options=None))[0] == 200
 
 
 def test_stream_options_include_obfuscation_true_is_not_served(client, tenant_key):
