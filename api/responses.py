@@ -112,7 +112,17 @@ def merged_text_chunks(chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     merged into one: its text the run's texts joined, its logprobs' lists the run's joined (a
     streamed delta may carry several tokens, as OpenAI's do). Other chunks (tool calls, a role,
     a finish) and their neighbours stay as they are. One chunk a write instead of one a token:
-    a stream's events reach the web tier two ticks at a time (``EVENT_HOLD_MS``)."""
+    a stream's events reach the web tier two ticks at a time (``EVENT_HOLD_MS``).
+
+    With several choices (``n``) the chunks are first grouped by choice, each choice's in their
+    order, the choices in the order they first appear (a client follows each choice by its
+    ``index``; the order between choices means nothing), so that each choice's run is whole."""
+    indexes = [c["choices"][0].get("index") if len(c.get("choices") or ()) == 1 else None
+               for c in chunks]
+    if None not in indexes and len(set(indexes)) > 1:
+        order = {index: i for i, index in reversed(list(enumerate(indexes)))}
+        chunks = [c for _, c in sorted(zip(indexes, chunks, strict=True),
+                                       key=lambda pair: order[pair[0]])]
     out: list[dict[str, Any]] = []
     for chunk in chunks:
         if out and _text_choice(out[-1]) is not None and _text_choice(chunk) is not None:

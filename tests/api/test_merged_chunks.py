@@ -52,9 +52,21 @@ def test_chunks_of_other_choices_tool_calls_and_finishes_stay_apart():
     call = tool_calls_chunk(plain, [{"index": 0, "function": {"arguments": "{"}}], 0)
     end = finish_chunk(plain, "stop", 0)
     merged = merged_text_chunks([a0, a1, b0, call, a0, end, a1])
+    # Grouped by choice (choice 0's in their order, then choice 1's): a tool call or a finish
+    # between two text chunks of a choice keeps them apart.
     assert [m["choices"][0].get("delta") for m in merged] == [
-        {"content": "xy"}, {"content": "z"}, call["choices"][0]["delta"], {"content": "x"}, {},
-        {"content": "y"}]
+        {"content": "xy"}, call["choices"][0]["delta"], {"content": "x"}, {}, {"content": "y"},
+        {"content": "z"}]
+    assert [m["choices"][0]["index"] for m in merged] == [0, 0, 0, 0, 0, 1]
+
+
+def test_several_choices_interleaved_become_one_chunk_each_in_order_of_first_appearance():
+    plain = ResponseShape("chat", "c", "m", 0, n=3)
+    chunks = [text_chunk(plain, t, None, i)
+              for t, i in (("a", 1), ("x", 0), ("b", 1), ("y", 0), ("c", 1), ("z", 2))]
+    merged = merged_text_chunks(chunks)
+    assert [(m["choices"][0]["index"], m["choices"][0]["delta"]["content"])
+            for m in merged] == [(1, "abc"), (0, "xy"), (2, "z")]
 
 
 def test_a_chunk_with_logprobs_beside_one_without_is_not_merged():
