@@ -10,6 +10,7 @@ and gate 1 are counted per base model; ``llm_worker_info`` names each worker's m
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterator
 
 import redis
@@ -193,8 +194,9 @@ class PlatformCollector(Collector):
     def _adapters(self, workers: dict) -> Iterator[Metric]:
         """LoRA adapters: loaded (per worker and adapter), loads, evictions, failures, requests
         parked on a load, rows running under each."""
-        loaded = GaugeMetricFamily("llm_adapter_loaded", "1 per LoRA adapter a worker holds "
-                                   "loaded.", labels=["worker", "adapter"])
+        loaded = GaugeMetricFamily("llm_adapter_loaded", "LoRA adapters of each name a worker "
+                                   "holds loaded (1; more when tenants' adapters share a name).",
+                                   labels=["worker", "adapter"])
         running = GaugeMetricFamily("llm_adapter_running_rows", "Rows running under each LoRA "
                                     "adapter, per worker.", labels=["worker", "adapter"])
         parked = GaugeMetricFamily("llm_adapter_parked_requests", "Requests waiting for their "
@@ -207,8 +209,10 @@ class PlatformCollector(Collector):
             figures = snap.get("adapters")
             if not figures:
                 continue
-            for name in figures.get("loaded") or []:
-                loaded.add_metric([worker, name], 1)
+            # Adapters are named per tenant: two tenants' adapters of one name, both loaded,
+            # are one series (its value 2), never two series of the same labels.
+            for name, count in collections.Counter(figures.get("loaded") or []).items():
+                loaded.add_metric([worker, name], count)
             for name, rows in (figures.get("running") or {}).items():
                 running.add_metric([worker, name], rows)
             parked.add_metric([worker], figures.get("num_parked", 0))

@@ -63,7 +63,7 @@ def _per_adapter(snapshots: dict[str, dict[str, Any]]) -> dict[str, dict[str, An
     out: dict[str, dict[str, Any]] = {}
     for snap in snapshots.values():
         figures = snap.get("adapters") or {}
-        for name in figures.get("loaded") or []:
+        for name in set(figures.get("loaded") or []):  # tenants' adapters may share a name
             out.setdefault(name, {"workers": 0, "running": 0})["workers"] += 1
         for name, rows in (figures.get("running") or {}).items():
             out.setdefault(name, {"workers": 0, "running": 0})["running"] += rows

@@ -198,7 +198,9 @@ def test_the_dashboard_and_the_metrics_show_the_lora_adapters(admin_client, publ
     from prometheus_client.parser import text_string_to_metric_families
 
     published("w1", adapters=ADAPTERS)
-    published("w2", adapters={**ADAPTERS, "loaded": ["m:support"], "running": {}})
+    # w2 holds two tenants' adapters named m:support (names are per tenant).
+    published("w2", adapters={**ADAPTERS, "loaded": ["m:support", "m:support"],
+                              "loaded_keys": ["c" * 64, "d" * 64], "running": {}})
     live = admin_client.get("/admin/scheduler/data").json()["live"]
     assert live["per_adapter"] == {"m:legal": {"workers": 1, "running": 0},
                                    "m:support": {"workers": 2, "running": 3}}
@@ -214,6 +216,7 @@ def test_the_dashboard_and_the_metrics_show_the_lora_adapters(admin_client, publ
                for s in family.samples}
     assert samples[("llm_adapter_loaded", (("adapter", "m:legal"), ("worker", "w1")))] == 1
     assert ("llm_adapter_loaded", (("adapter", "m:legal"), ("worker", "w2"))) not in samples
+    assert samples[("llm_adapter_loaded", (("adapter", "m:support"), ("worker", "w2")))] == 2
     assert samples[("llm_adapter_running_rows",
                     (("adapter", "m:support"), ("worker", "w1")))] == 3
     assert samples[("llm_adapter_parked_requests", (("worker", "w1"),))] == 2
