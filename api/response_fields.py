@@ -114,6 +114,8 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
                 raise APIError(400, f"Missing required parameter: 'text.format.{key}' (a "
                                     f"json_schema format needs it).",
                                param=f"text.format.{key}", code="missing_required_parameter")
+    if body.get("stream_options") is not None and not req.stream:
+        raise _bad("stream_options", "only allowed when 'stream' is enabled.")
     if req.previous_response_id == "":
         raise _bad("previous_response_id", "expected a response id, not an empty string.")
     return req

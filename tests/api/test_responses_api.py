@@ -290,6 +290,7 @@ def test_responses_past_the_retention_period_are_purged(settings, tenant_key, in
      "unsupported_parameter"),
     ({"stream_options": {"include_usage": True}}, "stream_options.include_usage",
      "unknown_parameter"),
+    ({"stream_options": {"include_obfuscation": False}}, "stream_options", "invalid_value"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type", "unsupported_parameter"),
     ({"tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name", "invalid_value"),
     ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools"}}, "tool_choice",
