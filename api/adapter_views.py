@@ -19,7 +19,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from api import adapter_uploads
 from api.file_views import leased
 from api.views import api_view, authenticate
-from gateway.adapters import SHARED_OWNER
+from gateway.adapters import SHARED_OWNER, own_first
 from gateway.errors import APIError
 from gateway.model_registry import MAX_ECHOED_NAME, Access
 from tenants import adapters as adapter_files
@@ -67,7 +67,7 @@ def _find(key: ApiKey, name: str) -> LoraAdapter:
     found = [row for row in _visible(key) if row.api_name == name]
     if not found:
         raise adapter_not_found(name)
-    return min(found, key=lambda row: row.owner_id is None)
+    return own_first(found)
 
 
 def _create(request: HttpRequest, key: ApiKey) -> dict[str, Any]:

@@ -19,8 +19,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from asgiref.sync import sync_to_async
 from django.core.signals import setting_changed
@@ -180,6 +181,20 @@ async def served_adapters() -> list[AdapterEntry]:
     return await sync_to_async(read_adapters)()
 
 
+class _HasOwner(Protocol):
+    @property
+    def owner_id(self) -> int | None: ...
+
+
+Owned = TypeVar("Owned", bound=_HasOwner)
+
+
+def own_first(found: Sequence[Owned]) -> Owned:
+    """Of adapters (registry rows or entries) of one name visible to one tenant, the one it
+    reaches: its own, else the shared one (names are per tenant)."""
+    return min(found, key=lambda adapter: adapter.owner_id is None)
+
+
 def names_adapter(name: str) -> bool:
     """Whether a request's ``model`` names an adapter (``base:adapter``)."""
     return ADAPTER_SEPARATOR in name
@@ -206,7 +221,7 @@ def find_target(models: list[ModelEntry], adapters: list[AdapterEntry], access: 
     found = [entry for entry in adapters if entry.name == name and entry.visible_to(access)]
     if not found:
         raise model_not_found(name)
-    return Target(model, min(found, key=lambda entry: entry.owner_id is None))
+    return Target(model, own_first(found))
 
 
 def read_target(access: Access, name: str) -> Target:
@@ -239,12 +254,11 @@ def callable_adapters(models: list[ModelEntry], adapters: list[AdapterEntry],
     """Those of ``adapters`` that ``access`` may call (visible, over a base model of ``models``
     that it may call), by name; of a name both its own and shared, its own."""
     bases = {m.name for m in allowed(models, access)}
-    chosen: dict[str, AdapterEntry] = {}  # by name: its own before a shared one (find_target)
+    by_name: dict[str, list[AdapterEntry]] = {}
     for entry in adapters:
-        if entry.base in bases and entry.visible_to(access) and (
-                entry.name not in chosen or chosen[entry.name].owner_id is None):
-            chosen[entry.name] = entry
-    return sorted(chosen.values(), key=lambda a: a.name)
+        if entry.base in bases and entry.visible_to(access):
+            by_name.setdefault(entry.name, []).append(entry)
+    return [own_first(found) for _, found in sorted(by_name.items())]
 
 
 async def callable_targets(key: ApiKey) -> list[Target]:
