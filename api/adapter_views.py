@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 from asgiref.sync import sync_to_async
-from django.db import transaction
 from django.db.models import Q
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
@@ -22,7 +21,6 @@ from api.views import api_view, authenticate
 from gateway.adapters import SHARED_OWNER, own_first
 from gateway.errors import APIError
 from gateway.model_registry import MAX_ECHOED_NAME, Access
-from tenants import adapters as adapter_files
 from tenants.models import ApiKey, LoraAdapter
 
 
@@ -93,9 +91,7 @@ def _delete(key: ApiKey, name: str) -> None:
     if row.owner_id != key.tenant_id:
         raise APIError(403, "A shared adapter is managed by the platform's operator; it cannot "
                             "be deleted through the API.", code="permission_denied")
-    with transaction.atomic():
-        row.delete()
-        transaction.on_commit(lambda: adapter_files.remove_folder(row.folder))
+    row.delete()  # its files once committed (tenants.adapters.remove_files_of)
 
 
 @api_view("GET", "DELETE")

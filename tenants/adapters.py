@@ -14,6 +14,7 @@ import shutil
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from celery import current_app
 from django.conf import settings
@@ -87,6 +88,23 @@ def write_private_file(folder: Path, filename: str, chunks: Iterable[bytes]) -> 
         temporary.unlink(missing_ok=True)
         raise
     return written
+
+
+def remove_files_of(sender: type, instance: Any, **_: Any) -> None:
+    """``post_delete`` receiver of :class:`tenants.models.LoraAdapter`: a tenant's adapter's
+    folder goes with its row, however the row goes (the API, the admin's delete or "delete
+    selected", its tenant's deletion), once the deletion is committed and when no other row names
+    the folder. A shared adapter's folder is the operator's and stays (it is registered from a
+    folder the operator placed; the API never deletes one)."""
+    if instance.owner_id is None:
+        return
+    folder = instance.folder
+
+    def remove() -> None:
+        if not sender.objects.filter(folder=folder).exists():
+            remove_folder(folder)
+
+    transaction.on_commit(remove)
 
 
 def remove_folder(folder: str | Path) -> bool:

@@ -9,8 +9,15 @@ class TenantsConfig(AppConfig):
 
     def ready(self) -> None:
         from django.contrib.auth.signals import user_logged_in
+        from django.db.models.signals import post_delete
 
+        from tenants.adapters import remove_files_of
+        from tenants.models import LoraAdapter
         from tenants.signals import update_last_login
+
+        # A tenant's adapter's files go with its row, however it is deleted.
+        post_delete.connect(remove_files_of, sender=LoraAdapter,
+                            dispatch_uid="tenants.adapter_files")
 
         # A user's last_login is a hint for people: a sign-in the database stored the session
         # of is not failed for it (Django's own receiver would).

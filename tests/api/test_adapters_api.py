@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import stat
+from pathlib import Path
 
 import pytest
 from asgiref.sync import async_to_sync
@@ -196,6 +197,31 @@ def test_only_its_owner_deletes_an_adapter_with_its_files(
     assert (adapter_root / "shared").is_dir() and LoraAdapter.objects.filter(
         pk=shared.pk).exists()
     assert delete(raw, "mine").status_code == 404
+
+
+def test_a_tenants_adapter_files_go_with_its_row_however_it_is_deleted(
+        tenant_key, make_tenant, adapter_root, base_config, django_capture_on_commit_callbacks):
+    """The admin's "delete selected" (a bulk delete) and a tenant's deletion remove its
+    adapters' folders as the API's delete does; a shared adapter's folder (the operator's) and a
+    folder another row still names stay."""
+    tenant, _, _ = make_tenant()
+    doomed, _, _ = make_tenant()
+    one, two = registered(adapter_root, "one", tenant), registered(adapter_root, "two", tenant)
+    twin = LoraAdapter.objects.create(name="twin", base_model=two.base_model, owner=tenant,
+                                      folder=two.folder)  # a second row naming two's folder
+    theirs = registered(adapter_root, "theirs", doomed)
+    shared = registered(adapter_root, "shared")
+    with django_capture_on_commit_callbacks(execute=True):
+        LoraAdapter.objects.filter(pk__in=[one.pk, two.pk, shared.pk]).delete()
+    assert not Path(one.folder).exists()
+    assert Path(two.folder).is_dir()  # twin still names it
+    assert Path(shared.folder).is_dir()
+    with django_capture_on_commit_callbacks(execute=True):
+        twin.delete()
+        doomed.delete()
+    assert not Path(two.folder).exists() and not Path(theirs.folder).exists()
+    assert not (adapter_root / doomed.slug).exists()  # the folders it emptied too
+    assert adapter_root.is_dir() and Path(shared.folder).is_dir()
 
 
 def test_the_listing_shows_states_and_refusals_of_the_tenants_and_shared_adapters(

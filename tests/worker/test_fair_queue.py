@@ -217,6 +217,42 @@ def test_an_event_written_again_after_a_lost_reply_is_not_doubled(queue_for, rcl
     assert rclient.hexists(keys.usage_pending, request.request_id)
 
 
+def test_a_write_of_several_ticks_of_several_requests_writes_each_token_once_in_order(
+        queue_for, rclient, keys):
+    """A held write carries two ticks of each stream, and a request may end inside it: every
+    token once, in order, the next seq of a running request recorded, none left of an ended one,
+    and the whole write sent again (a lost reply) adds nothing."""
+    queue = queue_for()
+    requests = [message("acme") for _ in range(3)]
+    for request in requests:
+        queue.enqueue(request)
+    takes = {q.request_id: q.take for q in queue.take(3)}
+    ids = [r.request_id for r in requests]
+
+    def tok(rid: str, seq: int) -> tuple[TokenEvent, str]:
+        return TokenEvent(request_id=rid, seq=seq, token_id=1, text=f"{rid[:4]}{seq}"), takes[rid]
+
+    ended = ids[1]
+    write = [tok(rid, 0) for rid in ids] + [tok(rid, 1) for rid in ids] + [
+        (FinalEvent(request_id=ended, seq=2, finish_reason=FinishReason.LENGTH,
+                    usage=Usage(prompt_tokens=3, completion_tokens=2)), takes[ended])]
+    for again in (False, True):  # again: the ended request's take is gone, named as no longer owned
+        assert queue.write_events(write, 60, {rid: 3 for rid in ids}) == (
+            {(ended, takes[ended])} if again else set())
+        for rid in ids:
+            events = [json.loads(f[b"data"]) for _, f in rclient.xrange(keys.events(rid))]
+            assert [e.get("text") for e in events if e["type"] == "token"] == [
+                f"{rid[:4]}0", f"{rid[:4]}1"]
+            assert [e["type"] for e in events][-1] == ("final" if rid == ended else "token")
+            assert 0 < rclient.ttl(keys.events(rid)) <= 60
+        assert rclient.hget(keys.fq("next"), ids[0]) == b"2"
+        assert not rclient.hexists(keys.fq("next"), ended)  # ended: nothing left behind
+        assert rclient.hexists(keys.usage_pending, ended)
+    # The running ones go on from where they were.
+    assert queue.write_events([tok(ids[0], 1), tok(ids[0], 2)], 60) == set()
+    assert rclient.xlen(keys.events(ids[0])) == 3 and rclient.hget(keys.fq("next"), ids[0]) == b"3"
+
+
 def test_a_waiting_request_past_its_deadline_ends_with_queue_timeout(queue_for, rclient, keys):
     queue = queue_for()
     late, patient = message("acme", deadline_s=0.01), message("acme")

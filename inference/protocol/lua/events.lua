@@ -11,44 +11,74 @@
 -- not known), its take token. Returns the request id and take token of each take whose events were
 -- dropped (once per run of its events), flat: {id, token, id, token, ...}.
 local p, worker, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local taken, running = fq(p, 'taken', worker), fq(p, 'running', worker)
+local taken, running, next_seq = fq(p, 'taken', worker), fq(p, 'running', worker), fq(p, 'next')
 local now = fq_now()
 local lost = {}
+-- A write carries several ticks' events of each request (a hold): what one event of a request
+-- looked up (its take's ownership, its record) holds for the next of the same take until a final
+-- event, and a stream's TTL and next seq are set once, after its last token of the write.
+local known = {}    -- id -> {take = token, raw = record JSON or false (not owned)}
+local pending = {}  -- id -> the next seq to record for it (tokens written, not yet recorded)
+local streams = {}  -- the ids of `pending`, in the order of their first token here
+local function record_sent(id)
+  local seq = pending[id]
+  if seq then
+    redis.call('EXPIRE', fq_root(p) .. ':events:' .. id, ttl)
+    redis.call('HSET', next_seq, id, seq)
+    pending[id] = nil
+  end
+end
 for i = 4, #ARGV, 6 do
   local id, final, seq, event = ARGV[i], ARGV[i + 1] == '1', tonumber(ARGV[i + 2]), ARGV[i + 3]
+  local take = ARGV[i + 5]
   local raw = nil
-  if fq_owns(p, id, ARGV[i + 5]) then
-    raw = redis.call('HGET', running, id)
-    if not raw then
-      raw = redis.call('HGET', taken, id)
-      if raw then
-        local rec = cjson.decode(raw)
-        -- A request preempted and taken again keeps its first run's (its prompt, its TTFT).
-        rec.prompt_tokens = tonumber(ARGV[i + 4]) or rec.prompt_tokens
-        -- Its first token's time: a final event first (a stop before any token) has none.
-        local usage = final and cjson.decode(event).usage
-        if not final or (type(usage) == 'table' and (tonumber(usage.completion_tokens) or 0) > 0) then
-          rec.first_at = rec.first_at or now
+  local seen = known[id]
+  if seen and seen.take == take then
+    raw = seen.raw or nil
+  else
+    if fq_owns(p, id, take) then
+      raw = redis.call('HGET', running, id)
+      if not raw then
+        raw = redis.call('HGET', taken, id)
+        if raw then
+          local rec = cjson.decode(raw)
+          -- A request preempted and taken again keeps its first run's (its prompt, its TTFT).
+          rec.prompt_tokens = tonumber(ARGV[i + 4]) or rec.prompt_tokens
+          -- Its first token's time: a final event first (a stop before any token) has none.
+          local usage = final and cjson.decode(event).usage
+          if not final or (type(usage) == 'table' and (tonumber(usage.completion_tokens) or 0) > 0) then
+            rec.first_at = rec.first_at or now
+          end
+          raw = cjson.encode(rec)
+          redis.call('HDEL', taken, id)
+          redis.call('HSET', running, id, raw)
         end
-        raw = cjson.encode(rec)
-        redis.call('HDEL', taken, id)
-        redis.call('HSET', running, id, raw)
       end
     end
+    known[id] = {take = take, raw = raw or false}
   end
   if raw then
     if final then
+      record_sent(id)  -- fq_finish drops the request's next seq: set before, never after
+      known[id] = nil
       redis.call('HDEL', running, id)
       fq_finish(p, cjson.decode(raw), event, ttl, now)
-    elseif seq >= fq_tokens_sent(p, id) then
-      local stream = fq_root(p) .. ':events:' .. id
-      redis.call('XADD', stream, '*', 'data', event)
-      redis.call('EXPIRE', stream, ttl)
-      redis.call('HSET', fq(p, 'next'), id, seq + 1)
+    else
+      local sent = pending[id] or fq_tokens_sent(p, id)
+      if seq >= sent then
+        redis.call('XADD', fq_root(p) .. ':events:' .. id, '*', 'data', event)
+        if not pending[id] then
+          streams[#streams + 1] = id
+        end
+        pending[id] = seq + 1
+      end
     end
-  elseif lost[#lost - 1] ~= id or lost[#lost] ~= ARGV[i + 5] then
+  elseif lost[#lost - 1] ~= id or lost[#lost] ~= take then
     lost[#lost + 1] = id
-    lost[#lost + 1] = ARGV[i + 5]
+    lost[#lost + 1] = take
   end
+end
+for _, id in ipairs(streams) do
+  record_sent(id)
 end
 return lost
