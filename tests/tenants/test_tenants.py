@@ -39,6 +39,21 @@ def test_create_tenant_command_prints_a_key_that_authenticates():
     assert key.last_used_at is not None
 
 
+def test_create_tenant_command_sets_the_models_its_keys_may_call(client, db):
+    out = io.StringIO()
+    call_command("create_tenant", "Narrow", "--allowed-models", "other-model, team/*",
+                 stdout=out, stderr=io.StringIO())
+    tenant = Tenant.objects.get(slug="narrow")
+    assert tenant.allowed_models == "other-model, team/*"
+    # The default model is not among its rules: its keys get the 404 of a model not served.
+    response = client.post("/v1/chat/completions", {"model": "SmolLM2-135M-Instruct",
+                                                    "messages": [{"role": "user",
+                                                                  "content": "hi"}]},
+                           content_type="application/json",
+                           HTTP_AUTHORIZATION=f"Bearer {out.getvalue().strip()}")
+    assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
+
+
 def test_keys_are_stored_hashed_with_a_visible_prefix(tenant_key):
     _, key, raw = tenant_key
     key.refresh_from_db()
@@ -142,6 +157,7 @@ def test_admin_shows_a_new_key_once(admin_client, tenant_key):
     (["Other", "--rpm", "-5"], "requests_per_minute"),
     (["   "], "name"),
     (["Weightless", "--fairness-weight", "0"], "fairness_weight"),
+    (["Picky", "--allowed-models", "SmolLM2-135M-Instruct, gpt 4"], "allowed_models: 'gpt 4'"),
 ])
 def test_create_tenant_command_refuses_bad_input_with_a_clear_message(args, complaint, db):
     from django.core.management.base import CommandError

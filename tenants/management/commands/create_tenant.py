@@ -23,6 +23,10 @@ class Command(BaseCommand):
                             choices=Tenant.BudgetPeriod.values)
         parser.add_argument("--operator", action="store_true",
                             help="The key may also read /scheduler/stats.")
+        parser.add_argument("--allowed-models", default="", metavar="RULES",
+                            help="The models its keys and chat users may call: names and "
+                                 "patterns, comma- or line-separated (docs/platform.md, "
+                                 "\"Access\"); blank: every enabled model.")
 
     def handle(self, *args, **options) -> None:
         try:
@@ -52,4 +56,5 @@ class Command(BaseCommand):
             max_concurrent_requests=options["max_concurrent"],
             token_budget=options["token_budget"],
             budget_period=options["budget_period"],
+            allowed_models=options["allowed_models"],
         )
