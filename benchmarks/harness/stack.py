@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from inference.protocol.keys import queue_script
+from inference.protocol.keys import Keys, queue_script
 
 GATE1_LUA = queue_script("gate1")
 
@@ -203,7 +203,9 @@ class Stack:
         quiet_since = None
         while time.monotonic() < deadline:
             busy = client.llen(queue) > 0
-            busy = busy or int(client.eval(GATE1_LUA, 0, self.prefix)) > 0
+            # Every base model's queue: the default model's, and each other one used.
+            queues = [self.prefix, *(q.decode() for q in client.smembers(Keys(self.prefix).queues))]
+            busy = busy or any(int(client.eval(GATE1_LUA, 0, q)) > 0 for q in queues)
             busy = busy or client.hlen(f"{self.prefix}:usage:pending") > 0  # not yet recorded
             for raw in client.mget(list(client.scan_iter(f"{self.prefix}:stats:*"))) if not busy \
                     else []:

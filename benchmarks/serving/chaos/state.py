@@ -99,28 +99,38 @@ def _size(client: redis.Redis, name: bytes | str) -> int:
             "stream": client.xlen}.get(kind, lambda _: 1 if kind == "string" else 0)(name)
 
 
+def _queues(client: redis.Redis, keys: Keys) -> list[Keys]:
+    """The keys of every base model's queue: the default model's, then each other one used."""
+    others = sorted(q.decode().partition("@")[2] for q in client.smembers(keys.queues))
+    return [keys, *(Keys(keys.prefix, model) for model in others if model)]
+
+
 def read_leaks(platform: Platform, client: redis.Redis) -> tuple[dict[str, int], dict[str, Any]]:
-    """What is left behind once the platform settled: (counts, their details)."""
+    """What is left behind once the platform settled, in every base model's queue: (counts,
+    their details)."""
     keys = Keys(platform.stack.prefix)
+    queues = _queues(client, keys)
     now_ms = time.time() * 1000
     stats = _stats(platform)
-    taken = {k.decode(): client.hlen(k) for k in client.scan_iter(keys.fq("taken", "*"))}
-    running = {k.decode(): client.hlen(k) for k in client.scan_iter(keys.fq("running", "*"))}
+    taken = {k.decode(): client.hlen(k)
+             for q in queues for k in client.scan_iter(q.fq("taken", "*"))}
+    running = {k.decode(): client.hlen(k)
+               for q in queues for k in client.scan_iter(q.fq("running", "*"))}
     leases: dict[str, list[str]] = {}
     for name in client.scan_iter(f"{keys.prefix}:conc:*"):
         live = client.zrangebyscore(name, now_ms, "+inf")
         if live:
             leases[name.decode()] = [m.decode() for m in live]
     busy = _busy_workers(stats)
-    indexes = {name.decode(): size for pattern in QUEUE_INDEXES
-               for name in client.scan_iter(keys.fq(pattern)) if (size := _size(client, name))}
+    indexes = {name.decode(): size for q in queues for pattern in QUEUE_INDEXES
+               for name in client.scan_iter(q.fq(pattern)) if (size := _size(client, name))}
     counts = {
         "leak_gate1": int(stats["gate1"]["queued"]),
-        "leak_fq_wait": client.hlen(keys.fq("wait")),
-        "leak_fq_inflight": _sum_hash(client, keys.fq("inflight")),
+        "leak_fq_wait": sum(client.hlen(q.fq("wait")) for q in queues),
+        "leak_fq_inflight": sum(_sum_hash(client, q.fq("inflight")) for q in queues),
         "leak_fq_taken": sum(taken.values()),
         "leak_fq_running": sum(running.values()),
-        "leak_fq_held": _sum_hash(client, keys.fq("held")),
+        "leak_fq_held": sum(_sum_hash(client, q.fq("held")) for q in queues),
         "leak_fq_indexes": sum(indexes.values()),
         "leak_concurrency_leases": sum(len(v) for v in leases.values()),
         "leak_worker_state": sum(sum(f.values()) for f in busy.values()),
@@ -128,10 +138,11 @@ def read_leaks(platform: Platform, client: redis.Redis) -> tuple[dict[str, int],
         "leak_usage_pending": client.hlen(f"{keys.prefix}:usage:pending"),
     }
     details = {
-        "fq_wait": [i.decode() for i in client.hkeys(keys.fq("wait"))][:MAX_EXAMPLES],
-        "fq_inflight": {k.decode(): v.decode()
-                        for k, v in client.hgetall(keys.fq("inflight")).items()},
-        "fq_held": {k.decode(): v.decode() for k, v in client.hgetall(keys.fq("held")).items()},
+        "fq_wait": [i.decode() for q in queues for i in client.hkeys(q.fq("wait"))][:MAX_EXAMPLES],
+        "fq_inflight": {f"{q.queue} {k.decode()}": v.decode()
+                        for q in queues for k, v in client.hgetall(q.fq("inflight")).items()},
+        "fq_held": {f"{q.queue} {k.decode()}": v.decode()
+                    for q in queues for k, v in client.hgetall(q.fq("held")).items()},
         "fq_taken": {k: [i.decode() for i in client.hkeys(k)][:MAX_EXAMPLES]
                      for k in taken if taken[k]},
         "fq_running": {k: [i.decode() for i in client.hkeys(k)][:MAX_EXAMPLES]
