@@ -144,7 +144,9 @@ def check_form(fields: Mapping[str, list[str]], files: Any) -> Upload:
                                 "field.")
     for name in (*FIELDS, *FILES):
         if name not in names:
-            raise invalid(name, f"Missing required parameter: '{name}'.",
+            raise invalid(name, f"Missing required parameter: '{name}' (an upload is a "
+                                f"multipart/form-data form with 'name', 'model', "
+                                f"'adapter_config' and 'adapter_model').",
                           code="missing_required_parameter")
     name = fields[NAME][0]
     if not valid_adapter_name(name):

@@ -28,12 +28,14 @@ from typing import Any
 
 def use_event_loop(choice: str) -> str:
     """Make ``choice`` (``WEB_EVENT_LOOP``: ``uvloop``, ``asyncio``, or ``auto``: uvloop when it
-    is installed) the event loop daphne's reactor runs on; returns the one chosen. Called before
-    daphne's server module is imported: it makes its loop at import.
+    is installed; empty is ``auto``, case is ignored) the event loop daphne's reactor runs on;
+    returns the one chosen. Called before daphne's server module is imported: it makes its loop
+    at import.
 
     Raises:
         SystemExit: an unknown choice, or ``uvloop`` when it is not installed.
     """
+    choice = choice.strip().lower() or "auto"
     if choice not in ("auto", "uvloop", "asyncio"):
         raise SystemExit(f"WEB_EVENT_LOOP must be auto, uvloop or asyncio, not {choice!r}")
     if choice == "asyncio":

@@ -121,6 +121,14 @@ def test_what_an_upload_is_refused_for(client, tenant_key, adapter_root, change,
     assert not LoraAdapter.objects.exists() and not any(adapter_root.iterdir())
 
 
+def test_a_json_body_is_told_that_an_upload_is_a_form(client, tenant_key, adapter_root):
+    answer = client.post("/v1/adapters", {"name": "mine", "model": MODEL},
+                         content_type="application/json",
+                         HTTP_AUTHORIZATION=f"Bearer {tenant_key[2]}")
+    assert refusal(answer) == (400, "name", "missing_required_parameter")
+    assert "multipart/form-data" in answer.json()["error"]["message"]
+
+
 def test_files_over_max_adapter_bytes_are_413_naming_the_limit(client, settings, tenant_key,
                                                                adapter_root):
     assert django_settings.LLM_PLATFORM["MAX_BODY_BYTES_BY_PATH"]["/v1/adapters"] == (

@@ -18,11 +18,12 @@ from tests.support.web_process import WebProcess
 pytestmark = pytest.mark.process
 
 
-@pytest.mark.parametrize("choice, loop", [("", "uvloop"), ("asyncio", "asyncio")])
+@pytest.mark.parametrize("choice, loop", [(None, "uvloop"), ("", "uvloop"),
+                                          ("AsyncIO", "asyncio")])
 def test_the_web_process_runs_on_the_chosen_loop_and_drains_on_sigterm(tmp_path, settings,
                                                                         choice, loop):
     env = {"REDIS_URL": settings.REDIS_URL, "WEB_DRAIN_S": "5"}
-    if choice:
+    if choice is not None:  # empty: as unset (a `.env` line `WEB_EVENT_LOOP=`)
         env["WEB_EVENT_LOOP"] = choice
     web = WebProcess(f"sqlite:///{tmp_path}/db.sqlite3", tmp_path / "daphne.log", **env)
     try:
