@@ -29,11 +29,17 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
             UTF-8, ``NaN`` or ``Infinity``, nested deeper than the parser goes, an integer of
             more than 4300 digits).
     """
+    try:  # UTF-8 only (RFC 8259; a leading BOM is ignored): json.loads would take UTF-16 and 32
+        text = (raw or b"").decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise APIError(400, f"The request body is not UTF-8 text (byte 0x{raw[exc.start]:02x} at "
+                            f"offset {exc.start}); a JSON body is UTF-8.",
+                       code="invalid_json") from exc
     try:
-        body = json.loads(raw or b"", parse_constant=_refuse_constant)
+        body = json.loads(text, parse_constant=_refuse_constant)
     except RecursionError as exc:
         raise too_deep() from exc
-    except (ValueError, UnicodeDecodeError) as exc:
+    except ValueError as exc:
         raise APIError(400, f"The request body is not valid JSON: {exc}",
                        code="invalid_json") from exc
     if not isinstance(body, dict):

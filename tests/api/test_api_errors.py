@@ -92,6 +92,26 @@ def test_nan_is_not_json(client, tenant_key):
     assert response.status_code == 400 and error_of(response)["code"] == "invalid_json"
 
 
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-32"])
+def test_a_json_body_in_another_encoding_than_utf_8_is_refused_as_such(client, tenant_key,
+                                                                       encoding):
+    # Python's json.loads would read these (it guesses UTF-16 and 32); RFC 8259 says UTF-8.
+    response = client.post(CHAT, json.dumps(chat()).encode(encoding),
+                           content_type="application/json",
+                           HTTP_AUTHORIZATION=f"Bearer {tenant_key[2]}")
+    assert response.status_code == 400 and error_of(response)["code"] == "invalid_json"
+    # (without a byte order mark, UTF-16-LE's ASCII is valid UTF-8 with NULs: not JSON then)
+    assert "not UTF-8" in error_of(response)["message"] or encoding == "utf-16-le"
+    assert "codec" not in error_of(response)["message"]
+
+
+def test_a_utf_8_body_with_a_byte_order_mark_is_read(client, tenant_key):
+    body = b"\xef\xbb\xbf" + json.dumps(chat(max_tokens=-1)).encode()
+    response = client.post(CHAT, body, content_type="application/json",
+                           HTTP_AUTHORIZATION=f"Bearer {tenant_key[2]}")  # its field refused
+    assert response.status_code == 400 and error_of(response)["param"] == "max_tokens"
+
+
 # 3. Field names as the client wrote them, and limits in the message --------------------------
 
 @pytest.mark.parametrize(("path", "body", "param"), [
