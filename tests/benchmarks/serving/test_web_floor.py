@@ -20,7 +20,8 @@ def test_each_app_on_each_loop_delivers_every_write_and_reports_its_cpu(tmp_path
         ("asgi", "asyncio"), ("asgi", "uvloop"), ("django", "asyncio"), ("django", "uvloop")]
     for r in runs:
         assert r["writes"] == 15  # every chunk of every stream, once
-        assert r["cpu_s"] > 0 and r["us_per_write"] == pytest.approx(1e6 * r["cpu_s"] / 15)
+        # (psutil counts CPU in 10 ms steps: a run this short may read 0)
+        assert r["cpu_s"] >= 0 and r["us_per_write"] == pytest.approx(1e6 * r["cpu_s"] / 15)
     assert "daphne CPU us/write" in capsys.readouterr().out
 
 
