@@ -97,7 +97,8 @@ def run(app: str, loop: str, args: argparse.Namespace) -> dict[str, Any]:
     finally:
         proc.kill()
         proc.wait(10)
-    cpu_s = after.user + after.system - before.user - before.system
+    # (a difference of sums of floats: a run psutil counted no tick of reads a hair below 0)
+    cpu_s = max(0.0, round(after.user + after.system - before.user - before.system, 6))
     return {"app": app, "loop": loop, "writes": writes, "cpu_s": cpu_s,
             "us_per_write": 1e6 * cpu_s / max(1, writes),
             "ms_per_token": 1e3 * cpu_s / max(1, writes) / 2}

@@ -147,13 +147,18 @@ class EventPublisher:
         :meth:`flush_events`; the engine goes on generating meanwhile.
         """
         tagged = self.state.tag(events)  # now: a later take of the same id may follow at once
-        if any(isinstance(e, FinalEvent) for e in events):
-            self.state.row_freed.set()
-            if self.state.waiting_full:  # a main thread waiting with its rows full: a row is free
-                self.queue.nudge()
+        # Kept before anything here that can fail (a nudge meets an unreachable Redis): a tick's
+        # events lost here would leave a gap in each of its streams.
         with self._unsent_lock:
             self._unsent.extend(tagged)
             self._ticks += 1
+        if any(isinstance(e, FinalEvent) for e in events):
+            self.state.row_freed.set()
+            if self.state.waiting_full:  # a main thread waiting with its rows full: a row is free
+                try:
+                    self.queue.nudge()
+                except Exception:  # noqa: BLE001 - its poll's timeout wakes it anyway
+                    log.debug("could not nudge the main thread", exc_info=True)
         if self._publisher is not None:
             self._publish_now.set()
             return

@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+import redis
 
 from inference.protocol.events import FinalEvent, FinishReason, TokenEvent, Usage
 from inference.worker.live import WorkerState
@@ -144,3 +145,33 @@ def test_no_hold_writes_every_tick(publisher):
     pub.on_events([token("a", 2)])
     assert queue.wait_write(5.0)
     assert queue.writes == [[("a", 1)], [("a", 2)]]
+
+
+class UnreachableNudgeQueue(RecordingQueue):
+    """A queue whose nudge meets an unreachable Redis (its writes still go through)."""
+
+    def nudge(self) -> None:
+        raise redis.TimeoutError("Timeout reading from socket")
+
+
+@pytest.mark.parametrize("thread", [True, False], ids=["publisher thread", "engine thread"])
+def test_a_tick_whose_nudge_meets_an_unreachable_redis_keeps_its_events(thread):
+    # A tick with a final, while the main thread waits with its rows full, nudges it; Redis
+    # paused meanwhile failed the nudge, and the tick's events (one token of every other
+    # stream) were dropped: a gap in each stream, each client one token short.
+    queue = UnreachableNudgeQueue()
+    state = WorkerState()
+    pub = EventPublisher(state, None, queue, None, None)
+    if thread:
+        pub.start_publisher()
+    try:
+        state.waiting_full = True
+        pub.on_events([token("a", 1), token("b", 1)])
+        pub.on_events([token("a", 2), final("b", 2)])  # b ends: a row is free
+        pub.on_events([token("a", 3)])
+        pub.flush_events()
+        written = [item for write in queue.writes for item in write]
+        assert written == [("a", 1), ("b", 1), ("a", 2), ("b", 2), ("a", 3)]
+        assert state.row_freed.is_set()
+    finally:
+        pub.stop_publisher()
