@@ -27,6 +27,7 @@ from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 
 from api import response_store
+from api.answers import AnswerResponse
 from api.bodies import parse_json_body
 from api.models import StoredResponse
 from api.response_chat import Turn, as_chat, chat_messages, chat_request
@@ -203,15 +204,20 @@ async def _complete(relay: Relay) -> HttpResponse:
         await asyncio.shield(generation.close())
         await _refused(relay, exc if isinstance(exc, APIError) else unexpected_error(exc))
         raise
-    await generation.close()
     final = generation.final
     assert final is not None
     if failed(final):
+        await generation.close()
         assert final.error is not None
         raise await _refused(relay, relay.error(final.error))
-    body, _ = relay.end(final)
-    await relay.store(body)
-    return JsonResponse(body)
+    try:
+        body, _ = relay.end(final)
+        await relay.store(body)
+    except BaseException:
+        await asyncio.shield(generation.close())
+        raise
+    # Ended once the answer was handed to the server, not before (api.answers).
+    return AnswerResponse(body, generation.close)
 
 
 async def _stream(relay: Relay) -> HttpResponse:

@@ -8,6 +8,7 @@ Views translate HTTP to calls and back: validation lives in :mod:`api.schemas`, 
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -23,6 +24,7 @@ from django.views import defaults
 from django.views.decorators.csrf import csrf_exempt
 
 from api import responses
+from api.answers import AnswerResponse
 from api.bodies import parse_json_body
 from api.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, validate
 from api.sse import DONE, KEEPALIVE, sse_data
@@ -207,15 +209,17 @@ async def _complete(generation: Generation, shape: responses.ResponseShape,
     try:
         async for event in generation.events():
             answer.add(event)
-    finally:
-        # Also runs when the client disconnects: the view is cancelled and the worker aborts.
-        await generation.close()
-    final = generation.final
-    assert final is not None
-    if responses.failed(final):
-        assert final.error is not None
-        raise worker_error(final.error)
-    return JsonResponse(answer.body(final))
+        final = generation.final
+        assert final is not None
+        if responses.failed(final):
+            assert final.error is not None
+            raise worker_error(final.error)
+        # Ended once the answer was handed to the server, not before (api.answers).
+        return AnswerResponse(answer.body(final), generation.close)
+    except BaseException:
+        # Also when the client disconnects: the view is cancelled and the worker aborts.
+        await asyncio.shield(generation.close())
+        raise
 
 
 async def _stream(generation: Generation, shape: responses.ResponseShape,
