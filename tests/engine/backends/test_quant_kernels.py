@@ -198,3 +198,80 @@ def test_shapes_the_kernel_cannot_take_are_refused(lib, case, message):
             quant.quant_matmul(lib, "q4_1", x, blocks, torch.zeros(7))
         else:
             quant.quant_matmul(lib, "q5_0", x, blocks)
+
+
+# The x16 layout (16 output features interleaved, AVX-512 VNNI): the same integer products as the
+# one-feature-at-a-time kernel, in another order of the fp32 sums over the blocks.
+
+def x16_lib(lib):
+    if not quant.x16_available(lib):
+        pytest.skip("the kernels were built without AVX-512 VNNI")
+    return lib
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
+def test_x16_products_are_the_one_feature_at_a_time_products(lib, rows):
+    lib = x16_lib(lib)
+    for in_features in (96, 128):
+        blocks = made_up_blocks("q4_1", 48, in_features, seed=rows)
+        dense = dense_of("q4_1", blocks)
+        x = torch.randn(rows, in_features) * torch.logspace(-2, 2, in_features)
+        bias = torch.randn(48)
+        packed = quant.pack_x16(lib, blocks, in_features)
+        assert packed.shape == blocks.shape and not torch.equal(packed, blocks)
+        one = quant.quant_matmul(lib, "q4_1", x, blocks, bias, int8_activations=True)
+        got = quant.quant_matmul(lib, "q4_1", x, packed, bias, int8_activations=True, x16=True)
+        scale = x.double().abs() @ dense.double().abs().T + bias.double().abs()
+        assert ((got.double() - one.double()).abs() <= scale * 2e-6 + 1e-6).all()
+        exact = x.double() @ dense.double().T + bias.double()
+        assert ((got.double() - exact).abs() <= int8_bound(x, dense)).all()
+    # Zeros stay exact; a NaN input reaches its row's outputs only.
+    zeros = quant.quant_matmul(lib, "q4_1", torch.zeros(rows, 128), packed, int8_activations=True,
+                               x16=True)
+    assert torch.equal(zeros, torch.zeros(rows, 48))
+    x[0, 5] = float("nan")
+    got = quant.quant_matmul(lib, "q4_1", x, packed, int8_activations=True, x16=True)
+    assert got[0].isnan().all() and not got[1:].isnan().any()
+
+
+def test_x16_products_over_the_shipped_weights(lib, shipped):
+    lib = x16_lib(lib)
+    torch.manual_seed(0)
+    for name, (kind, blocks, dense, in_features) in shipped.items():
+        if kind != "q4_1":
+            continue
+        blocks, dense = blocks[:688].contiguous(), dense[:688]  # a multiple of 16 features
+        x = torch.randn(3, in_features)
+        got = quant.quant_matmul(lib, kind, x, quant.pack_x16(lib, blocks, in_features),
+                                 int8_activations=True, x16=True)
+        one = quant.quant_matmul(lib, kind, x, blocks, int8_activations=True)
+        scale = x.double().abs() @ dense.double().abs().T
+        assert ((got.double() - one.double()).abs() <= scale * 2e-6 + 1e-6).all(), name
+
+
+def test_a_quantized_projection_takes_the_x16_product_where_it_can(lib, plain_lib):
+    blocks = made_up_blocks("q4_1", 48, 64, seed=1)
+    dense = dense_of("q4_1", blocks)
+
+    def linear(which, out=48, int8=True):
+        return quant.QuantLinear(which, "q4_1", blocks[:out].contiguous(), 64, None,
+                                 dense[:out].contiguous(), lambda *a: None, 8,
+                                 int8_activations=int8)
+
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    if {"avx512f", "avx512bw", "avx512_vnni"} <= set(flags):
+        assert quant.x16_available(lib)
+    assert (linear(lib).x16 is not None) == quant.x16_available(lib)
+    assert linear(lib, int8=False).x16 is None  # the fp32-activation products: the blocks
+    assert linear(lib, out=40).x16 is None  # not a multiple of 16 features
+    assert not quant.x16_available(plain_lib) and linear(plain_lib).x16 is None
+    x = torch.randn(2, 64)
+    assert torch.allclose(linear(lib)(x), quant.quant_matmul(lib, "q4_1", x, blocks,
+                                                             int8_activations=True),
+                          rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="not a multiple of 16"):
+        quant.pack_x16(lib, blocks[:40].contiguous(), 64)
+    with pytest.raises(ValueError, match="int8 activations only"):
+        quant.quant_matmul(lib, "q4_1", x, blocks, x16=True)
+    with pytest.raises(RuntimeError, match="without AVX-512 VNNI"):
+        quant.quant_matmul(plain_lib, "q4_1", x, blocks, int8_activations=True, x16=True)

@@ -40,7 +40,7 @@ class _LayerT(ctypes.Structure):
 class _DimsT(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in (
         "hidden", "n_heads", "kv_heads", "head_dim", "intermediate", "num_blocks",
-        "block_size", "max_positions", "int8_activations", "kv_bf16", "dense_above")] + [
+        "block_size", "max_positions", "int8_activations", "kv_bf16", "dense_above", "x16")] + [
         ("scale", ctypes.c_double)]
 
 
@@ -125,13 +125,16 @@ class DecodeLayers:
         self._intermediate = first[3].in_features
         self._dims = (n_heads, kv_heads, head_dim, scale)
         self._int8 = int(quantized and bool(layers[0].packed[0].int8_activations))
+        # Q4_1 on AVX-512 VNNI: every projection's blocks interleaved (QuantLinear.x16), or none
+        self._x16 = int(quantized and all(getattr(p, "x16", None) is not None
+                                          for layer in layers for p in layer.packed))
         for layer in layers:
             ln1 = layer.ln1_w.detach().to(self.dtype).contiguous()
             ln2 = layer.ln2_w.detach().to(self.dtype).contiguous()
             self._keep += [ln1, ln2]
             qkv, o, gate_up, down = layer.packed
-            weights = [(p.blocks if quantized else p.packed).data_ptr()
-                       for p in (qkv, o, gate_up, down)]
+            weights = [(p.packed if not quantized else p.x16 if self._x16 else p.blocks
+                        ).data_ptr() for p in (qkv, o, gate_up, down)]
             packed = ([d.packed.data_ptr() for d in dense[len(self._layers)]]
                       if quantized and whole else [None] * 4)
             self._layers.append(_LayerT(
@@ -161,7 +164,8 @@ class DecodeLayers:
         self._pool = kv
         self._dims_t = _DimsT(self._hidden, n_heads, kv_heads, head_dim, self._intermediate,
                               kv.shape[2], kv.shape[3], self._cos.shape[0], self._int8,
-                              int(kv.dtype != self.dtype), self._dense_above, scale)
+                              int(kv.dtype != self.dtype), self._dense_above, self._x16,
+                              scale)
         step = kv.stride(0) * kv.element_size()
         self._pool_ptrs = [kv.data_ptr() + i * step for i in range(kv.shape[0])]
         for layer, ptr in zip(self._layers, self._pool_ptrs, strict=True):

@@ -52,6 +52,8 @@ typedef struct {
     int64_t int8_activations; /* Q4_1 only: q4_1_q8_matmul (int8 activations), else q4_1_matmul */
     int64_t kv_bf16;          /* Q4_1 only: the pool holds bf16 K/V (else fp32) */
     int64_t dense_above;      /* Q4_1 only: more rows than this take the packed bf16 products */
+    int64_t x16;              /* Q4_1 with int8 activations: the blocks are in quant.c's x16
+                               * layout (q4_1_x16_q8_matmul) */
     double scale;
 } dims_t;
 
@@ -73,6 +75,8 @@ int q4_1_matmul(const uint8_t *w, const float *x, const float *bias, float *y, i
                 int64_t out_features, int64_t in_features, int threads);
 int q4_1_q8_matmul(const uint8_t *w, const float *x, const float *bias, float *y, int64_t rows,
                    int64_t out_features, int64_t in_features, int threads);
+int q4_1_x16_q8_matmul(const uint8_t *w16, const float *x, const float *bias, float *y,
+                       int64_t rows, int64_t out_features, int64_t in_features, int threads);
 int paged_decode_attention_bf16(const uint16_t *q, const uint16_t *pool, const int64_t *tables,
                                 const int64_t *lens, uint16_t *out, int64_t rows,
                                 int64_t kv_heads, int64_t group, int64_t head_dim,
@@ -257,8 +261,9 @@ static int q4_1_project(const dims_t *M, const uint8_t *blocks, const uint16_t *
         for (int64_t i = 0; i < rows * in; i++) xb[i] = to_bf16(x[i]);
         rc = bf16_packed_matmul(packed, xb, bias, y, rows, 1, out, in, 1, threads);
     } else {
-        rc = M->int8_activations ? q4_1_q8_matmul(blocks, x, bias, y, rows, out, in, threads)
-                                 : q4_1_matmul(blocks, x, bias, y, rows, out, in, threads);
+        rc = !M->int8_activations ? q4_1_matmul(blocks, x, bias, y, rows, out, in, threads)
+             : M->x16 ? q4_1_x16_q8_matmul(blocks, x, bias, y, rows, out, in, threads)
+                      : q4_1_q8_matmul(blocks, x, bias, y, rows, out, in, threads);
     }
     return rc == 0 ? 0 : (rc == 2 ? 2 : 4);
 }
