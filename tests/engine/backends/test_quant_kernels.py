@@ -209,28 +209,31 @@ def x16_lib(lib):
     return lib
 
 
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
-def test_x16_products_are_the_one_feature_at_a_time_products(lib, rows):
+def test_x16_products_are_the_one_feature_at_a_time_products(lib, kind, rows):
     lib = x16_lib(lib)
     for in_features in (96, 128):
-        blocks = made_up_blocks("q4_1", 48, in_features, seed=rows)
-        dense = dense_of("q4_1", blocks)
+        blocks = made_up_blocks(kind, 48, in_features, seed=rows)
+        dense = dense_of(kind, blocks)
         x = torch.randn(rows, in_features) * torch.logspace(-2, 2, in_features)
         bias = torch.randn(48)
-        packed = quant.pack_x16(lib, blocks, in_features)
-        assert packed.shape == blocks.shape and not torch.equal(packed, blocks)
-        one = quant.quant_matmul(lib, "q4_1", x, blocks, bias, int8_activations=True)
-        got = quant.quant_matmul(lib, "q4_1", x, packed, bias, int8_activations=True, x16=True)
+        packed = quant.pack_x16(lib, kind, blocks, in_features)
+        assert packed.shape == (3, in_features // 32 * quant.X16_RECORD[kind])
+        if kind == "q4_1":  # the same bytes in another order
+            assert torch.equal(packed.flatten().sort().values, blocks.flatten().sort().values)
+        one = quant.quant_matmul(lib, kind, x, blocks, bias, int8_activations=True)
+        got = quant.quant_matmul(lib, kind, x, packed, bias, int8_activations=True, x16=True)
         scale = x.double().abs() @ dense.double().abs().T + bias.double().abs()
         assert ((got.double() - one.double()).abs() <= scale * 2e-6 + 1e-6).all()
         exact = x.double() @ dense.double().T + bias.double()
         assert ((got.double() - exact).abs() <= int8_bound(x, dense)).all()
     # Zeros stay exact; a NaN input reaches its row's outputs only.
-    zeros = quant.quant_matmul(lib, "q4_1", torch.zeros(rows, 128), packed, int8_activations=True,
+    zeros = quant.quant_matmul(lib, kind, torch.zeros(rows, 128), packed, int8_activations=True,
                                x16=True)
     assert torch.equal(zeros, torch.zeros(rows, 48))
     x[0, 5] = float("nan")
-    got = quant.quant_matmul(lib, "q4_1", x, packed, int8_activations=True, x16=True)
+    got = quant.quant_matmul(lib, kind, x, packed, int8_activations=True, x16=True)
     assert got[0].isnan().all() and not got[1:].isnan().any()
 
 
@@ -238,11 +241,9 @@ def test_x16_products_over_the_shipped_weights(lib, shipped):
     lib = x16_lib(lib)
     torch.manual_seed(0)
     for name, (kind, blocks, dense, in_features) in shipped.items():
-        if kind != "q4_1":
-            continue
         blocks, dense = blocks[:688].contiguous(), dense[:688]  # a multiple of 16 features
         x = torch.randn(3, in_features)
-        got = quant.quant_matmul(lib, kind, x, quant.pack_x16(lib, blocks, in_features),
+        got = quant.quant_matmul(lib, kind, x, quant.pack_x16(lib, kind, blocks, in_features),
                                  int8_activations=True, x16=True)
         one = quant.quant_matmul(lib, kind, x, blocks, int8_activations=True)
         scale = x.double().abs() @ dense.double().abs().T
@@ -270,8 +271,11 @@ def test_a_quantized_projection_takes_the_x16_product_where_it_can(lib, plain_li
                                                              int8_activations=True),
                           rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="not a multiple of 16"):
-        quant.pack_x16(lib, blocks[:40].contiguous(), 64)
+        quant.pack_x16(lib, "q4_1", blocks[:40].contiguous(), 64)
     with pytest.raises(ValueError, match="int8 activations only"):
         quant.quant_matmul(lib, "q4_1", x, blocks, x16=True)
     with pytest.raises(RuntimeError, match="without AVX-512 VNNI"):
-        quant.quant_matmul(plain_lib, "q4_1", x, blocks, int8_activations=True, x16=True)
+        quant.quant_matmul(plain_lib, "q4_1", x, quant.pack_x16(plain_lib, "q4_1", blocks, 64),
+                           int8_activations=True, x16=True)
+    with pytest.raises(ValueError, match=r"q4_1 x16: the weight must be a contiguous \[out / 16"):
+        quant.quant_matmul(lib, "q4_1", x, blocks, int8_activations=True, x16=True)

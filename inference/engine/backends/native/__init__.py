@@ -73,7 +73,8 @@ GEMM_SYMBOL = "bf16_packed_matmul"  # bf16_gemm.c; called by inference.engine.ba
 PREFILL_SYMBOL = "prefill_attention_bf16"
 # quant.c; called by inference.engine.backends.native.quant
 QUANT_SYMBOLS = ("q4_1_matmul", "q4_1_dequantize", "q8_0_matmul", "q8_0_dequantize",
-                 "q4_1_q8_matmul", "q8_0_q8_matmul", "q4_1_x16_pack", "q4_1_x16_q8_matmul")
+                 "q4_1_q8_matmul", "q8_0_q8_matmul", "q4_1_x16_pack", "q4_1_x16_q8_matmul",
+                 "q8_0_x16_pack", "q8_0_x16_q8_matmul")
 ALL_SYMBOLS = (*SYMBOLS.values(), HEAD_SYMBOL, GEMM_SYMBOL, PREFILL_SYMBOL, *QUANT_SYMBOLS,
                "decode_layer_bf16", "decode_layer_q4_1")
 
@@ -230,9 +231,11 @@ def declare_quant(lib: ctypes.CDLL) -> None:
         q8.argtypes = matmul.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [
             ctypes.c_int]
         dequantize.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
-    lib.q4_1_x16_q8_matmul.restype = lib.q4_1_x16_pack.restype = ctypes.c_int
-    lib.q4_1_x16_q8_matmul.argtypes = lib.q4_1_q8_matmul.argtypes
-    lib.q4_1_x16_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+    for kind in ("q4_1", "q8_0"):  # the x16 layout (AVX-512 VNNI)
+        pack, x16 = getattr(lib, f"{kind}_x16_pack"), getattr(lib, f"{kind}_x16_q8_matmul")
+        pack.restype = x16.restype = ctypes.c_int
+        x16.argtypes = lib.q4_1_q8_matmul.argtypes
+        pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
     for flag in ("q4_1_simd", "q4_1_x16_available"):
         getattr(lib, flag).restype = ctypes.c_int
         getattr(lib, flag).argtypes = []

@@ -548,6 +548,40 @@ int q4_1_x16_pack(const uint8_t *w, uint8_t *out, int64_t out_features, int64_t 
     return 0;
 }
 
+/*
+ * Q8_0 the same way (the tied LM head):
+ *
+ *   q8_0_x16_pack(w, out, out_features, in_features)
+ *     out   [out_features / 16][in_features / 32] records of 608 bytes: for chunk c = 0..7, 64
+ *           bytes holding codes 4c..4c+3 of each of the 16 features' blocks; the 16 scales d
+ *           (fp16); then 16 int32, 128 times the sum of each feature's 32 codes.
+ *   q8_0_x16_q8_matmul(w16, x, bias, y, rows, out_features, in_features, threads)
+ *     q8_0_q8_matmul's product over them. VPDPBUSD multiplies unsigned by signed bytes: the
+ *     input codes go in as unsigned (each plus 128, a flip of its sign bit), and the stored
+ *     128 x sum of the codes comes off each block's int32 sum, which is then exactly
+ *     q8_0_q8_matmul's.
+ */
+#define X16_Q8_RECORD (X16 * 32 + X16 * 2 + X16 * 4)
+
+int q8_0_x16_pack(const uint8_t *w, uint8_t *out, int64_t out_features, int64_t in_features) {
+    if (out_features < X16 || out_features % X16 || in_features < QK || in_features % QK) return 1;
+    const int64_t nb = in_features / QK;
+    for (int64_t g = 0; g < out_features / X16; g++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *rec = out + (g * nb + b) * X16_Q8_RECORD;
+            for (int i = 0; i < X16; i++) {
+                const uint8_t *blk = w + ((g * X16 + i) * nb + b) * Q8_BYTES;
+                int32_t sum = 0;
+                for (int j = 0; j < QK; j++) sum += (int8_t)blk[2 + j];
+                sum *= 128;
+                for (int c = 0; c < 8; c++) memcpy(rec + c * 64 + i * 4, blk + 2 + c * 4, 4);
+                memcpy(rec + 512 + i * 2, blk, 2);
+                memcpy(rec + 544 + i * 4, &sum, 4);
+            }
+        }
+    return 0;
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define Q4_X16 1
 static inline int32_t x4(const int8_t *p) {
@@ -594,6 +628,35 @@ x16_tile(const uint8_t *wg, int64_t nb, const qx_t *qx, int64_t in_features, int
     }
     for (int r = 0; r < NR; r++) _mm512_storeu_ps(out + r * X16, _mm512_add_ps(accf[r], accm[r]));
 }
+
+static inline __attribute__((always_inline)) void
+x16_q8_0_tile(const uint8_t *wg, int64_t nb, const qx_t *qx, int64_t in_features, int64_t r0,
+              const int NR, float *out) {
+    __m512 accf[ROW_TILE];
+    for (int r = 0; r < NR; r++) accf[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *rec = wg + b * X16_Q8_RECORD;
+        __m512i wc[8];
+        for (int c = 0; c < 8; c++) wc[c] = _mm512_loadu_si512((const void *)(rec + c * 64));
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 512)));
+        const __m512i corr = _mm512_loadu_si512((const void *)(rec + 544));
+        for (int r = 0; r < NR; r++) {
+            const int8_t *xq = qx->q + (r0 + r) * in_features + b * QK;
+            const int32_t flip = (int32_t)0x80808080u;
+            __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+            for (int c = 0; c < 8; c += 2) {
+                a0 = _mm512_dpbusd_epi32(a0, _mm512_set1_epi32(x4(xq + c * 4) ^ flip), wc[c]);
+                a1 = _mm512_dpbusd_epi32(a1, _mm512_set1_epi32(x4(xq + c * 4 + 4) ^ flip),
+                                         wc[c + 1]);
+            }
+            const __m512 dot = _mm512_cvtepi32_ps(
+                _mm512_sub_epi32(_mm512_add_epi32(a0, a1), corr));
+            accf[r] = _mm512_fmadd_ps(
+                dot, _mm512_mul_ps(dw, _mm512_set1_ps(qx->d[(r0 + r) * nb + b])), accf[r]);
+        }
+    }
+    for (int r = 0; r < NR; r++) _mm512_storeu_ps(out + r * X16, accf[r]);
+}
 #endif
 
 int q4_1_x16_available(void) {
@@ -604,27 +667,31 @@ int q4_1_x16_available(void) {
 #endif
 }
 
-int q4_1_x16_q8_matmul(const uint8_t *w16, const float *x, const float *bias, float *y,
-                       int64_t rows, int64_t out_features, int64_t in_features, int threads) {
+static int x16_matmul(int q8, const uint8_t *w16, const float *x, const float *bias, float *y,
+                      int64_t rows, int64_t out_features, int64_t in_features, int threads) {
     if (rows < 1 || out_features < X16 || out_features % X16 || in_features < QK
         || in_features % QK)
         return 1;
 #ifdef Q4_X16
     qx_t qx;
     if (quantize_rows(x, rows, in_features, &qx)) return 2;
-    const int64_t nb = in_features / QK;
+    const int64_t nb = in_features / QK, record = q8 ? X16_Q8_RECORD : X16_RECORD;
 #pragma omp parallel for num_threads(threads > 0 ? threads : 1) schedule(static)
     for (int64_t g = 0; g < out_features / X16; g++) {
-        const uint8_t *wg = w16 + g * nb * X16_RECORD;
+        const uint8_t *wg = w16 + g * nb * record;
         float out[ROW_TILE * X16];
         for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
             const int nr = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
+#define X16_CASE(NR) \
+    (q8 ? x16_q8_0_tile(wg, nb, &qx, in_features, r0, NR, out) \
+        : x16_tile(wg, nb, &qx, in_features, r0, NR, out))
             switch (nr) {
-            case 1: x16_tile(wg, nb, &qx, in_features, r0, 1, out); break;
-            case 2: x16_tile(wg, nb, &qx, in_features, r0, 2, out); break;
-            case 3: x16_tile(wg, nb, &qx, in_features, r0, 3, out); break;
-            default: x16_tile(wg, nb, &qx, in_features, r0, 4, out); break;
+            case 1: X16_CASE(1); break;
+            case 2: X16_CASE(2); break;
+            case 3: X16_CASE(3); break;
+            default: X16_CASE(4); break;
             }
+#undef X16_CASE
             for (int r = 0; r < nr; r++)
                 for (int i = 0; i < X16; i++)
                     y[(r0 + r) * out_features + g * X16 + i] =
@@ -635,7 +702,17 @@ int q4_1_x16_q8_matmul(const uint8_t *w16, const float *x, const float *bias, fl
     free(qx.d);
     return 0;
 #else
-    (void)w16; (void)x; (void)bias; (void)y; (void)threads;
+    (void)q8; (void)w16; (void)x; (void)bias; (void)y; (void)threads;
     return 4;
 #endif
+}
+
+int q4_1_x16_q8_matmul(const uint8_t *w16, const float *x, const float *bias, float *y,
+                       int64_t rows, int64_t out_features, int64_t in_features, int threads) {
+    return x16_matmul(0, w16, x, bias, y, rows, out_features, in_features, threads);
+}
+
+int q8_0_x16_q8_matmul(const uint8_t *w16, const float *x, const float *bias, float *y,
+                       int64_t rows, int64_t out_features, int64_t in_features, int threads) {
+    return x16_matmul(1, w16, x, bias, y, rows, out_features, in_features, threads);
 }

@@ -27,6 +27,8 @@ import torch
 
 QK = 32  # weights per block
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
+# The bytes of one x16 record: 16 features' blocks interleaved (pack_x16).
+X16_RECORD = {"q4_1": 16 * 20, "q8_0": 16 * (32 + 2 + 4)}
 
 _ERRORS = {1: "a size below 1, or in_features not a multiple of 32 (x16: out_features not a "
                "multiple of 16)",
@@ -73,7 +75,7 @@ def quant_matmul(lib: ctypes.CDLL, kind: str, x: torch.Tensor, weight: torch.Ten
         threads: OpenMP threads (0: ``torch.get_num_threads()``).
         int8_activations: quantize ``x`` (each value off by up to half its block's
             ``max |x| / 127``).
-        x16: ``weight`` is Q4_1 in :func:`pack_x16`'s layout (with ``int8_activations``).
+        x16: ``weight`` is in :func:`pack_x16`'s layout (with ``int8_activations``).
 
     Returns:
         ``[rows, out]`` fp32.
@@ -85,17 +87,19 @@ def quant_matmul(lib: ctypes.CDLL, kind: str, x: torch.Tensor, weight: torch.Ten
     if x.dim() != 2 or x.shape[0] < 1:
         raise ValueError(f"{kind}: x must be [rows, in] with rows >= 1, not {tuple(x.shape)}")
     rows, in_features = x.shape
-    out_features = _check(kind, weight, in_features)
+    if x16:
+        if not int8_activations:
+            raise ValueError("x16: int8 activations only")
+        out_features = _check_x16(kind, weight, in_features)
+    else:
+        out_features = _check(kind, weight, in_features)
     x = x.detach().to(torch.float32).contiguous()
     b = None if bias is None else bias.detach().to(torch.float32).contiguous()
     if b is not None and b.shape != (out_features,):
         raise ValueError(f"{kind}: bias must be [{out_features}], not {tuple(b.shape)}")
     y = torch.empty(rows, out_features, dtype=torch.float32)
-    symbol = f"{kind}_q8_matmul" if int8_activations else f"{kind}_matmul"
-    if x16:
-        if kind != "q4_1" or not int8_activations:
-            raise ValueError("x16: Q4_1 weights with int8 activations only")
-        symbol = "q4_1_x16_q8_matmul"
+    symbol = (f"{kind}_x16_q8_matmul" if x16 else f"{kind}_q8_matmul" if int8_activations
+              else f"{kind}_matmul")
     code = getattr(lib, symbol)(weight.data_ptr(), x.data_ptr(),
                                 0 if b is None else b.data_ptr(), y.data_ptr(), rows,
                                 out_features, in_features, _threads(threads))
@@ -129,21 +133,40 @@ def x16_available(lib: ctypes.CDLL) -> bool:
     return bool(lib.q4_1_x16_available())
 
 
-def pack_x16(lib: ctypes.CDLL, weight: torch.Tensor, in_features: int) -> torch.Tensor:
-    """Q4_1 ``weight`` (``[out, in / 32 * 20]`` uint8) interleaved 16 output features at a time
-    for ``q4_1_x16_q8_matmul`` (``quant.c``; the layout of llama.cpp's repacked CPU kernels):
-    the same bytes, in the same shape, in another order.
+def pack_x16(lib: ctypes.CDLL, kind: str, weight: torch.Tensor,
+             in_features: int) -> torch.Tensor:
+    """``kind`` ``weight`` (``[out, in / 32 * BLOCK_BYTES[kind]]`` uint8) interleaved 16 output
+    features at a time for ``{kind}_x16_q8_matmul`` (``quant.c``; the layout of llama.cpp's
+    repacked CPU kernels): ``[out / 16, in / 32 * X16_RECORD[kind]]`` uint8 (Q4_1: the same
+    bytes in another order; Q8_0: with each block's code sum beside them).
 
     Raises:
-        ValueError: not Q4_1 blocks of ``in_features`` inputs, or ``out`` not a multiple of 16.
+        ValueError: not ``kind`` blocks of ``in_features`` inputs, or ``out`` not a multiple of
+            16.
     """
-    out_features = _check("q4_1", weight, in_features)
+    out_features = _check(kind, weight, in_features)
     if out_features % 16:
-        raise ValueError(f"q4_1 x16: out_features {out_features} is not a multiple of 16")
-    out = torch.empty_like(weight)
-    if lib.q4_1_x16_pack(weight.data_ptr(), out.data_ptr(), out_features, in_features):
-        raise ValueError(f"q4_1 x16: cannot pack [{out_features}, {in_features}]")
+        raise ValueError(f"{kind} x16: out_features {out_features} is not a multiple of 16")
+    out = torch.empty(out_features // 16, in_features // QK * X16_RECORD[kind],
+                      dtype=torch.uint8)
+    if getattr(lib, f"{kind}_x16_pack")(weight.data_ptr(), out.data_ptr(), out_features,
+                                        in_features):
+        raise ValueError(f"{kind} x16: cannot pack [{out_features}, {in_features}]")
     return out
+
+
+def _check_x16(kind: str, weight: torch.Tensor, in_features: int) -> int:
+    """``out_features`` of a :func:`pack_x16` ``weight``."""
+    if kind not in X16_RECORD:
+        raise ValueError(f"unknown quantization {kind!r}; choose from {', '.join(X16_RECORD)}")
+    if in_features < QK or in_features % QK:
+        raise ValueError(f"{kind}: in_features {in_features} is not a positive multiple of {QK}")
+    want = in_features // QK * X16_RECORD[kind]
+    if (weight.dtype != torch.uint8 or weight.dim() != 2 or weight.shape[1] != want
+            or not weight.is_contiguous()):
+        raise ValueError(f"{kind} x16: the weight must be a contiguous [out / 16, {want}] uint8 "
+                         f"tensor, not {tuple(weight.shape)} {weight.dtype}")
+    return weight.shape[0] * 16
 
 
 def simd(lib: ctypes.CDLL) -> bool:
@@ -186,12 +209,12 @@ class QuantLinear:
                              f"{tuple(self.bias.shape)}")
         self.dense, self._dense_fn, self.fused_max_rows = dense, dense_fn, fused_max_rows
         self.int8_activations = int8_activations
-        # Q4_1 with int8 activations on AVX-512 VNNI: the blocks also interleaved 16 features at
-        # a time (pack_x16), which the fused passes read instead (the same products, about an
-        # eighth of the instructions).
-        self.x16 = (pack_x16(lib, blocks, in_features)
-                    if (kind == "q4_1" and int8_activations and self.out_features % 16 == 0
-                        and x16_available(lib)) else None)
+        # With int8 activations on AVX-512 VNNI: the blocks also interleaved 16 features at a
+        # time (pack_x16), which the fused passes read instead (the same products in a fraction
+        # of the instructions).
+        self.x16 = (pack_x16(lib, kind, blocks, in_features)
+                    if int8_activations and self.out_features % 16 == 0 and x16_available(lib)
+                    else None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.fused_max_rows:
