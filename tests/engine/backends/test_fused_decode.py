@@ -19,6 +19,7 @@ from inference.engine.backends.base import DecodeRow, PrefillChunk
 from inference.engine.backends.hf import TransformersBackend
 from inference.engine.backends.native import decode as native_decode
 from inference.engine.backends.native import gemm as native_gemm
+from inference.engine.backends.native import quant as native_quant
 from inference.engine.model_store import resolve_model_path
 from tests.engine.backends.test_bf16 import assert_argmax_agrees_except_near_ties
 from tests.engine.backends.test_bf16_gemm import (
@@ -170,8 +171,11 @@ def test_q4_1_decode_passes_through_one_call_per_layer_match_the_layer_by_layer_
     # With AVX512-BF16 a pass of more rows than the Q4_1 products take (8) stays one call a
     # layer, over the values packed in bf16; elsewhere it is the PyTorch pass's.
     hybrid = native_gemm.packed_matmul_available(q4._native)
+    # With AVX-512 VNNI decode passes of up to 64 rows take the x16 products over the blocks.
+    x16 = q4._layers[0].packed[0].x16 is not None
+    assert x16 == native_quant.x16_available(q4._native)
     assert q4._decode_layers is not None
-    assert q4._decode_layers.max_rows == (sys.maxsize if hybrid else 8)
+    assert q4._decode_layers.max_rows == (sys.maxsize if hybrid else 64 if x16 else 8)
     fused_logits, fused_kv = decode_run(q4, corpus_ids, fused=True)
     torch_logits, torch_kv = decode_run(q4, corpus_ids, fused=False)
     # fp32 throughout: the same int8 codes but where a norm's order of sums moves a value
@@ -181,8 +185,8 @@ def test_q4_1_decode_passes_through_one_call_per_layer_match_the_layer_by_layer_
     stats = f"max {diff.max().item():.3f}, mean {diff.mean().item():.3f}"
     assert diff.max().item() < PLAIN_MAX_ABS and diff.mean().item() < PLAIN_MEAN_ABS, stats
     assert_argmax_agrees_except_near_ties(torch_logits, fused_logits, "q4_1 fused vs per layer")
-    # More rows than the Q4_1 products take: the packed bf16 products, in the fused call where
-    # they run, the same as the PyTorch pass's dense ones.
+    # More rows than the Q4_1 products take alone (8): the x16 products (AVX-512 VNNI), else the
+    # packed bf16 products, in the fused call where they run, the same as the PyTorch pass's.
     rows = [DecodeRow(f"r{r}", corpus_ids[r], 0, [r]) for r in range(12)]
     calls = []
     real = native_decode.DecodeLayers.__call__
@@ -193,13 +197,18 @@ def test_q4_1_decode_passes_through_one_call_per_layer_match_the_layer_by_layer_
         q4.decode(rows[:8])
     finally:
         native_decode.DecodeLayers.__call__ = real
-    assert len(calls) == len(q4._layers) * (2 if hybrid else 1)
+    assert len(calls) == len(q4._layers) * (2 if hybrid or x16 else 1)
+    projections = [p for layer in q4._layers for p in layer.packed]
     q4.fused_decode = False
+    for p in projections:  # the PyTorch pass's 12 rows over the same products as the fused's
+        p.fused_max_rows = 64 if x16 else p.fused_max_rows
     try:
         q4.allocate_kv_pool(40, 16)
         plain = q4.decode(rows)
     finally:
         q4.fused_decode = True
+        for p in projections:
+            p.fused_max_rows = 8
     diff = (wide - plain).abs()
     stats = f"max {diff.max().item():.4f}, mean {diff.mean().item():.5f}"
     assert diff.max().item() < PLAIN_MAX_ABS and diff.mean().item() < PLAIN_MEAN_ABS, stats
