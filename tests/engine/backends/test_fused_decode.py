@@ -171,11 +171,11 @@ def test_q4_1_decode_passes_through_one_call_per_layer_match_the_layer_by_layer_
     # With AVX512-BF16 a pass of more rows than the Q4_1 products take (8) stays one call a
     # layer, over the values packed in bf16; elsewhere it is the PyTorch pass's.
     hybrid = native_gemm.packed_matmul_available(q4._native)
-    # With AVX-512 VNNI decode passes of up to 64 rows take the x16 products over the blocks.
+    # With AVX-512 VNNI every pass takes the x16 products over the blocks.
     x16 = q4._layers[0].packed[0].x16 is not None
     assert x16 == native_quant.x16_available(q4._native)
     assert q4._decode_layers is not None
-    assert q4._decode_layers.max_rows == (sys.maxsize if hybrid else 64 if x16 else 8)
+    assert q4._decode_layers.max_rows == (sys.maxsize if hybrid or x16 else 8)
     fused_logits, fused_kv = decode_run(q4, corpus_ids, fused=True)
     torch_logits, torch_kv = decode_run(q4, corpus_ids, fused=False)
     # fp32 throughout: the same int8 codes but where a norm's order of sums moves a value
@@ -198,17 +198,12 @@ def test_q4_1_decode_passes_through_one_call_per_layer_match_the_layer_by_layer_
     finally:
         native_decode.DecodeLayers.__call__ = real
     assert len(calls) == len(q4._layers) * (2 if hybrid or x16 else 1)
-    projections = [p for layer in q4._layers for p in layer.packed]
     q4.fused_decode = False
-    for p in projections:  # the PyTorch pass's 12 rows over the same products as the fused's
-        p.fused_max_rows = 64 if x16 else p.fused_max_rows
     try:
         q4.allocate_kv_pool(40, 16)
         plain = q4.decode(rows)
     finally:
         q4.fused_decode = True
-        for p in projections:
-            p.fused_max_rows = 8
     diff = (wide - plain).abs()
     stats = f"max {diff.max().item():.4f}, mean {diff.mean().item():.5f}"
     assert diff.max().item() < PLAIN_MAX_ABS and diff.mean().item() < PLAIN_MEAN_ABS, stats

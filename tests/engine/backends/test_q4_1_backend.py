@@ -42,6 +42,10 @@ INT8_TIE = 1.0  # a top-2 gap this small may flip (the bf16 tests' BF16_TIE)
 # 0.32, mean 0.0006 over the 142-token pass (2-core AMD EPYC Zen 4).
 KV_BF16_MAX_ABS = 1.0
 KV_BF16_MEAN_ABS = 0.005
+# Over int8 codes of its inputs (the x16 products, AVX-512 VNNI): measured max 0.45, mean 0.003
+# (2-core Intel Xeon with AMX, family 6 model 167).
+KV_INT8_MAX_ABS = 1.0
+KV_INT8_MEAN_ABS = 0.01
 
 
 @pytest.fixture(scope="module")
@@ -95,23 +99,27 @@ def test_logits_are_the_fp32_models_within_the_sums_and_the_int8_codes(q4, backe
     want, want_kv = teacher_forced(backend, corpus_ids, 8)
     # The prompt pass (142 tokens) with fp32 products: the same weights, dense, fp32 activations.
     projections = [p for layer in q4._layers for p in layer.packed]
-    dense_fns = [p._dense_fn for p in projections]
+    dense_fns, x16s = [p._dense_fn for p in projections], [p.x16 for p in projections]
     try:
         for p in projections:
-            p._dense_fn = _linear_cpu
+            p._dense_fn, p.x16 = _linear_cpu, None
         _, fp32_kv = teacher_forced(q4, corpus_ids, 0)
     finally:
-        for p, fn in zip(projections, dense_fns, strict=True):
-            p._dense_fn = fn
+        for p, fn, x16 in zip(projections, dense_fns, x16s, strict=True):
+            p._dense_fn, p.x16 = fn, x16
     worst = float((fp32_kv - want_kv).abs().max())
     assert worst < MAX_ABS, f"prefill: max |K/V diff| {worst:.2e}"
-    # As served: on a CPU with AVX512-BF16 the prompt pass's products are the packed bf16
-    # kernel's (the values and inputs rounded to bf16), elsewhere the fp32 ones.
+    # As served: with the x16 products (AVX-512 VNNI) the prompt pass's products are over int8
+    # codes of its inputs, as a decode pass's; else on a CPU with AVX512-BF16 the packed bf16
+    # kernel's (the values and inputs rounded to bf16); elsewhere the fp32 ones.
     got, got_kv = teacher_forced(q4, corpus_ids, 8)
     kv_diff = (got_kv - want_kv).abs()
     bf16_dense = native_gemm.packed_matmul_available(q4._native)
     assert (dense_fns[0] is _linear_cpu) is not bf16_dense
-    if bf16_dense:
+    if x16s[0] is not None:
+        assert kv_diff.max() < KV_INT8_MAX_ABS and kv_diff.mean() < KV_INT8_MEAN_ABS, (
+            f"int8 prompt products: max |K/V diff| {kv_diff.max():.3f}, mean {kv_diff.mean():.4f}")
+    elif bf16_dense:
         assert kv_diff.max() < KV_BF16_MAX_ABS and kv_diff.mean() < KV_BF16_MEAN_ABS, (
             f"bf16 prompt products: max |K/V diff| {kv_diff.max():.3f}, mean {kv_diff.mean():.4f}")
     else:
@@ -126,7 +134,7 @@ def test_logits_are_the_fp32_models_within_the_sums_and_the_int8_codes(q4, backe
 
 
 @pytest.mark.model
-def test_decode_runs_one_native_call_per_layer_and_prompts_the_dense_product(q4, corpus_ids,
+def test_decode_runs_one_native_call_per_layer_and_prompts_the_dense_or_x16_product(q4, corpus_ids,
                                                                              monkeypatch):
     calls = []
     real = quant.quant_matmul
@@ -147,9 +155,12 @@ def test_decode_runs_one_native_call_per_layer_and_prompts_the_dense_product(q4,
 
     monkeypatch.setattr(native_decode.DecodeLayers, "__call__", counting)
     logits_of(q4, corpus_ids[:40], 2)
-    # The 40-row prompt pass ran its projections dense and its one logit row's head over the
-    # Q8_0 blocks; each decode pass ran every layer in one native call and its head there too.
-    assert calls == [("q8_0", 1, True)] * 3
+    # The 40-row prompt pass ran its projections dense (over x16 blocks: their int8 products)
+    # and its one logit row's head over the Q8_0 blocks; each decode pass ran every layer in one
+    # native call and its head there too.
+    x16 = q4._layers[0].packed[0].x16 is not None
+    prompt = [("q4_1", 40, True)] * (4 * len(q4._layers)) if x16 else []
+    assert calls == [*prompt, *[("q8_0", 1, True)] * 3]
     assert layer_calls == [(i, 1) for i in range(len(q4._layers))] * 2
     # Without the fused pass, the decode projections run the same int8 products one by one.
     calls.clear()
@@ -158,7 +169,7 @@ def test_decode_runs_one_native_call_per_layer_and_prompts_the_dense_product(q4,
         logits_of(q4, corpus_ids[:40], 1)
     finally:
         q4.fused_decode = True
-    assert calls == [("q8_0", 1, True), *[("q4_1", 1, True)] * (4 * len(q4._layers)),
+    assert calls == [*prompt, ("q8_0", 1, True), *[("q4_1", 1, True)] * (4 * len(q4._layers)),
                      ("q8_0", 1, True)]
 
 

@@ -21,11 +21,6 @@ import torch
 
 SYMBOLS = {torch.bfloat16: "decode_layer_bf16", torch.float32: "decode_layer_q4_1"}
 
-# Q4_1 decode passes of up to this many rows over the x16 blocks (int8 activations, as one row's)
-# rather than the bf16 dense products: on a 2-core Xeon with AMX the x16 product of a layer's
-# projections took 0.4-0.5x the dense one's time at 16 to 256 rows.
-X16_DECODE_MAX_ROWS = 64
-
 _ERRORS = {
     1: "a row length is below 1 or beyond its block table or the rotary tables",
     2: "out of memory for the layer's activations",
@@ -115,10 +110,9 @@ class DecodeLayers:
         # Q4_1 on AVX-512 VNNI: every projection's blocks interleaved (QuantLinear.x16), or none
         self._x16 = int(quantized and all(getattr(p, "x16", None) is not None
                                           for layer in layers for p in layer.packed))
-        # Decode passes of up to this many rows take the products over the blocks: the x16
-        # products beat the bf16 dense ones at any decode pass (X16_DECODE_MAX_ROWS); else the
-        # projections' own bound.
-        self._dense_above = (0 if not quantized else X16_DECODE_MAX_ROWS if self._x16
+        # Passes of up to this many rows take the products over the blocks: any, over x16
+        # blocks (QuantLinear); else the projections' own bound.
+        self._dense_above = (0 if not quantized else sys.maxsize if self._x16
                              else min(p.fused_max_rows for layer in layers for p in layer.packed))
         whole = not quantized or all(d is not None for row in dense for d in row)
         self.max_rows = sys.maxsize if whole else self._dense_above

@@ -181,7 +181,9 @@ class QuantLinear:
     which reads each weight's bytes once (0.625 a weight in Q4_1, 1.06 in Q8_0, against 4 in
     fp32); larger passes (prompt chunks), bound by arithmetic rather than by reading the weight,
     run ``dense_fn(x, dense, bias)`` over the weight's fp32 values (:func:`dequantize` of the
-    same blocks).
+    same blocks). With the x16 products (``x16``: int8 activations on AVX-512 VNNI) every pass
+    runs them: on a 2-core Xeon with AMX they took 0.4-0.5x the bf16 dense product's time from
+    16 to 2,048 rows.
 
     Attributes:
         kind: ``q4_1`` or ``q8_0``.
@@ -217,10 +219,10 @@ class QuantLinear:
                     else None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.fused_max_rows:
-            return self._dense_fn(x, self.dense, self.bias)
-        if self.x16 is not None:
+        if self.x16 is not None:  # any pass: the x16 products beat the dense ones at any size
             return quant_matmul(self._lib, self.kind, x, self.x16, self.bias,
                                 int8_activations=True, x16=True)
+        if x.shape[0] > self.fused_max_rows:
+            return self._dense_fn(x, self.dense, self.bias)
         return quant_matmul(self._lib, self.kind, x, self.blocks, self.bias,
                             int8_activations=self.int8_activations)
