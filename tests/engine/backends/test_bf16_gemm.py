@@ -10,6 +10,7 @@ logits drift by the tolerances below (measured on the default model).
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,6 +84,37 @@ def test_products_are_the_exact_bf16_products_summed_in_fp32(packed_lib, out_fea
     layer = gemm.PackedLinear(packed_lib, w)
     torch.testing.assert_close(layer(x, out_fp32=True).double(), reference(x, w, None),
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 15, 16, 97])
+def test_with_amx_larger_passes_take_onednns_product_the_same_bf16_sums(packed_lib, rows):
+    # On a CPU with AMX, passes of AMX_MIN_ROWS rows or more run F.linear over the plain weight
+    # (oneDNN's AMX tiles): the same exact products summed in fp32 and rounded once.
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text().split() if cpuinfo.exists() else []
+    assert gemm.amx_available() == ({"amx_bf16", "amx_tile"} <= set(flags))
+    gen = torch.Generator().manual_seed(rows)
+    w = (torch.randn(960, 576, generator=gen) / 24).bfloat16()
+    x = torch.randn(rows, 576, generator=gen).bfloat16()
+    bias = torch.randn(960, generator=gen)
+    layer = gemm.PackedLinear(packed_lib, w, bias)
+    assert (layer.weight is not None) == gemm.amx_available()
+    calls = []
+    real = F.linear
+    try:
+        gemm.F.linear = lambda *a: calls.append(a[0].shape[0]) or real(*a)
+        got = layer(x)
+    finally:
+        gemm.F.linear = real
+    assert calls == ([rows] if gemm.amx_available() and rows >= gemm.AMX_MIN_ROWS else [])
+    ref = reference(x, w, bias.bfloat16().float() if calls else bias)  # F.linear's: bf16
+    step = 2.0 ** (torch.floor(torch.log2(ref.abs().clamp_min(1e-30))) - 7)
+    bound = 1e-5 * (x.double().abs() @ w.double().abs().t() + bias.double().abs())
+    # Within a bf16 step of the exact sum (the bias rounded to bf16 on the AMX path: another).
+    assert got.dtype == torch.bfloat16
+    assert ((got.double() - ref).abs() <= 2 * step + bound + 1e-2 * 2.0 ** -7).all()
+    # fp32 out and split inputs stay on the packed kernel.
+    assert layer(x, out_fp32=True).dtype == torch.float32
 
 
 @pytest.mark.parametrize("rows", [1, 4, 33])

@@ -13,12 +13,32 @@ against ``F.linear`` in bf16 (oneDNN) on the default model's projections.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
+import torch.nn.functional as F
 
 from inference.engine.backends import native as native_kernels
 
 TILE = 64  # output features per packed tile (bf16_gemm.c's TILE)
+# On a CPU with AMX, passes of at least this many rows run F.linear over the plain weight
+# (oneDNN's AMX tiles) instead of the packed kernel: on a 2-core Xeon with AMX (family 6 model
+# 167) a pass of the default model's projections took 19.0 against 26.7 ms at 16 rows, 46.6
+# against 270 at 256 (``python -m benchmarks.kernels.bf16_gemm``); at 8 rows they were even.
+AMX_MIN_ROWS = 16
+
+
+@functools.cache
+def amx_available() -> bool:
+    """Whether this CPU has AMX with bf16 tiles (``amx_bf16`` and ``amx_tile`` in
+    ``/proc/cpuinfo``), which oneDNN's bf16 products (``F.linear``) use."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f
+                          if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return {"amx_bf16", "amx_tile"} <= set(flags)
 
 
 def packed_matmul_available(lib: ctypes.CDLL | None) -> bool:
@@ -121,7 +141,8 @@ class PackedLinear:
         out_features, in_features: ``W``'s shape.
     """
 
-    __slots__ = ("_fn", "bias", "in_features", "out_features", "packed")
+    __slots__ = ("_bias_bf16", "_fn", "bias", "in_features", "out_features", "packed",
+                 "weight")
 
     def __init__(self, lib: ctypes.CDLL, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> None:
@@ -141,6 +162,10 @@ class PackedLinear:
                              f"weight {tuple(weight.shape)}")
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self._fn = getattr(lib, native_kernels.GEMM_SYMBOL)
+        # With AMX, the plain weight too (the caller's tensor: no copy), for passes of at least
+        # AMX_MIN_ROWS rows (F.linear, oneDNN's AMX tiles); None elsewhere.
+        self.weight = weight.detach() if amx_available() else None
+        self._bias_bf16 = None if bias is None else bias.detach().to(torch.bfloat16)
 
     def __call__(self, x: torch.Tensor, *, out_fp32: bool = False) -> torch.Tensor:
         """``x [rows, in]`` bf16 (or ``[rows, 2, in]``, see :func:`bf16_packed_matmul`) times
@@ -156,6 +181,9 @@ class PackedLinear:
                              f"{tuple(x.shape)} {x.dtype} on {x.device}")
         x = x.contiguous()
         rows = x.shape[0]
+        if (self.weight is not None and rows >= AMX_MIN_ROWS and x.dim() == 2
+                and not out_fp32):  # fp32 sums rounded once, as the kernel's
+            return F.linear(x, self.weight, self._bias_bf16)
         y = torch.empty(rows, self.out_features,
                         dtype=torch.float32 if out_fp32 else torch.bfloat16)
         rc = self._fn(self.packed.data_ptr(), x.data_ptr(),
