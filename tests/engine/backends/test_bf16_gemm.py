@@ -181,6 +181,12 @@ def test_a_bf16_model_uses_the_packed_kernel_exactly_where_the_cpu_has_it(bf16):
     else:
         assert not NATIVE_BF16 or not HAS_COMPILER
         assert all(layer.packed is None for layer in bf16._layers)
+    # With AMX, prompt attention is PyTorch's over the gathered K/V (oneDNN's AMX products), not
+    # the native prefill kernel; elsewhere the native kernel wherever it is built.
+    from inference.engine.backends.native import prefill as prefill_kernel
+
+    supported = prefill_kernel.supported(bf16._native, bf16.dtype, bf16.head_dim, bf16.group)
+    assert bf16._prefill_kernel_runs == (supported and not gemm.amx_available())
 
 
 @pytest.mark.model
