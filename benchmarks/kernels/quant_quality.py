@@ -7,7 +7,8 @@ through an engine over each (all at once, ``--max-new-tokens`` each, EOS honoure
 the share of identical outputs and, for those that differ, the mean position of the first
 differing token; then the perplexity of both on the bf16 gate's text (teacher forcing: one
 prefill pass with every position's logits, where the quantized model runs its projections dense
-over the blocks' values) and through decode passes of one row, a token at a time (the single
+over the blocks' values, or over the blocks with int8 activations where the kernels have the
+x16 products: AVX-512 VNNI) and through decode passes of one row, a token at a time (the single
 stream's path, where the quantized model's kernels quantize activations to int8 as llama.cpp's
 do), and their ratios. The greedy runs keep at most ``FUSED_MAX_ROWS`` rows in flight, so that
 their decode passes take the same kernels. The gate: both quantized perplexities within 2 % of
@@ -106,8 +107,11 @@ def run(max_new_tokens: int, prompts: int) -> dict[str, Any]:
     ppl: dict[str, float] = {}
     decode_ppl: dict[str, float] = {}
     seconds: dict[str, float] = {}
+    x16 = False
     for name, quantization in (("fp32", ""), ("q4_1", "q4_1")):
         model = backend(quantization)
+        if quantization:  # every pass over the x16 products (AVX-512 VNNI), prompts included
+            x16 = all(p.x16 is not None for layer in model._layers for p in layer.packed)
         started = time.perf_counter()
         outputs[name] = greedy_all(model, PROMPTS[:prompts], max_new_tokens)
         seconds[name] = time.perf_counter() - started
@@ -132,7 +136,7 @@ def run(max_new_tokens: int, prompts: int) -> dict[str, Any]:
             "decode_perplexity": decode_ppl, "decode_perplexity_ratio": decode_ratio,
             "gate": {"max_ratio": GATE_PPL_RATIO,
                      "passed": max(ratio, decode_ratio) <= GATE_PPL_RATIO},
-            "seconds": seconds}
+            "x16": x16, "seconds": seconds}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{report['mean_first_difference']}")
     print(f"perplexity fp32 {report['perplexity']['fp32']:.4f}, q4_1 "
           f"{report['perplexity']['q4_1']:.4f}: ratio {report['perplexity_ratio']:.5f} "
-          f"(prefill: one pass, dense)")
+          f"(prefill: one pass{', int8 activations' if report.get('x16') else ', dense'})")
     print(f"perplexity fp32 {report['decode_perplexity']['fp32']:.4f}, q4_1 "
           f"{report['decode_perplexity']['q4_1']:.4f}: ratio "
           f"{report['decode_perplexity_ratio']:.5f} (decode: a token a pass, int8 activations)")

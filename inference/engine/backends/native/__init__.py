@@ -8,16 +8,15 @@ to fp32 exactly and accumulated in fp32); and
 bf16 weight (half the bytes of an fp32 copy); and the projections of a bf16 model over weights
 packed at load time (``bf16_gemm.c``, called through :mod:`inference.engine.backends.native.gemm`)
 and its prefill attention read from the paged pool (``prefill_attention.c``, through
-:mod:`inference.engine.backends.native.prefill`), and products over 4-bit weights as GGUF
-files store them (``quant.c``: Q4_1 and Q8_0, through
-:mod:`inference.engine.backends.native.quant`).
+:mod:`inference.engine.backends.native.prefill`), and products over 4-bit weights as GGUF files
+store them (``quant.c``: Q4_1 and Q8_0, through :mod:`inference.engine.backends.native.quant`).
 
 The C sources are compiled with the system C compiler (``$CC``, else ``cc`` or ``gcc``) for this
 CPU (:data:`CFLAGS`: ``-O3 -march=native -ffast-math -fopenmp``; linked without ``-ffast-math``,
 whose start-up code would flush subnormals to zero for the whole process) into a shared library
 cached under ``<repo>/.cache/kernels`` (the caller may name another folder: the worker's
-``LLM_KERNEL_DIR``, ``EngineConfig.llm_kernel_dir``). The cache entry is keyed
-by the source, the flags, the compiler and the CPU (model and feature flags), and holds a SHA-256
+``LLM_KERNEL_DIR``, ``EngineConfig.llm_kernel_dir``). The cache entry is keyed by the source,
+the flags, the compiler and the CPU (model and feature flags), and holds a SHA-256
 of the built file that is checked before every load, so a truncated or altered file is rebuilt
 instead of mapped. The build takes a fraction of a second; the transformers backend runs it when
 it is created, before serving. Where no compiler is present, the build fails or times out
@@ -223,22 +222,16 @@ def _build_and_load(folder: Path) -> ctypes.CDLL | None:
 
 
 def declare_quant(lib: ctypes.CDLL) -> None:
-    """The argument types of ``quant.c``'s symbols on ``lib``."""
+    """The argument types of ``quant.c``'s symbols on ``lib`` (x16: AVX-512 VNNI's layout)."""
+    ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    pack, matmul = [ptr] * 2 + [i64] * 2, [ptr] * 4 + [i64] * 3 + [c_int]
     for kind in ("q4_1", "q8_0"):
-        matmul, dequantize = getattr(lib, f"{kind}_matmul"), getattr(lib, f"{kind}_dequantize")
-        q8 = getattr(lib, f"{kind}_q8_matmul")  # int8 activations
-        matmul.restype = dequantize.restype = q8.restype = ctypes.c_int
-        q8.argtypes = matmul.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [
-            ctypes.c_int]
-        dequantize.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
-    for kind in ("q4_1", "q8_0"):  # the x16 layout (AVX-512 VNNI)
-        pack, x16 = getattr(lib, f"{kind}_x16_pack"), getattr(lib, f"{kind}_x16_q8_matmul")
-        pack.restype = x16.restype = ctypes.c_int
-        x16.argtypes = lib.q4_1_q8_matmul.argtypes
-        pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+        for name, args in (("matmul", matmul), ("q8_matmul", matmul), ("x16_q8_matmul", matmul),
+                           ("x16_pack", pack), ("dequantize", [*pack, c_int])):
+            getattr(lib, f"{kind}_{name}").restype = c_int
+            getattr(lib, f"{kind}_{name}").argtypes = args
     for flag in ("q4_1_simd", "q4_1_x16_available"):
-        getattr(lib, flag).restype = ctypes.c_int
-        getattr(lib, flag).argtypes = []
+        getattr(lib, flag).restype, getattr(lib, flag).argtypes = c_int, []
 
 
 def _looks_built(path: Path) -> bool:
