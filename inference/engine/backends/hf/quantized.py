@@ -141,8 +141,10 @@ def load_q4_1(backend: Any, gguf_path: str | Path) -> None:
     backend._lm_head_q = _q8_0_head(backend, tensors, gguf_path)
     backend.quantization = "q4_1"
     backend._build_decode_layers()
-    logger.info("projections over Q4_1 weights from %s (%d layers; up to %d rows fused)",
-                gguf_path, len(backend._layers), FUSED_MAX_ROWS)
+    x16 = all(p.x16 is not None for layer in backend._layers for p in layer.packed)
+    logger.info("projections over Q4_1 weights from %s (%d layers; %s)", gguf_path,
+                len(backend._layers), "every pass over the x16 blocks (AVX-512 VNNI)" if x16
+                else f"up to {FUSED_MAX_ROWS} rows fused")
 
 
 def _dense_product(lib: Any, values: torch.Tensor, bias: torch.Tensor | None, *,
