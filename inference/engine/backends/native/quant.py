@@ -35,24 +35,26 @@ _ERRORS = {1: "a size below 1, or in_features not a multiple of 32 (x16: out_fea
            4: "the library was built without AVX-512 VNNI (x16)"}
 
 
-def _check(kind: str, weight: torch.Tensor, in_features: int) -> int:
-    """``out_features`` of a ``kind`` ``weight`` of ``in_features`` inputs.
+def _check(kind: str, weight: torch.Tensor, in_features: int, *, x16: bool = False) -> int:
+    """``out_features`` of a ``kind`` ``weight`` of ``in_features`` inputs (``x16``: in
+    :func:`pack_x16`'s layout, 16 features a row).
 
     Raises:
         ValueError: an unknown ``kind``; ``weight`` is not a contiguous 2-d uint8 CPU tensor of
-            ``in / 32`` blocks a row; or ``in_features`` is not a positive multiple of 32.
+            ``in / 32`` blocks (or x16 records) a row; or ``in_features`` is not a positive
+            multiple of 32.
     """
     if kind not in BLOCK_BYTES:
         raise ValueError(f"unknown quantization {kind!r}; choose from {', '.join(BLOCK_BYTES)}")
     if in_features < QK or in_features % QK:
         raise ValueError(f"{kind}: in_features {in_features} is not a positive multiple of {QK}")
-    want = in_features // QK * BLOCK_BYTES[kind]
+    want = in_features // QK * (X16_RECORD if x16 else BLOCK_BYTES)[kind]
     if (weight.dtype != torch.uint8 or weight.dim() != 2 or weight.shape[1] != want
             or weight.device.type != "cpu" or not weight.is_contiguous()):
-        raise ValueError(f"{kind}: the weight must be a contiguous [out, {want}] uint8 CPU "
-                         f"tensor for {in_features} inputs, not {tuple(weight.shape)} "
-                         f"{weight.dtype}")
-    return weight.shape[0]
+        raise ValueError(f"{kind}{' x16' if x16 else ''}: the weight must be a contiguous "
+                         f"[{'out / 16' if x16 else 'out'}, {want}] uint8 CPU tensor for "
+                         f"{in_features} inputs, not {tuple(weight.shape)} {weight.dtype}")
+    return weight.shape[0] * (16 if x16 else 1)
 
 
 def _threads(threads: int) -> int:
@@ -87,12 +89,9 @@ def quant_matmul(lib: ctypes.CDLL, kind: str, x: torch.Tensor, weight: torch.Ten
     if x.dim() != 2 or x.shape[0] < 1:
         raise ValueError(f"{kind}: x must be [rows, in] with rows >= 1, not {tuple(x.shape)}")
     rows, in_features = x.shape
-    if x16:
-        if not int8_activations:
-            raise ValueError("x16: int8 activations only")
-        out_features = _check_x16(kind, weight, in_features)
-    else:
-        out_features = _check(kind, weight, in_features)
+    if x16 and not int8_activations:
+        raise ValueError("x16: int8 activations only")
+    out_features = _check(kind, weight, in_features, x16=x16)
     x = x.detach().to(torch.float32).contiguous()
     b = None if bias is None else bias.detach().to(torch.float32).contiguous()
     if b is not None and b.shape != (out_features,):
@@ -153,20 +152,6 @@ def pack_x16(lib: ctypes.CDLL, kind: str, weight: torch.Tensor,
                                         in_features):
         raise ValueError(f"{kind} x16: cannot pack [{out_features}, {in_features}]")
     return out
-
-
-def _check_x16(kind: str, weight: torch.Tensor, in_features: int) -> int:
-    """``out_features`` of a :func:`pack_x16` ``weight``."""
-    if kind not in X16_RECORD:
-        raise ValueError(f"unknown quantization {kind!r}; choose from {', '.join(X16_RECORD)}")
-    if in_features < QK or in_features % QK:
-        raise ValueError(f"{kind}: in_features {in_features} is not a positive multiple of {QK}")
-    want = in_features // QK * X16_RECORD[kind]
-    if (weight.dtype != torch.uint8 or weight.dim() != 2 or weight.shape[1] != want
-            or not weight.is_contiguous()):
-        raise ValueError(f"{kind} x16: the weight must be a contiguous [out / 16, {want}] uint8 "
-                         f"tensor, not {tuple(weight.shape)} {weight.dtype}")
-    return weight.shape[0] * 16
 
 
 def simd(lib: ctypes.CDLL) -> bool:
