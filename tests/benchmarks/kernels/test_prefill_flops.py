@@ -68,3 +68,21 @@ def test_bad_flags_are_argparse_errors(argv, message, capsys):
         prefill_flops.main(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_report_gives_the_bf16_engine_verdict_and_the_pytorch_layers_pass():
+    def path(share: float) -> dict:
+        return {"seconds": 1.0, "tokens_per_s": 1024.0, "gflops": 300.0,
+                "share_of_square_peak": share, "share_of_projection_peak": share,
+                "prefill_mode": "mixed_batch", "prefill_chunk_size": 256}
+
+    peaks = {"square": {"size": 2048, "gflops": 400.0},
+             "projections": {"rows": 1024, "gflops": 400.0, "shapes": {}}}
+    for engine_share, verdict in ((0.78, "PASS"), (0.74, "MISS")):
+        result = {"dtype": "bfloat16", "tokens": 1024, "flops": flops(TINY, 3), "peaks": peaks,
+                  "paths": {"backend": path(0.85), "backend_torch_layers": path(0.7),
+                            "engine": path(engine_share)}}
+        text = prefill_flops.format_report([result])
+        assert "same, PyTorch layers" in text
+        assert (f"bf16 through the engine: {engine_share:.0%} of the projections' peak "
+                f"(target >= 75%): {verdict}") in text

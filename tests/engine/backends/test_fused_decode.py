@@ -120,7 +120,12 @@ def test_projection_biases_and_a_single_kv_head_through_the_fused_pass():
         b._native, b._layers, n_heads=b.num_heads, kv_heads=b.num_kv_heads,
         head_dim=b.head_dim, scale=b.scale, cos=b._cos, sin=b._sin)
     b.allocate_kv_pool(16, 16)
-    b.prefill([PrefillChunk("r", list(range(5, 45)), 0, [0, 1, 2])])
+    chunks = [PrefillChunk("r", list(range(5, 45)), 0, [0, 1, 2]),
+              PrefillChunk("s", list(range(50, 60)), 0, [3])]
+    b.fused_prefill = False
+    plain_prefill = b.prefill(chunks)
+    b.fused_prefill = True
+    torch.testing.assert_close(b.prefill(chunks), plain_prefill, atol=0.05, rtol=0.02)
     kv0 = b._kv.clone()
     rows = [DecodeRow("r", 7, 40, [0, 1, 2])]
     fused = b.decode(rows)
@@ -208,3 +213,91 @@ def test_q4_1_decode_passes_through_one_call_per_layer_match_the_layer_by_layer_
     stats = f"max {diff.max().item():.4f}, mean {diff.mean().item():.5f}"
     assert diff.max().item() < PLAIN_MAX_ABS and diff.mean().item() < PLAIN_MEAN_ABS, stats
     assert_argmax_agrees_except_near_ties(plain, wide, "q4_1 12 rows fused vs per layer")
+
+
+# ----------------------------------------------------------------- passes with prompt chunks
+
+
+def chunked_run(b: TransformersBackend, corpus_ids: list[int], *, fused: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Logits of three passes (prompt chunks of four rows at offsets, then a mixed pass of a
+    chunk and two decode rows), the KV pool afterwards, and how many layers ran one call each."""
+    b.allocate_kv_pool(130, 16)
+    tables = {r: list(range(1 + 25 * r, 26 + 25 * r)) for r in range(4)}
+    calls = 0
+    run_pass = b._decode_layers.run_pass
+
+    def counted(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        return run_pass(*args, **kwargs)
+
+    def chunk(r: int, start: int, end: int) -> PrefillChunk:
+        return PrefillChunk(f"r{r}", corpus_ids[r * 60 + start:r * 60 + end], start, tables[r])
+
+    b._decode_layers.run_pass = counted
+    b.fused_prefill = fused
+    try:
+        out = [b.prefill([chunk(0, 0, 100), chunk(1, 0, 37), chunk(2, 0, 200)]),
+               b.prefill([chunk(0, 100, 180), chunk(2, 200, 301), chunk(3, 0, 1)]),
+               b.prefill_and_decode(
+                   [chunk(1, 37, 90)],
+                   [DecodeRow("r0", corpus_ids[180], 180, tables[0]),
+                    DecodeRow("r2", corpus_ids[120 + 301], 301, tables[2])])]
+    finally:
+        b.fused_prefill = True
+        del b._decode_layers.run_pass
+    assert b._kv is not None
+    return torch.cat(out), b._kv.clone(), calls
+
+
+@pytest.mark.model
+def test_prompt_chunks_and_mixed_passes_through_one_call_per_layer_match_the_pytorch_pass(
+        bf16, corpus_ids):
+    if not bf16._prefill_kernel_runs:
+        pytest.skip("the native prefill attention kernel does not run here (AMX takes PyTorch's)")
+    fused_logits, fused_kv, calls = chunked_run(bf16, corpus_ids, fused=True)
+    torch_logits, torch_kv, none = chunked_run(bf16, corpus_ids, fused=False)
+    assert calls == 3 * len(bf16._layers) and none == 0
+    assert fused_logits.shape == (9, bf16.vocab_size)
+    same = (fused_kv[0] == torch_kv[0]).float().mean().item()
+    assert same > 0.999, f"layer 0's K/V equal in {same:.4%} of elements"
+    diff = (fused_logits - torch_logits).abs()
+    stats = f"max {diff.max().item():.3f}, mean {diff.mean().item():.3f}"
+    assert diff.max().item() < PLAIN_MAX_ABS, stats
+    assert diff.mean().item() < PLAIN_MEAN_ABS, stats
+    assert_argmax_agrees_except_near_ties(torch_logits, fused_logits, "fused vs PyTorch prefill")
+
+
+@pytest.mark.model
+def test_a_pass_with_a_slot_or_position_out_of_range_is_refused_before_anything_is_written(
+        bf16, corpus_ids):
+    if not bf16._prefill_kernel_runs:
+        pytest.skip("the native prefill attention kernel does not run here")
+    bf16.allocate_kv_pool(8, 16)
+    assert bf16._kv is not None
+    before = bf16._kv.clone()
+    with pytest.raises(ValueError, match="outside the pool"):
+        bf16.prefill([PrefillChunk("r", corpus_ids[:20], 0, [1, 99])])
+    assert torch.equal(bf16._kv, before)
+    layers = bf16._decode_layers
+    hidden = bf16._layers[0].ln1_w.shape[0]
+    h = torch.randn(2, hidden).bfloat16()
+    h_before = h.clone()
+    prefill = (torch.tensor([[1]]), torch.tensor([0, 2]), torch.tensor([0]))
+    for positions, slots, match in (([0, 1], [16, 8 * 16], "outside the pool"),
+                                    ([0, bf16.max_model_len], [16, 17], "rotary"),
+                                    ([-1, 0], [16, 17], "rotary")):
+        described = layers.begin_pass(torch.tensor(positions), torch.tensor(slots), prefill, None)
+        with pytest.raises(ValueError, match=match):
+            layers.run_pass(0, h, described)
+        assert torch.equal(bf16._kv, before) and torch.equal(h, h_before)
+    described = layers.begin_pass(torch.tensor([0, 1]), torch.tensor([16, 17]), prefill, None)
+    with pytest.raises(ValueError, match="h must be"):
+        layers.run_pass(0, h[:1].contiguous(), described)
+    with pytest.raises(ValueError, match="int64"):
+        layers.begin_pass(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([16, 17]),
+                          prefill, None)
+    # The engine keeps serving: a good chunk after the refusals.
+    logits = bf16.prefill([PrefillChunk("r", corpus_ids[:20], 0, [1, 2])])
+    assert logits.shape == (1, bf16.vocab_size) and torch.isfinite(logits).all()

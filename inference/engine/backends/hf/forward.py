@@ -70,6 +70,27 @@ def _linear_cpu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tor
     return out.t()[:m].contiguous()
 
 
+def _describe_pass(fused: Any, b: _Batch) -> Any:
+    """``fused.begin_pass`` of batch ``b`` when its layers can run one native call each: a bf16
+    model, its prompt chunks' attention by the native prefill kernel (a first part with
+    ``row_offsets``), and any decode rows' by the native decode kernel (a last part with
+    ``tables`` and ``lengths``); else None."""
+    if fused.dtype != torch.bfloat16 or not b.parts or b.parts[0].row_offsets is None:
+        return None
+    first, rest = b.parts[0], b.parts[1:]
+    if first.tables is None or first.row_positions is None or len(rest) > 1:
+        return None
+    decode = None
+    if rest:
+        last = rest[0]
+        if last.tables is None or last.lengths is None or last.row_offsets is not None:
+            return None
+        decode = (last.tables, last.lengths)
+    tokens = b.tokens.shape[0]
+    return fused.begin_pass(b.positions, b.write_index[:tokens],
+                            (first.tables, first.row_offsets, first.row_positions), decode)
+
+
 class _Forward:
     """The forward pass of :class:`~inference.engine.backends.hf.backend.TransformersBackend`.
 
@@ -106,6 +127,9 @@ class _Forward:
     _lm_head_q: Any = None
     yield_check: Callable[[], bool] | None = None  # ModelBackend's: asked before each layer
     fused_decode: bool = False  # decode passes through _decode_layers (native.decode)
+    # bf16 passes with prompt chunks (and decode rows) one native call per layer, where the
+    # prefill attention kernel runs them (native.decode.DecodeLayers.run_pass)
+    fused_prefill: bool = True
     _decode_layers: Any = None
 
     def _forward(self, b: _Batch) -> torch.Tensor:
@@ -141,6 +165,20 @@ class _Forward:
                 if give_way is not None and give_way():
                     raise PassYielded(f"stopped before layer {i}")
                 fused(i, h, part.tables, part.lengths, native_lora)
+            return self._logits(h.index_select(0, b.logit_index), linear)
+
+        described = None
+        if (fused is not None and packed_gemm and self.fused_prefill
+                and fused.dtype == torch.bfloat16 and (not lora or native_lora is not None)):
+            if fused.pool is not kv_all:
+                fused.bind(kv_all)
+            described = _describe_pass(fused, b)
+        if described is not None:
+            # Prompt chunks (then decode rows): one native call per layer.
+            for i in range(len(self._layers)):
+                if give_way is not None and give_way():
+                    raise PassYielded(f"stopped before layer {i}")
+                fused.run_pass(i, h, described, native_lora)
             return self._logits(h.index_select(0, b.logit_index), linear)
 
         cos = self._cos[b.positions][:, None, :]  # [N, 1, D]

@@ -22,7 +22,8 @@ import torch
 SYMBOLS = {torch.bfloat16: "decode_layer_bf16", torch.float32: "decode_layer_q4_1"}
 
 _ERRORS = {
-    1: "a row length is below 1 or beyond its block table or the rotary tables",
+    1: "a row length below 1, a length or position beyond its block table or the rotary "
+       "tables, or a slot outside the pool",
     2: "out of memory for the layer's activations",
     3: "a block table names a block outside the pool",
     4: "a model size the kernels do not take",
@@ -44,13 +45,28 @@ class _DimsT(ctypes.Structure):
         ("scale", ctypes.c_double)]
 
 
+class _PassT(ctypes.Structure):
+    _fields_ = [("tokens", ctypes.c_int64), ("positions", ctypes.c_void_p),
+                ("slots", ctypes.c_void_p), ("p_rows", ctypes.c_int64),
+                ("p_max_blocks", ctypes.c_int64), ("p_tables", ctypes.c_void_p),
+                ("p_token_start", ctypes.c_void_p), ("p_pos_start", ctypes.c_void_p),
+                ("d_rows", ctypes.c_int64), ("d_max_blocks", ctypes.c_int64),
+                ("d_tables", ctypes.c_void_p), ("d_lens", ctypes.c_void_p),
+                ("work", ctypes.c_void_p)]
+
+
 def declare(lib: ctypes.CDLL) -> None:
-    """The argument types of ``decode_layer.c``'s symbol on ``lib``."""
+    """The argument types of ``decode_layer.c``'s symbols on ``lib``."""
     for symbol in SYMBOLS.values():
         fn = getattr(lib, symbol)
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 3 + [ctypes.c_void_p,
                                                                       ctypes.c_int64]
+    lib.pass_layer_bf16.restype = ctypes.c_int
+    lib.pass_layer_bf16.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64, ctypes.c_void_p,
+                                                            ctypes.c_int64]
+    lib.pass_layer_bf16_work.restype = ctypes.c_int64
+    lib.pass_layer_bf16_work.argtypes = [ctypes.c_void_p, ctypes.c_int64]
 
 
 def supported(lib: Any, dtype: torch.dtype, layers: Sequence[Any], activation: Any,
@@ -122,6 +138,9 @@ class DecodeLayers:
                              f"{self.dtype}, got {tuple(cos.shape)} {cos.dtype}")
         declare(lib)
         self._fn = getattr(lib, SYMBOLS[self.dtype])
+        self._lib, self._fn_work = lib, lib.pass_layer_bf16_work
+        self._work: torch.Tensor | None = None  # run_pass's scratch, kept between passes
+        self._pass_keep: list[torch.Tensor] = []
         self._cos, self._sin = cos.contiguous(), sin.contiguous()
         self._keep: list[torch.Tensor] = []
         self._layers: list[_LayerT] = []
@@ -212,6 +231,72 @@ class DecodeLayers:
                       self._cos.data_ptr(), self._sin.data_ptr(), tables.data_ptr(),
                       lens.data_ptr(), tables.shape[1], h.shape[0], torch.get_num_threads(),
                       lora, i)
+        if rc == 2:
+            raise MemoryError(f"decode layers: {_ERRORS[2]}")
+        if rc:
+            raise ValueError(f"decode layers: {_ERRORS.get(rc, f'error {rc}')}")
+
+    def begin_pass(self, positions: torch.Tensor, slots: torch.Tensor,
+                   prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+                   decode: tuple[torch.Tensor, torch.Tensor] | None) -> _PassT:
+        """Describe a bf16 pass of prompt chunks then decode rows for :meth:`run_pass`.
+
+        Args:
+            positions, slots: ``[tokens]`` int64, each new token's position in its row and its
+                KV slot (``block id * block_size + offset``); the prefill rows' tokens first.
+            prefill: None, or the prompt chunks' ``(tables [rows, max_blocks], token_start
+                [rows + 1], pos_start [rows])`` int64 (as
+                :func:`~inference.engine.backends.native.prefill.prefill_attention` takes them).
+            decode: None, or the decode rows' ``(tables [rows, max_blocks], lens [rows])``
+                int64, one token each, the pass's last.
+
+        Raises:
+            ValueError: for a model over Q4_1 projections (fp32 activations), before
+                :meth:`bind`, or index tensors of another dtype or layout.
+        """
+        if self.dtype != torch.bfloat16 or self._dims_t is None:
+            raise ValueError("decode layers: passes of prompt chunks run a bound bf16 model only")
+        tensors = [positions, slots, *(prefill or ()), *(decode or ())]
+        if any(t.dtype != torch.int64 or not t.is_contiguous() for t in tensors):
+            raise ValueError("decode layers: a pass's index tensors must be contiguous int64")
+        tokens = positions.shape[0]
+        work = int(self._fn_work(ctypes.byref(self._dims_t), tokens))
+        if self._work is None or self._work.numel() < work:
+            self._work = torch.empty(work, dtype=torch.uint8)
+        p_tables, p_start, p_pos = prefill or (None, None, None)
+        d_tables, d_lens = decode or (None, None)
+        self._pass_keep = tensors
+
+        def ptr(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
+        return _PassT(tokens, ptr(positions), ptr(slots),
+                      0 if p_tables is None else p_tables.shape[0],
+                      0 if p_tables is None else p_tables.shape[1], ptr(p_tables), ptr(p_start),
+                      ptr(p_pos), 0 if d_tables is None else d_tables.shape[0],
+                      0 if d_tables is None else d_tables.shape[1], ptr(d_tables),
+                      ptr(d_lens), self._work.data_ptr())
+
+    def run_pass(self, i: int, h: torch.Tensor, described: _PassT, lora: Any = None) -> None:
+        """Run layer ``i`` of the pass :meth:`begin_pass` described over ``h [tokens, hidden]``
+        bf16 (contiguous; overwritten with the layer's output); ``lora`` as in
+        :meth:`__call__`, per token.
+
+        Raises:
+            ValueError: for ``h`` of another shape, dtype or layout (checked at layer 0), a
+                position or slot outside the rotary tables or the pool, a block id outside the
+                pool, or unsupported sizes.
+            MemoryError: if the attention kernels cannot allocate their buffers.
+        """
+        if i == 0 and (h.dtype != self.dtype or h.dim() != 2 or not h.is_contiguous()
+                       or h.shape != (described.tokens, self._hidden)):
+            raise ValueError(f"decode layers: h must be a contiguous [{described.tokens}, "
+                             f"{self._hidden}] {self.dtype} tensor, got {tuple(h.shape)} "
+                             f"{h.dtype}")
+        rc = self._lib.pass_layer_bf16(
+            ctypes.byref(self._layers[i]), ctypes.byref(self._dims_t), h.data_ptr(),
+            self._cos.data_ptr(), self._sin.data_ptr(), ctypes.byref(described),
+            torch.get_num_threads(), lora, i)
         if rc == 2:
             raise MemoryError(f"decode layers: {_ERRORS[2]}")
         if rc:

@@ -364,3 +364,242 @@ done:
     free(xb);
     return rc;
 }
+
+/* ------------------------------------------------------------------ prefill and mixed passes
+ *
+ *   pass_layer_bf16(layer, dims, h, cos, sin, pass, threads, lora, layer_index)
+ *
+ * One layer of any pass of a bf16 model, in one call: prompt chunks (their attention by
+ * prefill_attention_bf16, prefill_attention.c) followed by decode rows (paged_decode_attention_bf16),
+ * pass_t below. The steps and roundings are decode_layer_bf16's; the elementwise steps run on
+ * AVX-512 over all the pass's tokens, split over the threads, and SiLU's exp is Cephes' expf
+ * polynomial (within 2 ulp of fp32 exp; the bf16 result it rounds to rarely differs). A prompt
+ * chunk's some thirty PyTorch operations a layer took about a fifth of its pass in bf16.
+ *
+ * Return codes: decode_layer_bf16's; 1 also for a position past the rotary tables or a slot
+ * outside the pool, checked before anything is written.
+ */
+typedef struct {
+    int64_t tokens;            /* the pass's new tokens: the prefill rows', then one per decode row */
+    const int64_t *positions;  /* [tokens] each token's position in its row */
+    const int64_t *slots;      /* [tokens] each token's KV slot: block id * block_size + offset */
+    int64_t p_rows, p_max_blocks;  /* prefill rows: prefill_attention_bf16's arguments */
+    const int64_t *p_tables, *p_token_start, *p_pos_start;
+    int64_t d_rows, d_max_blocks;  /* decode rows, the last d_rows tokens */
+    const int64_t *d_tables, *d_lens;
+    void *work;                /* pass_layer_bf16_work(dims, tokens) bytes of scratch */
+} pass_t;
+
+static int64_t pass_widths(const dims_t *M)
+{
+    const int64_t H = M->hidden, NHD = M->n_heads * M->head_dim, I = M->intermediate;
+    return 2 * H + (M->n_heads + 2 * M->kv_heads) * M->head_dim + 2 * NHD + 3 * I;
+}
+
+int64_t pass_layer_bf16_work(const dims_t *M, int64_t tokens)
+{
+    return (int64_t)sizeof(uint16_t) * tokens * pass_widths(M);
+}
+
+int prefill_attention_bf16(const uint16_t *q, const uint16_t *pool, const int64_t *tables,
+                           const int64_t *token_start, const int64_t *pos_start, uint16_t *out,
+                           int64_t rows, int64_t kv_heads, int64_t group, int64_t head_dim,
+                           int64_t num_blocks, int64_t block_size, int64_t max_blocks,
+                           float scale, int64_t threads);
+
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+
+static inline __m512 load16(const uint16_t *p)
+{
+    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+}
+
+static inline void store16(uint16_t *p, __m512 v)
+{
+    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+/* v rounded to bf16 (nearest even) and widened back */
+static inline __m512 round16(__m512 v)
+{
+    const __m512i b = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
+}
+
+/* exp(x): Cephes' expf (range reduction by ln 2 in two parts, a degree-6 polynomial), scaled by
+ * 2^n with VSCALEFPS: an overflow gives inf, an underflow 0 */
+static inline __m512 exp16(__m512 x)
+{
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(104.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Row r of [rows][n]: h = bf16(h + d) when d is given; y = RMSNorm(h) as rms_norm() above */
+static void add_rms_norm_rows(uint16_t *h, const uint16_t *d, const uint16_t *w, uint16_t *y,
+                              int64_t rows, int64_t n, double eps, int threads)
+{
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t *hr = h + r * n, *yr = y + r * n;
+        __m512 acc = _mm512_setzero_ps();
+        float sum = 0.0f;
+        int64_t i = 0;
+        for (; i + 16 <= n; i += 16) {
+            __m512 v = load16(hr + i);
+            if (d) {
+                v = round16(_mm512_add_ps(v, load16(d + r * n + i)));
+                store16(hr + i, v);
+            }
+            acc = _mm512_fmadd_ps(v, v, acc);
+        }
+        for (; i < n; i++) {
+            if (d) hr[i] = to_bf16(to_f32(hr[i]) + to_f32(d[r * n + i]));
+            const float v = to_f32(hr[i]);
+            sum += v * v;
+        }
+        sum += _mm512_reduce_add_ps(acc);
+        const float inv = (float)(1.0 / sqrt((double)(sum / (float)n) + (double)(float)eps));
+        const __m512 vinv = _mm512_set1_ps(inv);
+        for (i = 0; i + 16 <= n; i += 16)
+            store16(yr + i, _mm512_mul_ps(_mm512_mul_ps(load16(hr + i), vinv), load16(w + i)));
+        for (; i < n; i++) yr[i] = to_bf16(to_f32(hr[i]) * inv * to_f32(w[i]));
+    }
+}
+
+/* act [rows][I] = bf16(bf16(SiLU(gate)) * up), gu [rows][2 I] holding gate then up */
+static void silu_mul_rows(const uint16_t *gu, uint16_t *act, int64_t rows, int64_t I, int threads)
+{
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = gu + r * 2 * I, *u = g + I;
+        uint16_t *a = act + r * I;
+        int64_t i = 0;
+        for (; i + 16 <= I; i += 16) {
+            const __m512 x = load16(g + i);
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+            const __m512 s = round16(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+            store16(a + i, _mm512_mul_ps(s, load16(u + i)));
+        }
+        for (; i < I; i++) {
+            const float x = to_f32(g[i]);
+            a[i] = to_bf16(to_f32(to_bf16(x / (1.0f + expf(-x)))) * to_f32(u[i]));
+        }
+    }
+}
+
+/* rotate() above on AVX-512, for a head size that is a multiple of 32 */
+static void rotate16(uint16_t *x, int64_t heads, int64_t D, const uint16_t *cos,
+                     const uint16_t *sin)
+{
+    const int64_t half = D / 2;
+    for (int64_t hd = 0; hd < heads; hd++) {
+        uint16_t *lo = x + hd * D, *hi = lo + half;
+        for (int64_t d = 0; d < half; d += 16) {
+            const __m512 a = load16(lo + d), b = load16(hi + d);
+            /* lo: a cos - b sin (the sign of b sin is exact); hi: b cos + a sin */
+            const __m512 rb = _mm512_add_ps(round16(_mm512_mul_ps(b, load16(cos + half + d))),
+                                            round16(_mm512_mul_ps(a, load16(sin + half + d))));
+            store16(lo + d, _mm512_sub_ps(round16(_mm512_mul_ps(a, load16(cos + d))),
+                                          round16(_mm512_mul_ps(b, load16(sin + d)))));
+            store16(hi + d, rb);
+        }
+    }
+}
+#endif
+
+int pass_layer_bf16(const layer_t *L, const dims_t *M, uint16_t *h, const uint16_t *cos,
+                    const uint16_t *sin, const pass_t *P, int64_t threads,
+                    const lora_proj_t *const *lora, int64_t layer)
+{
+#ifndef __AVX512BF16__
+    (void)L; (void)M; (void)h; (void)cos; (void)sin; (void)P; (void)threads; (void)lora;
+    (void)layer;
+    return 5;
+#else
+    const int64_t N = P->tokens;
+    if (N == 0) return 0;
+    if (!bf16_packed_matmul_available()) return 5;
+    const int64_t H = M->hidden, NH = M->n_heads, KV = M->kv_heads, D = M->head_dim;
+    const int64_t I = M->intermediate, bs = M->block_size, nb = M->num_blocks;
+    const int64_t qkv_w = (NH + 2 * KV) * D, nhd = NH * D;
+    if (H % 64 != 0 || qkv_w % 64 != 0 || nhd % 2 != 0 || (2 * I) % 64 != 0 || I % 2 != 0
+        || D < 2 || D % 2 != 0 || D > 1024 || KV < 1 || NH % KV != 0 || bs < 1)
+        return 4;
+    const int64_t p_tokens = P->p_rows ? P->p_token_start[P->p_rows] : 0;
+    if (P->p_rows < 0 || P->d_rows < 0 || p_tokens < 0 || p_tokens + P->d_rows != N)
+        return 1;
+    for (int64_t t = 0; t < N; t++)
+        if (P->positions[t] < 0 || P->positions[t] >= M->max_positions || P->slots[t] < 0
+            || P->slots[t] >= nb * bs)
+            return 1;
+    const int nt = threads < 1 ? 1 : (int)threads;
+    uint16_t *x = (uint16_t *)P->work, *d = x + N * H, *qkv = d + N * H, *q = qkv + N * qkv_w;
+    uint16_t *o = q + N * nhd, *gu = o + N * nhd, *act = gu + N * 2 * I;
+    int rc;
+
+    add_rms_norm_rows(h, NULL, (const uint16_t *)L->ln1_w, x, N, H, L->eps1, nt);
+    rc = bf16_packed_matmul((const uint16_t *)L->w_qkv, x, L->b_qkv, qkv, N, 1, qkv_w, H, 0, nt);
+    if (rc) return rc == 3 ? 5 : 4;
+    if (lora && (rc = lora_add_bf16(lora, layer, 0, x, H, qkv, qkv_w, N, nt))) return rc;
+    const int64_t head_stride = nb * bs * D;
+    uint16_t *pool = (uint16_t *)L->pool;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t t = 0; t < N; t++) {
+        uint16_t *row = qkv + t * qkv_w;
+        const int64_t pos = P->positions[t];
+        if (D % 32 == 0)
+            rotate16(row, NH + KV, D, cos + pos * D, sin + pos * D);
+        else
+            rotate(row, NH + KV, D, cos + pos * D, sin + pos * D);
+        memcpy(q + t * nhd, row, sizeof(uint16_t) * (size_t)nhd);
+        for (int64_t j = 0; j < 2 * KV; j++)  /* K heads, then V heads */
+            memcpy(pool + j * head_stride + P->slots[t] * D, row + (NH + j) * D,
+                   sizeof(uint16_t) * (size_t)D);
+    }
+    if (P->p_rows) {
+        rc = prefill_attention_bf16(q, pool, P->p_tables, P->p_token_start, P->p_pos_start, o,
+                                    P->p_rows, KV, NH / KV, D, nb, bs, P->p_max_blocks,
+                                    (float)M->scale, nt);
+        if (rc) return rc == 3 ? 4 : rc == 4 ? 3 : rc;
+    }
+    if (P->d_rows) {
+        rc = paged_decode_attention_bf16(q + p_tokens * nhd, pool, P->d_tables, P->d_lens,
+                                         o + p_tokens * nhd, P->d_rows, KV, NH / KV, D, nb, bs,
+                                         P->d_max_blocks, (float)M->scale);
+        if (rc) return rc;
+    }
+    rc = bf16_packed_matmul((const uint16_t *)L->w_o, o, L->b_o, d, N, 1, H, nhd, 0, nt);
+    if (rc) return rc == 3 ? 5 : 4;
+    if (lora && (rc = lora_add_bf16(lora, layer, 1, o, nhd, d, H, N, nt))) return rc;
+    add_rms_norm_rows(h, d, (const uint16_t *)L->ln2_w, x, N, H, L->eps2, nt);
+    rc = bf16_packed_matmul((const uint16_t *)L->w_gate_up, x, L->b_gate_up, gu, N, 1, 2 * I, H,
+                            0, nt);
+    if (rc) return rc == 3 ? 5 : 4;
+    if (lora && (rc = lora_add_bf16(lora, layer, 2, x, H, gu, 2 * I, N, nt))) return rc;
+    silu_mul_rows(gu, act, N, I, nt);
+    rc = bf16_packed_matmul((const uint16_t *)L->w_down, act, L->b_down, d, N, 1, H, I, 0, nt);
+    if (rc) return rc == 3 ? 5 : 4;
+    if (lora && (rc = lora_add_bf16(lora, layer, 3, act, I, d, H, N, nt))) return rc;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t t = 0; t < N; t++) {
+        int64_t i = 0;
+        for (; i + 16 <= H; i += 16)
+            store16(h + t * H + i, _mm512_add_ps(load16(h + t * H + i), load16(d + t * H + i)));
+        for (; i < H; i++) h[t * H + i] = to_bf16(to_f32(h[t * H + i]) + to_f32(d[t * H + i]));
+    }
+    return 0;
+#endif
+}
