@@ -180,8 +180,8 @@ def _build_and_load(folder: Path) -> ctypes.CDLL | None:
     if version.returncode != 0:
         raise subprocess.CalledProcessError(version.returncode, version.args)
     key = hashlib.sha256(b"\0".join([
-        *(source.read_bytes() for source in SOURCES), " ".join(CFLAGS + LDFLAGS).encode(),
-        " ".join(cc).encode(),
+        *(path.read_bytes() for path in sorted(SOURCES[0].parent.glob("*.[ch]"))),
+        " ".join(CFLAGS + LDFLAGS).encode(), " ".join(cc).encode(),
         version.stdout,
         _cpu_id().encode(), platform.machine().encode(),
     ])).hexdigest()[:16]

@@ -372,8 +372,8 @@ done:
  * One layer of any pass of a bf16 model, in one call: prompt chunks (their attention by
  * prefill_attention_bf16, prefill_attention.c) followed by decode rows (paged_decode_attention_bf16),
  * pass_t below. The steps and roundings are decode_layer_bf16's; the elementwise steps run on
- * AVX-512 over all the pass's tokens, split over the threads, and SiLU's exp is Cephes' expf
- * polynomial (within 2 ulp of fp32 exp; the bf16 result it rounds to rarely differs). A prompt
+ * AVX-512 over all the pass's tokens, split over the threads, and SiLU's exp is simd_exp.h's
+ * (within 2 ulp of fp32 exp; the bf16 result it rounds to rarely differs). A prompt
  * chunk's some thirty PyTorch operations a layer took about a fifth of its pass in bf16.
  *
  * Return codes: decode_layer_bf16's; 1 also for a position past the rotary tables or a slot
@@ -408,7 +408,7 @@ int prefill_attention_bf16(const uint16_t *q, const uint16_t *pool, const int64_
                            float scale, int64_t threads);
 
 #ifdef __AVX512BF16__
-#include <immintrin.h>
+#include "simd_exp.h"
 
 static inline __m512 load16(const uint16_t *p)
 {
@@ -426,25 +426,6 @@ static inline __m512 round16(__m512 v)
 {
     const __m512i b = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
     return _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
-}
-
-/* exp(x): Cephes' expf (range reduction by ln 2 in two parts, a degree-6 polynomial), scaled by
- * 2^n with VSCALEFPS: an overflow gives inf, an underflow 0 */
-static inline __m512 exp16(__m512 x)
-{
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(104.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
 }
 
 /* Row r of [rows][n]: h = bf16(h + d) when d is given; y = RMSNorm(h) as rms_norm() above */

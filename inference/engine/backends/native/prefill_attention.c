@@ -37,6 +37,7 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define PREFILL_KERNEL 1
 #include <immintrin.h>
+#include "simd_exp.h"
 #endif
 
 #define HD 64        /* head_dim the kernel takes */
@@ -175,25 +176,32 @@ weighted_values(const uint32_t *vp, const uint32_t (*pb)[KC / 2], const float *a
 static void softmax_step(float *s, const int64_t *qpos, int64_t key0, float scale, float *m,
                          float *l, float *alpha, uint32_t (*pb)[KC / 2], int nr)
 {
+    const __m512 vscale = _mm512_set1_ps(scale), masked = _mm512_set1_ps(MASKED);
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     for (int j = 0; j < nr; j++) {
         float *sj = s + j * KC;
-        const int64_t visible = qpos[j] - key0 + 1; /* keys [0, visible) of the chunk */
-        float mx = m[j];
-        for (int k = 0; k < KC; k++) {
-            sj[k] = k < visible ? sj[k] * scale : MASKED;
-            mx = sj[k] > mx ? sj[k] : mx;
+        int64_t visible = qpos[j] - key0 + 1; /* keys [0, visible) of the chunk */
+        visible = visible < 0 ? 0 : visible > KC ? KC : visible;
+        const __m512i vis = _mm512_set1_epi32((int)visible);
+        __m512 v[4], mx = _mm512_set1_ps(m[j]);
+        for (int i = 0; i < 4; i++) {
+            const __mmask16 keep = _mm512_cmplt_epi32_mask(
+                _mm512_add_epi32(lane, _mm512_set1_epi32(16 * i)), vis);
+            v[i] = _mm512_mask_mul_ps(masked, keep, _mm512_loadu_ps(sj + 16 * i), vscale);
+            mx = _mm512_max_ps(mx, v[i]);
         }
-        float sum = 0.0f;
-        for (int k = 0; k < KC; k++) {
-            sj[k] = expf(sj[k] - mx);
-            sum += sj[k];
+        const float top = _mm512_reduce_max_ps(mx);
+        const __m512 vtop = _mm512_set1_ps(top);
+        __m512 sum = _mm512_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            const __m512 e = exp16(_mm512_sub_ps(v[i], vtop));
+            sum = _mm512_add_ps(sum, e);
+            _mm256_storeu_si256((__m256i *)((uint16_t *)pb[j] + 16 * i),
+                                (__m256i)_mm512_cvtneps_pbh(e));
         }
-        alpha[j] = expf(m[j] - mx);
-        l[j] = l[j] * alpha[j] + sum;
-        m[j] = mx;
-        for (int v = 0; v < 4; v++)
-            _mm256_storeu_si256((__m256i *)((uint16_t *)pb[j] + 16 * v),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sj + 16 * v)));
+        alpha[j] = _mm512_cvtss_f32(exp16(_mm512_set1_ps(m[j] - top)));
+        l[j] = l[j] * alpha[j] + _mm512_reduce_add_ps(sum);
+        m[j] = top;
     }
 }
 
