@@ -38,6 +38,8 @@ Usage::
     scripts/llama_cpp.sh                          # once per machine: builds the server
     python -m benchmarks.serving.llama_cpp        # ~6 min on 2 cores
     python -m benchmarks.serving.llama_cpp --systems platform,llama_q4_1 --requests 16
+    python -m benchmarks.serving.llama_cpp --systems platform,llama_bf16 --workloads single \
+        --rounds 3    # alternating rounds, medians: ~6 min
 """
 
 from __future__ import annotations
@@ -130,6 +132,17 @@ def run_system(system: str, args: argparse.Namespace, runs: dict[str, list[Reque
     return out
 
 
+def median_rounds(rounds: list[dict[str, dict]]) -> dict[str, dict]:
+    """Per workload, the round (of one system's) with the median output tok/s (the lower of the
+    two middle ones for an even count)."""
+    out = {}
+    for name in rounds[0]:
+        ranked = sorted((r[name] for r in rounds if name in r),
+                        key=lambda s: s["output_throughput"])
+        out[name] = ranked[(len(ranked) - 1) // 2]
+    return out
+
+
 def table_rows(results: dict[str, dict[str, dict]]) -> list[dict]:
     """One row per system and workload; ``platform x``: the platform's output tok/s over the
     row's."""
@@ -200,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="single: requests, one at a time")
     parser.add_argument("--warmup", type=positive_int, default=4, help="warm-up requests")
     parser.add_argument("--seed", type=int, default=0, help="the prompts' seed")
+    parser.add_argument("--rounds", type=positive_int, default=1,
+                        help="runs of every system, alternating (on a machine whose memory "
+                             "bandwidth wanders); each figure is the median round's")
     add_out_dir_flag(parser, "the JSON file")
     args = parser.parse_args(argv)
 
@@ -226,10 +242,19 @@ def main(argv: list[str] | None = None) -> int:
     warm = workloads(argparse.Namespace(**{**vars(args), "requests": args.warmup,
                                            "single_requests": 1}), maker, args.seed + 2000)
     read_gbs = llama_server.read_bandwidth_gbs() if "single" in runs else None
-    results: dict[str, dict[str, dict]] = {}
-    for system in args.systems:
-        print(f"== {system}", flush=True)
-        results[system] = run_system(system, args, runs, warm)
+    rounds: dict[str, list[dict[str, dict]]] = {system: [] for system in args.systems}
+    for n in range(args.rounds):
+        for system in args.systems:
+            print(f"== {system}" + (f" (round {n + 1} of {args.rounds})" if args.rounds > 1
+                                    else ""), flush=True)
+            rounds[system].append(run_system(system, args, runs, warm))
+    results = {system: median_rounds(r) for system, r in rounds.items()}
+    if args.rounds > 1:
+        print("output tok/s by round (the table and the targets take each one's median):")
+        for system, by_round in rounds.items():
+            for name in by_round[0]:
+                print(f"  {name:<7}{system:<15}" + ", ".join(
+                    f"{r[name]['output_throughput']:.1f}" for r in by_round))
     rows = table_rows(results)
     print_table(rows, list(rows[0]))
     counts = {s: {n: r["total_input_tokens"] for n, r in w.items()} for s, w in results.items()}
@@ -260,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(checks))
     write_json("llama_cpp", {"machine": machine(), "cpu": cpu, "args": vars(args),
                              "read_bandwidth_gbs": read_gbs, "single_stream_bandwidth": band,
-                             "results": results, "table": rows, "targets": checks},
+                             "results": results, "rounds": rounds, "table": rows,
+                             "targets": checks},
                args.out_dir)
     failed = [s for s, w in results.items() for r in w.values() if not r["completed"]]
     return 1 if failed else 0

@@ -247,3 +247,17 @@ def test_the_single_stream_is_judged_per_chunk_and_shown_per_token_and_the_peer_
     rows = {r["system"]: r for r in llama_cpp.table_rows(results)}
     assert rows["llama_q4_1"]["flags"] == "--no-repack" and rows["platform_q4_1"]["flags"] == ""
     assert rows["platform_q4_1"]["TPOT p50 ms"] == 10.5
+
+
+def test_rounds_are_judged_by_each_systems_median_round():
+    def summary(tok_s: float) -> dict:
+        return {"output_throughput": tok_s}
+
+    rounds = [{"single": summary(80.0), "mixed": summary(250.0)},
+              {"single": summary(70.0), "mixed": summary(290.0)},
+              {"single": summary(90.0), "mixed": summary(270.0)}]
+    median = llama_cpp.median_rounds(rounds)
+    assert median["single"]["output_throughput"] == 80.0
+    assert median["mixed"]["output_throughput"] == 270.0
+    # two rounds: the lower one, so that a lucky round never decides a target
+    assert llama_cpp.median_rounds(rounds[:2])["single"]["output_throughput"] == 70.0
