@@ -3,7 +3,7 @@
 the same packed weights, refusals that write nothing, and where it runs.
 
 Both paths round at the same points (see ``decode_layer.c``); they differ only in the order of
-the fp32 sums inside a norm and in the last bit of ``exp`` in SiLU, so a rare bf16 value lands on
+the fp32 sums inside a norm and in SiLU's ``exp`` (within 2 ulp), so a rare bf16 value lands on
 its neighbour and spreads through later layers, as far as the packed kernel's own tolerances
 (``test_bf16_gemm.py``).
 """

@@ -24,7 +24,8 @@
  * pool (paged_decode_attention_bf16); the output projection added to the residual (rounded);
  * RMSNorm; gate/up projection; SiLU(gate) (in fp32, rounded) times up (rounded); the down
  * projection added to the residual. Only the order of the fp32 sums inside a norm may differ from
- * PyTorch's (and the last bit of exp in SiLU).
+ * PyTorch's, and SiLU's exp (simd_exp.h's, within 2 ulp of fp32 exp). In bf16 the elementwise
+ * steps run on AVX-512, split over the threads where a pass has enough values.
  *
  * Return codes: 0 done; 1 a length below 1 or beyond its block table or the rotary tables; 2 out of memory; 3 a block
  * id outside the pool; 4 a size the kernels do not take (a projection's width not a multiple of
@@ -106,30 +107,6 @@ static inline uint16_t to_bf16(float f)
     return (uint16_t)(u >> 16);
 }
 
-/* y = bf16(x * rsqrt(mean(x^2) + eps) * w), per row of n, in fp32 as PyTorch's fused RMSNorm */
-static void rms_norm(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t rows, int64_t n,
-                     double eps)
-{
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *xr = x + r * n;
-        float sum = 0.0f;
-        for (int64_t i = 0; i < n; i++) {
-            const float v = to_f32(xr[i]);
-            sum += v * v;
-        }
-        /* in double, then rounded: -ffast-math would take an approximate reciprocal root */
-        const float inv = (float)(1.0 / sqrt((double)(sum / (float)n) + (double)(float)eps));
-        for (int64_t i = 0; i < n; i++)
-            y[r * n + i] = to_bf16(to_f32(xr[i]) * inv * to_f32(w[i]));
-    }
-}
-
-/* h = bf16(h + d), elementwise */
-static void add_residual(uint16_t *h, const uint16_t *d, int64_t n)
-{
-    for (int64_t i = 0; i < n; i++) h[i] = to_bf16(to_f32(h[i]) + to_f32(d[i]));
-}
-
 /* x [heads][D] at one position: x cos + rotate_half(x) sin, each product and the sum rounded */
 static void rotate(uint16_t *x, int64_t heads, int64_t D, const uint16_t *cos,
                    const uint16_t *sin)
@@ -167,13 +144,132 @@ static int check(const dims_t *M, const int64_t *tables, const int64_t *lens, in
     return 0;
 }
 
+#ifdef __AVX512BF16__
+#include "simd_exp.h"
+
+/* Elementwise steps over fewer values than this run on the calling thread alone (a decode pass of
+ * a few rows: a parallel region costs more than it saves). */
+#define PARALLEL_MIN 16384
+
+static inline __m512 load16(const uint16_t *p)
+{
+    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+}
+
+static inline void store16(uint16_t *p, __m512 v)
+{
+    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+/* v rounded to bf16 (nearest even) and widened back */
+static inline __m512 round16(__m512 v)
+{
+    const __m512i b = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
+}
+
+/* Row r of [rows][n]: h = bf16(h + d) when d is given; y = bf16(h * rsqrt(mean(h^2) + eps) * w),
+ * in fp32 as PyTorch's fused RMSNorm */
+static void add_rms_norm_rows(uint16_t *h, const uint16_t *d, const uint16_t *w, uint16_t *y,
+                              int64_t rows, int64_t n, double eps, int threads)
+{
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t *hr = h + r * n, *yr = y + r * n;
+        __m512 acc = _mm512_setzero_ps();
+        float sum = 0.0f;
+        int64_t i = 0;
+        for (; i + 16 <= n; i += 16) {
+            __m512 v = load16(hr + i);
+            if (d) {
+                v = round16(_mm512_add_ps(v, load16(d + r * n + i)));
+                store16(hr + i, v);
+            }
+            acc = _mm512_fmadd_ps(v, v, acc);
+        }
+        for (; i < n; i++) {
+            if (d) hr[i] = to_bf16(to_f32(hr[i]) + to_f32(d[r * n + i]));
+            const float v = to_f32(hr[i]);
+            sum += v * v;
+        }
+        sum += _mm512_reduce_add_ps(acc);
+        const float inv = (float)(1.0 / sqrt((double)(sum / (float)n) + (double)(float)eps));
+        const __m512 vinv = _mm512_set1_ps(inv);
+        for (i = 0; i + 16 <= n; i += 16)
+            store16(yr + i, _mm512_mul_ps(_mm512_mul_ps(load16(hr + i), vinv), load16(w + i)));
+        for (; i < n; i++) yr[i] = to_bf16(to_f32(hr[i]) * inv * to_f32(w[i]));
+    }
+}
+
+/* act [rows][I] = bf16(bf16(SiLU(gate)) * up), gu [rows][2 I] holding gate then up */
+static void silu_mul_rows(const uint16_t *gu, uint16_t *act, int64_t rows, int64_t I, int threads)
+{
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * I >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = gu + r * 2 * I, *u = g + I;
+        uint16_t *a = act + r * I;
+        int64_t i = 0;
+        for (; i + 16 <= I; i += 16) {
+            const __m512 x = load16(g + i);
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+            const __m512 s = round16(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+            store16(a + i, _mm512_mul_ps(s, load16(u + i)));
+        }
+        for (; i < I; i++) {
+            const float x = to_f32(g[i]);
+            a[i] = to_bf16(to_f32(to_bf16(x / (1.0f + expf(-x)))) * to_f32(u[i]));
+        }
+    }
+}
+
+/* h = bf16(h + d), [rows][n] */
+static void add_rows(uint16_t *h, const uint16_t *d, int64_t rows, int64_t n, int threads)
+{
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t *hr = h + r * n;
+        const uint16_t *dr = d + r * n;
+        int64_t i = 0;
+        for (; i + 16 <= n; i += 16)
+            store16(hr + i, _mm512_add_ps(load16(hr + i), load16(dr + i)));
+        for (; i < n; i++) hr[i] = to_bf16(to_f32(hr[i]) + to_f32(dr[i]));
+    }
+}
+
+/* rotate() above on AVX-512, for a head size that is a multiple of 32 */
+static void rotate16(uint16_t *x, int64_t heads, int64_t D, const uint16_t *cos,
+                     const uint16_t *sin)
+{
+    const int64_t half = D / 2;
+    for (int64_t hd = 0; hd < heads; hd++) {
+        uint16_t *lo = x + hd * D, *hi = lo + half;
+        for (int64_t d = 0; d < half; d += 16) {
+            const __m512 a = load16(lo + d), b = load16(hi + d);
+            /* lo: a cos - b sin (the sign of b sin is exact); hi: b cos + a sin */
+            const __m512 rb = _mm512_add_ps(round16(_mm512_mul_ps(b, load16(cos + half + d))),
+                                            round16(_mm512_mul_ps(a, load16(sin + half + d))));
+            store16(lo + d, _mm512_sub_ps(round16(_mm512_mul_ps(a, load16(cos + d))),
+                                          round16(_mm512_mul_ps(b, load16(sin + d)))));
+            store16(hi + d, rb);
+        }
+    }
+}
+#endif
+
 int decode_layer_bf16(const layer_t *L, const dims_t *M, uint16_t *h, const uint16_t *cos,
                       const uint16_t *sin, const int64_t *tables, const int64_t *lens,
                       int64_t max_blocks, int64_t rows, int64_t threads,
                       const lora_proj_t *const *lora, int64_t layer)
 {
+#ifndef __AVX512BF16__
+    (void)L; (void)M; (void)h; (void)cos; (void)sin; (void)tables; (void)lens; (void)max_blocks;
+    (void)rows; (void)threads; (void)lora; (void)layer;
+    return 5;
+#else
     if (rows == 0) return 0;
     if (!bf16_packed_matmul_available()) return 5;
+    const int nt = threads < 1 ? 1 : (int)threads;
     const int64_t H = M->hidden, NH = M->n_heads, KV = M->kv_heads, D = M->head_dim;
     const int64_t I = M->intermediate, bs = M->block_size, nb = M->num_blocks;
     const int64_t qkv_w = (NH + 2 * KV) * D;
@@ -190,7 +286,7 @@ int decode_layer_bf16(const layer_t *L, const dims_t *M, uint16_t *h, const uint
     uint16_t *x = buf, *d = x + n_x, *qkv = d + n_x, *q = qkv + n_qkv, *o = q + n_o;
     uint16_t *gu = o + n_o, *act = gu + n_gu;
 
-    rms_norm(h, (const uint16_t *)L->ln1_w, x, rows, H, L->eps1);
+    add_rms_norm_rows(h, NULL, (const uint16_t *)L->ln1_w, x, rows, H, L->eps1, nt);
     rc = bf16_packed_matmul((const uint16_t *)L->w_qkv, x, L->b_qkv, qkv, rows, 1, qkv_w, H, 0, threads);
     if (rc) { rc = rc == 3 ? 5 : 4; goto done; }
     if (lora && (rc = lora_add_bf16(lora, layer, 0, x, H, qkv, qkv_w, rows, threads))) goto done;
@@ -198,7 +294,10 @@ int decode_layer_bf16(const layer_t *L, const dims_t *M, uint16_t *h, const uint
     for (int64_t r = 0; r < rows; r++) {
         const int64_t pos = lens[r] - 1;
         uint16_t *row = qkv + r * qkv_w;
-        rotate(row, NH + KV, D, cos + pos * D, sin + pos * D);
+        if (D % 32 == 0)
+            rotate16(row, NH + KV, D, cos + pos * D, sin + pos * D);
+        else
+            rotate(row, NH + KV, D, cos + pos * D, sin + pos * D);
         memcpy(q + r * NH * D, row, sizeof(uint16_t) * (size_t)(NH * D));
         const int64_t slot = tables[r * max_blocks + pos / bs] * bs + pos % bs;
         for (int64_t j = 0; j < 2 * KV; j++)  /* K heads, then V heads */
@@ -211,25 +310,19 @@ int decode_layer_bf16(const layer_t *L, const dims_t *M, uint16_t *h, const uint
     rc = bf16_packed_matmul((const uint16_t *)L->w_o, o, L->b_o, d, rows, 1, H, NH * D, 0, threads);
     if (rc) { rc = rc == 3 ? 5 : 4; goto done; }
     if (lora && (rc = lora_add_bf16(lora, layer, 1, o, NH * D, d, H, rows, threads))) goto done;
-    add_residual(h, d, (int64_t)n_x);
-
-    rms_norm(h, (const uint16_t *)L->ln2_w, x, rows, H, L->eps2);
+    add_rms_norm_rows(h, d, (const uint16_t *)L->ln2_w, x, rows, H, L->eps2, nt);
     rc = bf16_packed_matmul((const uint16_t *)L->w_gate_up, x, L->b_gate_up, gu, rows, 1, 2 * I, H, 0, threads);
     if (rc) { rc = rc == 3 ? 5 : 4; goto done; }
     if (lora && (rc = lora_add_bf16(lora, layer, 2, x, H, gu, 2 * I, rows, threads))) goto done;
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < I; i++) {
-            const float g = to_f32(gu[r * 2 * I + i]);
-            const float s = to_f32(to_bf16(g / (1.0f + expf(-g))));
-            act[r * I + i] = to_bf16(s * to_f32(gu[r * 2 * I + I + i]));
-        }
+    silu_mul_rows(gu, act, rows, I, nt);
     rc = bf16_packed_matmul((const uint16_t *)L->w_down, act, L->b_down, d, rows, 1, H, I, 0, threads);
     if (rc) { rc = rc == 3 ? 5 : 4; goto done; }
     if (lora && (rc = lora_add_bf16(lora, layer, 3, act, I, d, H, rows, threads))) goto done;
-    add_residual(h, d, (int64_t)n_x);
+    add_rows(h, d, rows, H, nt);
 done:
     free(buf);
     return rc;
+#endif
 }
 
 /* y = x * rsqrt(mean(x^2) + eps) * w in fp32, per row of n */
@@ -407,99 +500,6 @@ int prefill_attention_bf16(const uint16_t *q, const uint16_t *pool, const int64_
                            int64_t num_blocks, int64_t block_size, int64_t max_blocks,
                            float scale, int64_t threads);
 
-#ifdef __AVX512BF16__
-#include "simd_exp.h"
-
-static inline __m512 load16(const uint16_t *p)
-{
-    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-}
-
-static inline void store16(uint16_t *p, __m512 v)
-{
-    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v));
-}
-
-/* v rounded to bf16 (nearest even) and widened back */
-static inline __m512 round16(__m512 v)
-{
-    const __m512i b = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
-}
-
-/* Row r of [rows][n]: h = bf16(h + d) when d is given; y = RMSNorm(h) as rms_norm() above */
-static void add_rms_norm_rows(uint16_t *h, const uint16_t *d, const uint16_t *w, uint16_t *y,
-                              int64_t rows, int64_t n, double eps, int threads)
-{
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        uint16_t *hr = h + r * n, *yr = y + r * n;
-        __m512 acc = _mm512_setzero_ps();
-        float sum = 0.0f;
-        int64_t i = 0;
-        for (; i + 16 <= n; i += 16) {
-            __m512 v = load16(hr + i);
-            if (d) {
-                v = round16(_mm512_add_ps(v, load16(d + r * n + i)));
-                store16(hr + i, v);
-            }
-            acc = _mm512_fmadd_ps(v, v, acc);
-        }
-        for (; i < n; i++) {
-            if (d) hr[i] = to_bf16(to_f32(hr[i]) + to_f32(d[r * n + i]));
-            const float v = to_f32(hr[i]);
-            sum += v * v;
-        }
-        sum += _mm512_reduce_add_ps(acc);
-        const float inv = (float)(1.0 / sqrt((double)(sum / (float)n) + (double)(float)eps));
-        const __m512 vinv = _mm512_set1_ps(inv);
-        for (i = 0; i + 16 <= n; i += 16)
-            store16(yr + i, _mm512_mul_ps(_mm512_mul_ps(load16(hr + i), vinv), load16(w + i)));
-        for (; i < n; i++) yr[i] = to_bf16(to_f32(hr[i]) * inv * to_f32(w[i]));
-    }
-}
-
-/* act [rows][I] = bf16(bf16(SiLU(gate)) * up), gu [rows][2 I] holding gate then up */
-static void silu_mul_rows(const uint16_t *gu, uint16_t *act, int64_t rows, int64_t I, int threads)
-{
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *g = gu + r * 2 * I, *u = g + I;
-        uint16_t *a = act + r * I;
-        int64_t i = 0;
-        for (; i + 16 <= I; i += 16) {
-            const __m512 x = load16(g + i);
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
-            const __m512 s = round16(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
-            store16(a + i, _mm512_mul_ps(s, load16(u + i)));
-        }
-        for (; i < I; i++) {
-            const float x = to_f32(g[i]);
-            a[i] = to_bf16(to_f32(to_bf16(x / (1.0f + expf(-x)))) * to_f32(u[i]));
-        }
-    }
-}
-
-/* rotate() above on AVX-512, for a head size that is a multiple of 32 */
-static void rotate16(uint16_t *x, int64_t heads, int64_t D, const uint16_t *cos,
-                     const uint16_t *sin)
-{
-    const int64_t half = D / 2;
-    for (int64_t hd = 0; hd < heads; hd++) {
-        uint16_t *lo = x + hd * D, *hi = lo + half;
-        for (int64_t d = 0; d < half; d += 16) {
-            const __m512 a = load16(lo + d), b = load16(hi + d);
-            /* lo: a cos - b sin (the sign of b sin is exact); hi: b cos + a sin */
-            const __m512 rb = _mm512_add_ps(round16(_mm512_mul_ps(b, load16(cos + half + d))),
-                                            round16(_mm512_mul_ps(a, load16(sin + half + d))));
-            store16(lo + d, _mm512_sub_ps(round16(_mm512_mul_ps(a, load16(cos + d))),
-                                          round16(_mm512_mul_ps(b, load16(sin + d)))));
-            store16(hi + d, rb);
-        }
-    }
-}
-#endif
 
 int pass_layer_bf16(const layer_t *L, const dims_t *M, uint16_t *h, const uint16_t *cos,
                     const uint16_t *sin, const pass_t *P, int64_t threads,
@@ -574,13 +574,7 @@ int pass_layer_bf16(const layer_t *L, const dims_t *M, uint16_t *h, const uint16
     rc = bf16_packed_matmul((const uint16_t *)L->w_down, act, L->b_down, d, N, 1, H, I, 0, nt);
     if (rc) return rc == 3 ? 5 : 4;
     if (lora && (rc = lora_add_bf16(lora, layer, 3, act, I, d, H, N, nt))) return rc;
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t t = 0; t < N; t++) {
-        int64_t i = 0;
-        for (; i + 16 <= H; i += 16)
-            store16(h + t * H + i, _mm512_add_ps(load16(h + t * H + i), load16(d + t * H + i)));
-        for (; i < H; i++) h[t * H + i] = to_bf16(to_f32(h[t * H + i]) + to_f32(d[t * H + i]));
-    }
+    add_rows(h, d, N, H, nt);
     return 0;
 #endif
 }

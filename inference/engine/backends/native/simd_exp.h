@@ -3,10 +3,12 @@
  * prefill_attention.c's softmax).
  *
  * Cephes' expf (S. L. Moshier): x = n ln 2 + r with n = round(x / ln 2) and r reduced by ln 2 in
- * two parts, exp(r) by a degree-6 polynomial, then 2^n applied with VSCALEFPS; within 2 ulp of
- * fp32 exp. An input below -104 gives 0 (or the smallest subnormal) and one above 104 gives inf,
- * with no call into libm: glibc's vector expf hands every lane that underflows (a masked
- * attention score) to its scalar expf, which sets errno.
+ * two parts, exp(r) by a degree-6 polynomial, then 2^n applied with VSCALEFPS: within 1.25 ulp
+ * of exp over [-87, 88] (checked against double-precision exp), subnormal results included where
+ * the caller does not flush them. An input below -104 gives 0 (or the smallest subnormal), one
+ * above 104 inf, a NaN inf (its callers' own operations on the NaN keep theirs NaN), all with no
+ * call into libm: glibc's vector expf hands every lane that underflows (a masked attention
+ * score) to its scalar expf, which sets errno.
  */
 #ifndef SIMD_EXP_H
 #define SIMD_EXP_H
