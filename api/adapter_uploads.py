@@ -5,23 +5,34 @@ The form (``multipart/form-data``) holds ``name`` (the adapter's part of ``base:
 and ``adapter_model`` (its ``adapter_model.safetensors``). The body is bounded before it is read
 (``MAX_BODY_BYTES_BY_PATH``: ``MAX_ADAPTER_BYTES`` and the multipart framing, from its
 ``Content-Length``, or as a chunked body arrives) and the files as Django's parser streams them
-(:class:`CappedUpload`: never more than ``MAX_ADAPTER_BYTES`` of them). Only their form is
+(:class:`CappedUpload`, the request's only upload handler: never more than
+``MAX_ADAPTER_BYTES`` of them is written to its temporary files). Every temporary file of an
+upload is closed, and so deleted, as soon as the upload is stored or refused, whatever refused
+it (:func:`received_form`), not when the request is garbage collected. Only their form is
 checked here (a safetensors header, a JSON object); the Celery task checks the rest
-(:mod:`gateway.adapter_validation`). The files are written under ``ADAPTER_ROOT``
-(:func:`tenants.adapters.upload_folder`), the folders 0700 and the files 0600.
+(:mod:`gateway.adapter_validation`). Each upload is written to a folder of its own under
+``ADAPTER_ROOT``, made new for it (:func:`tenants.adapters.new_upload_folder`): no upload ever
+writes into a folder that exists, which another row (a shared adapter the operator registered
+from a tenant's upload, say) may name. The folders are 0700 and the files 0600.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
+from io import BytesIO
 from pathlib import Path
 from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig, SuspiciousOperation
-from django.core.files.uploadedfile import UploadedFile
+from django.core.files.uploadedfile import (
+    InMemoryUploadedFile,
+    TemporaryUploadedFile,
+    UploadedFile,
+)
 from django.core.files.uploadhandler import FileUploadHandler
 from django.db import IntegrityError, transaction
 from django.db.models import Q
@@ -62,24 +73,57 @@ class FilesTooLarge(Exception):
 
 
 class CappedUpload(FileUploadHandler):
-    """An upload handler, first in line, that counts the bytes of every file part as Django's
-    parser streams them and stops the parse (:class:`FilesTooLarge`) once they pass ``limit``:
-    no more of them is written to the temporary files of the handlers after it."""
+    """The upload handler of an adapter upload (the request's only one): it keeps each file
+    part, in memory when the whole body is at most ``FILE_UPLOAD_MAX_MEMORY_SIZE`` (as Django's
+    own handlers), else in a temporary file (``FILE_UPLOAD_TEMP_DIR``), and counts their bytes
+    as Django's parser streams them. Once they pass ``limit`` the parse stops
+    (:class:`FilesTooLarge`) before the chunk that passed it is written: no file it keeps ever
+    holds more than ``limit`` bytes. It remembers every file it opened, complete or not, so that
+    :meth:`close` closes (a temporary file: deletes) each one, whatever stopped the parse."""
 
     def __init__(self, request: HttpRequest, limit: int):
         super().__init__(request)
         self.limit = limit
         self.received = 0
+        self.in_memory = False
+        self.opened: list[UploadedFile] = []
 
-    def receive_data_chunk(self, raw_data: bytes, start: int) -> bytes:
+    def handle_raw_input(self, input_data: Any, META: Any, content_length: int, boundary: Any,
+                         encoding: str | None = None) -> None:
+        self.in_memory = 0 <= content_length <= settings.FILE_UPLOAD_MAX_MEMORY_SIZE
+
+    def new_file(self, *args: Any, **kwargs: Any) -> None:
+        super().new_file(*args, **kwargs)
+        file: UploadedFile
+        if self.in_memory:
+            file = InMemoryUploadedFile(BytesIO(), self.field_name, self.file_name,
+                                        self.content_type, 0, self.charset,
+                                        self.content_type_extra)
+        else:
+            file = TemporaryUploadedFile(self.file_name or "", self.content_type, 0,
+                                         self.charset, self.content_type_extra)
+        self.opened.append(file)
+        self.file = file  # the name Django's parser closes on a StopUpload
+
+    def receive_data_chunk(self, raw_data: bytes, start: int) -> None:
         self.received += len(raw_data)
         if self.received > self.limit:
             raise FilesTooLarge
-        return raw_data
-
-    def file_complete(self, file_size: int) -> None:
+        self.file.write(raw_data)
         return None
 
+    def file_complete(self, file_size: int) -> UploadedFile:
+        self.file.seek(0)
+        self.file.size = file_size
+        return self.file
+
+    def upload_interrupted(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close every file it opened: a temporary file is deleted, its disk space freed."""
+        while self.opened:
+            self.opened.pop().close()
 
 @dataclass(frozen=True)
 class Upload:
@@ -92,21 +136,34 @@ class Upload:
     weights: UploadedFile
 
 
-def read_form(request: HttpRequest) -> tuple[dict[str, list[str]], Any]:
-    """The request's form fields and files, the files bounded by ``MAX_ADAPTER_BYTES``.
+@contextmanager
+def received_form(request: HttpRequest) -> Iterator[tuple[dict[str, list[str]], Any]]:
+    """The request's form fields and files (:func:`read_form`), for the ``with`` block; when it
+    ends, however it ends (the upload stored, any refusal, an error), every file the upload
+    opened is closed and, kept on disk, deleted at once."""
+    handler = CappedUpload(request, platform_settings()["MAX_ADAPTER_BYTES"])
+    try:
+        yield read_form(request, handler)
+    finally:
+        handler.close()
+
+
+def read_form(request: HttpRequest, handler: CappedUpload) -> tuple[dict[str, list[str]], Any]:
+    """The request's form fields and files, parsed by ``handler`` alone (its files bounded by
+    its limit, ``MAX_ADAPTER_BYTES``); the caller closes ``handler`` (:func:`received_form`).
 
     Raises:
         APIError: 413 :func:`too_large` for a ``Content-Length`` over the limit and its
             framing, or files over the limit; 400 for a body that is not a form.
     """
-    limit = platform_settings()["MAX_ADAPTER_BYTES"]
+    limit = handler.limit
     try:
         length = int(request.META.get("CONTENT_LENGTH") or 0)
     except ValueError:
         length = 0
     if length > limit + settings.MULTIPART_OVERHEAD_BYTES:
         raise too_large(limit)
-    request.upload_handlers.insert(0, CappedUpload(request, limit))
+    request.upload_handlers = [handler]
     try:
         fields = {name: request.POST.getlist(name) for name in request.POST}
         return fields, request.FILES
@@ -208,7 +265,8 @@ def store(upload: Upload, key: ApiKey) -> LoraAdapter:
     mine_or_shared = Q(owner_id=key.tenant_id) | Q(owner__isnull=True)
     if LoraAdapter.objects.filter(mine_or_shared, base_model=base, name=upload.name).exists():
         raise taken(upload.name)
-    folder = adapters.upload_folder(key.tenant.slug, base, upload.name)
+    # A folder of its own, made new: never one that exists, which another row may name.
+    folder = adapters.new_upload_folder(key.tenant.slug, base, upload.name)
     try:
         with transaction.atomic():
             row = LoraAdapter.objects.create(name=upload.name, base_model=base,
@@ -216,15 +274,14 @@ def store(upload: Upload, key: ApiKey) -> LoraAdapter:
             _write(folder, upload)
             adapters.queue_validation(row.pk)
     except IntegrityError as exc:  # taken meanwhile, before anything was written
+        adapters.remove_folder(folder)
         raise taken(upload.name) from exc
     except BaseException:
-        adapters.remove_folder(folder)
+        adapters.remove_folder(folder)  # this upload's own: no row names it
         raise
     return row
 
 
 def _write(folder: Path, upload: Upload) -> None:
-    adapters.remove_folder(folder)  # a folder left by an upload that failed
-    adapters.private_folder(folder)
     adapters.write_private_file(folder, adapter_check.CONFIG_FILE, upload.config.chunks())
     adapters.write_private_file(folder, adapter_check.WEIGHTS_FILE, upload.weights.chunks())

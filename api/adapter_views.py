@@ -69,8 +69,11 @@ def _find(key: ApiKey, name: str) -> LoraAdapter:
 
 
 def _create(request: HttpRequest, key: ApiKey) -> dict[str, Any]:
-    upload = adapter_uploads.check_form(*adapter_uploads.read_form(request))
-    return adapter_object(adapter_uploads.store(upload, key))
+    # Its files (temporary files on disk, for a large upload) are closed and deleted when the
+    # block ends, stored or refused: never left for the request's garbage collection.
+    with adapter_uploads.received_form(request) as (fields, files):
+        upload = adapter_uploads.check_form(fields, files)
+        return adapter_object(adapter_uploads.store(upload, key))
 
 
 @api_view("GET", "POST")

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
+from inference.protocol import lora_config
+
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # The projections an adapter may adapt, by the block that holds them.
@@ -152,9 +154,11 @@ def check_config(config: Any, max_rank: int) -> tuple[int, tuple[str, ...]]:
         ValueError: not a JSON object; ``peft_type`` not ``LORA``; ``r`` not an integer from 1
             to ``max_rank``; ``lora_alpha`` not a positive number; ``modules_to_save``,
             DoRA (``use_dora``), per-module ranks or alphas (``rank_pattern``,
-            ``alpha_pattern``), ``fan_in_fan_out`` or a ``bias`` other than ``none``;
-            ``target_modules`` a string (a regex) or not a non-empty list of
-            :data:`TARGET_MODULES`.
+            ``alpha_pattern``), ``fan_in_fan_out`` or a ``bias`` other than ``none``; another
+            field that changes what the adapter computes set
+            (:func:`inference.protocol.lora_config.unserved_fields`); a scale ``lora_alpha / r``
+            over :data:`inference.protocol.lora_config.MAX_SCALE`; ``target_modules`` a string
+            (a regex) or not a non-empty list of :data:`TARGET_MODULES`.
     """
     if not isinstance(config, dict):
         raise ValueError(f"{CONFIG_FILE} is not a JSON object.")
@@ -181,6 +185,15 @@ def check_config(config: Any, max_rank: int) -> tuple[int, tuple[str, ...]]:
                              "supported.")
     if config.get("fan_in_fan_out"):
         raise ValueError(f"{CONFIG_FILE}: fan_in_fan_out is not supported.")
+    unserved = lora_config.unserved_fields(config)
+    if unserved:
+        raise ValueError(f"{CONFIG_FILE}: {', '.join(f'{n}={config[n]!r}' for n in unserved)}: "
+                         "not served (a setting that changes what the adapter computes); "
+                         "leave it unset (null).")
+    if lora_config.scale(config, rank) > lora_config.MAX_SCALE:
+        raise ValueError(f"{CONFIG_FILE}: lora_alpha={alpha!r} over r={rank} scales the deltas by "
+                         f"{lora_config.scale(config, rank):.6g}, over "
+                         f"{lora_config.MAX_SCALE:g}.")
     if config.get("bias", "none") not in ("none", None):
         raise ValueError(f"{CONFIG_FILE}: bias={config['bias']!r} is not supported (only "
                          "'none').")
@@ -280,6 +293,34 @@ _LOW = bytes(int(b >= 0x80) for b in range(256))
 _F16_HIGH = bytes(int(b & 0x7C == 0x7C) for b in range(256))
 
 
+def _weight_bound_tables(exponent: int) -> tuple[bytes, bytes, bytes]:
+    """Byte tables of a value at or over ``2 ** exponent`` in magnitude (infinities and NaN
+    included): F32/BF16's top byte alone, the top byte when the next byte's top bit decides,
+    and F16's top byte."""
+    t = 127 + exponent  # the least biased exponent of such a value (F32, BF16)
+    high = bytes(int((b & 0x7F) > t >> 1 or ((b & 0x7F) == t >> 1 and not t & 1))
+                 for b in range(256))
+    edge = bytes(int((b & 0x7F) == t >> 1 and bool(t & 1)) for b in range(256))
+    f16 = bytes(int((b >> 2) & 0x1F >= 15 + exponent) for b in range(256))
+    return high, edge, f16
+
+
+_BIG_HIGH, _BIG_EDGE, _BIG_F16 = _weight_bound_tables(lora_config.MAX_WEIGHT_EXPONENT)
+
+
+def all_within(data: bytes, dtype: str) -> bool:
+    """Whether every value of ``data`` (as :func:`all_finite` takes it) is below
+    :data:`inference.protocol.lora_config.MAX_WEIGHT` in magnitude."""
+    if dtype == "F16":
+        return 1 not in data[1::2].translate(_BIG_F16)
+    width = DTYPE_BYTES[dtype]
+    high = data[width - 1::width]
+    if 1 in high.translate(_BIG_HIGH):
+        return False
+    edge = int.from_bytes(high.translate(_BIG_EDGE), "little")
+    return edge & int.from_bytes(data[width - 2::width].translate(_LOW), "little") == 0
+
+
 def all_finite(data: bytes, dtype: str) -> bool:
     """Whether every value of ``data`` (little-endian values of ``dtype``: F32, F16 or BF16,
     whole values only) is finite (neither NaN nor infinite)."""
@@ -305,14 +346,20 @@ def check_values(file: BinaryIO, tensors: Mapping[str, Tensor]) -> None:
     """Read every tensor's values from ``file``, a chunk at a time.
 
     Raises:
-        ValueError: a tensor holds a value that is NaN or infinite, or the file cannot be read
-            to its end.
+        ValueError: a tensor holds a value that is NaN or infinite, or of
+            :data:`inference.protocol.lora_config.MAX_WEIGHT` or more in magnitude, or the file
+            cannot be read to its end.
     """
     for tensor in sorted(tensors.values(), key=lambda t: t.begin):
         for chunk in _chunks(file, tensor.begin, tensor.end):
             if not all_finite(chunk, tensor.dtype):
                 raise ValueError(f"{WEIGHTS_FILE}: tensor '{tensor.name}' holds a value that "
                                  "is not finite (NaN or infinity).")
+            if not all_within(chunk, tensor.dtype):
+                raise ValueError(f"{WEIGHTS_FILE}: tensor '{tensor.name}' holds a value of "
+                                 f"{lora_config.MAX_WEIGHT:g} or more in magnitude: LoRA "
+                                 "weights are far smaller, and such a one can overflow the "
+                                 "model's activations.")
 
 
 def digest_of(file: BinaryIO, size: int) -> str:

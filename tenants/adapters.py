@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 VALIDATE_TASK = "gateway.tasks.validate_adapter"
 # What stands for '/' of a base model's name in an upload's folder name.
 SLASH_IN_FOLDER = "__"
+# What comes between an adapter's name and the random part of its upload's folder name.
+UPLOAD_SUFFIX_SEPARATOR = "."
 
 
 def root_folder() -> Path:
@@ -40,10 +42,30 @@ def inside_root(path: str | Path) -> Path | None:
     return under_adapter_root(path, root_folder())
 
 
-def upload_folder(tenant_slug: str, base_model: str, name: str) -> Path:
-    """The folder of an adapter a tenant uploads:
-    ``ADAPTER_ROOT/<tenant slug>/<base model, '/' as '__'>/<name>``."""
-    return root_folder() / tenant_slug / base_model.replace("/", SLASH_IN_FOLDER) / name
+def new_upload_folder(tenant_slug: str, base_model: str, name: str) -> Path:
+    """Make the folder of one upload, a new one that no row names:
+    ``ADAPTER_ROOT/<tenant slug>/<base model, '/' as '__'>/<name>.<16 hex digits>`` (random),
+    mode 0700, as are the folders above it. A folder that exists is never taken (the name is
+    drawn again), so an upload never writes into a folder that another row, of any tenant,
+    deleted or not, may still name: a re-upload of a deleted adapter's name, whose folder a
+    shared adapter registered from it keeps, gets a folder of its own.
+
+    Raises:
+        OSError: the folder could not be made.
+    """
+    parent = private_folder(root_folder() / tenant_slug
+                            / base_model.replace("/", SLASH_IN_FOLDER))
+    while True:
+        folder = parent / f"{name}{UPLOAD_SUFFIX_SEPARATOR}{uuid.uuid4().hex[:16]}"
+        try:
+            folder.mkdir(mode=0o700)  # fails on a folder (or anything) that exists
+        except FileExistsError:
+            continue
+        except FileNotFoundError:  # its parent, left empty, was removed meanwhile
+            private_folder(parent)
+            continue
+        folder.chmod(0o700)  # whatever the process's umask
+        return folder
 
 
 def private_folder(folder: Path) -> Path:

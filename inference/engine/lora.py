@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from inference.protocol import lora_config
+
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # The projections an adapter may target, per fused projection of the backend, in fused order.
@@ -141,9 +143,14 @@ class AdapterWeights:
 
 def _scale(config: dict[str, Any], rank: int) -> float:
     alpha = config.get("lora_alpha", rank)
-    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not alpha > 0:
+    if (not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha)
+            or not alpha > 0):
         raise AdapterError(f"lora_alpha must be a positive number, got {alpha!r}")
-    return float(alpha) / (math.sqrt(rank) if config.get("use_rslora") else rank)
+    scale = lora_config.scale(config, rank)
+    if scale > lora_config.MAX_SCALE:
+        raise AdapterError(f"lora_alpha={alpha!r} over r={rank} scales the deltas by "
+                           f"{scale:.6g}, over {lora_config.MAX_SCALE:g}")
+    return scale
 
 
 def build_adapter(files: AdapterFiles, shape: ModelShape, dtype: torch.dtype,
@@ -152,9 +159,12 @@ def build_adapter(files: AdapterFiles, shape: ModelShape, dtype: torch.dtype,
 
     Raises:
         AdapterError: not a LoRA adapter the engine runs (another PEFT type, DoRA,
-            ``modules_to_save``, a rank over ``max_rank``, per-module ranks or alphas), a tensor
-            it does not expect (embeddings, the LM head), a shape that is not the model's, a
-            missing ``A`` or ``B``, or a value that is not finite.
+            ``modules_to_save``, a rank over ``max_rank``, per-module ranks or alphas, another
+            setting that changes what it computes: ``lora_config.unserved_fields``), a scale
+            over ``lora_config.MAX_SCALE``, a tensor it does not expect (embeddings, the LM head,
+            a module ``target_modules`` does not name), a shape that is not the model's, a
+            missing ``A`` or ``B``, or a value that is not finite or not below
+            ``lora_config.MAX_WEIGHT`` in magnitude.
     """
     from safetensors import SafetensorError
     from safetensors.torch import load as load_safetensors
@@ -168,6 +178,13 @@ def build_adapter(files: AdapterFiles, shape: ModelShape, dtype: torch.dtype,
     rank = config.get("r")
     if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= max_rank:
         raise AdapterError(f"rank r={rank!r} is not within 1..{max_rank} (MAX_LORA_RANK)")
+    unserved = lora_config.unserved_fields(config)
+    if unserved:
+        raise AdapterError(f"{CONFIG_FILE} sets {', '.join(unserved)}, which change what the "
+                           "adapter computes and are not served")
+    targets = config.get("target_modules")
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise AdapterError(f"{CONFIG_FILE}: target_modules is not a list of module names")
     scale = _scale(config, rank)
     try:
         tensors = load_safetensors(files.weights)
@@ -187,8 +204,14 @@ def build_adapter(files: AdapterFiles, shape: ModelShape, dtype: torch.dtype,
         if tuple(tensor.shape) != want:
             raise AdapterError(f"tensor {name!r} is {tuple(tensor.shape)}, the model needs "
                                f"{want}")
+        if module not in targets:
+            raise AdapterError(f"tensor {name!r} adapts {module}, which target_modules does not "
+                               "name")
         if not torch.isfinite(tensor).all():
             raise AdapterError(f"tensor {name!r} holds a value that is not finite")
+        if tensor.numel() and tensor.abs().max().item() >= lora_config.MAX_WEIGHT:
+            raise AdapterError(f"tensor {name!r} holds a value of {lora_config.MAX_WEIGHT:g} or "
+                               "more in magnitude")
         found.setdefault((layer, module), {})[part] = tensor
     for (layer, module), parts in found.items():
         if set(parts) != {"A", "B"}:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import stat
 from pathlib import Path
 
@@ -66,7 +67,9 @@ def test_an_upload_is_written_privately_checked_and_then_listed_and_callable(
     made = response.json()
     assert (made["id"], made["object"], made["state"], made["owned_by"], made["refusal"]) == (
         f"{MODEL}:mine", "adapter", "pending", tenant.slug, None)
-    folder = adapter_root / tenant.slug / MODEL / "mine"
+    folder = Path(LoraAdapter.objects.get().folder)  # a folder of its own, made new for it
+    assert folder.parent == adapter_root / tenant.slug / MODEL
+    assert re.fullmatch(r"mine\.[0-9a-f]{16}", folder.name)
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700
     assert stat.S_IMODE((adapter_root / tenant.slug).stat().st_mode) == 0o700
     assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json",
@@ -261,7 +264,7 @@ def test_register_adapter_registers_a_folder_under_the_root_and_checks_it(
     with pytest.raises(CommandError, match="refused: adapter_config.json: modules_to_save"):
         call_command("register_adapter", "--base", MODEL, "--name", "wide", "--folder",
                      str(refused), "--shared")
-    assert LoraAdapter.objects.get(name="wide").state == "refused"
+    assert not LoraAdapter.objects.filter(name="wide").exists()  # a refusal leaves no row
 
 
 def test_register_adapter_refuses_a_folder_outside_the_root_even_through_a_symlink(

@@ -12,7 +12,7 @@ import struct
 import numpy as np
 import pytest
 
-from tenants.adapter_check import AdapterFacts, all_finite, check_adapter
+from tenants.adapter_check import AdapterFacts, all_finite, all_within, check_adapter
 from tests.support.adapters import (
     adapter_config,
     lora_tensors,
@@ -160,6 +160,17 @@ def test_an_unsupported_dtype_is_refused(root, base_config):
     ({"lora_alpha": 0}, "lora_alpha=0 is not a positive number"),
     ({"r": 0}, "r=0 is not an integer from 1 to 64"),
     ({"rank_pattern": {"q_proj": 8}}, "rank_pattern (per-module ranks or alphas)"),
+    # settings that change what PEFT computes: served only while unset
+    ({"layers_to_transform": [0]}, "layers_to_transform=[0]: not served"),
+    ({"exclude_modules": ["q_proj"]}, "exclude_modules=['q_proj']: not served"),
+    ({"layer_replication": [[0, 4], [2, 5]]}, "layer_replication=[[0, 4], [2, 5]]: not served"),
+    ({"trainable_token_indices": [5, 6]}, "trainable_token_indices=[5, 6]: not served"),
+    ({"lora_bias": True}, "lora_bias=True: not served"),
+    ({"a_setting_of_a_later_peft": "on"}, "a_setting_of_a_later_peft='on': not served"),
+    # a scale that overflows the activations
+    ({"lora_alpha": 1e308}, "lora_alpha=1e+308 over r=4 scales the deltas by 2.5e+307, over 256"),
+    ({"lora_alpha": 400, "r": 2, "use_rslora": True},
+     "lora_alpha=400 over r=2 scales the deltas by 282.843, over 256"),
 ])
 def test_a_config_the_engine_cannot_apply_is_refused(root, base_config, fields, reason):
     folder = write_adapter(root / "config", adapter_config(**fields),
@@ -225,3 +236,43 @@ def test_all_finite_reads_the_bit_patterns_of_each_dtype(dtype):
             spoiled = values.copy()
             spoiled[at] = bad
             assert not all_finite(encoded(spoiled), dtype), (bad, at)
+
+
+def test_a_config_as_peft_writes_it_with_every_field_at_its_default_is_valid(root, base_config):
+    from peft import LoraConfig
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                        task_type="CAUSAL_LM").to_dict()
+    config["peft_type"], config["target_modules"] = "LORA", ["q_proj", "v_proj"]
+    folder = write_adapter(root / "peft", json.loads(json.dumps(config, default=str)),
+                           tensors=lora_tensors(base_config))
+    assert check(folder, base_config, root).rank == 4
+
+
+def test_a_weight_that_would_overflow_the_activations_is_refused(root, base_config):
+    tensors = lora_tensors(base_config)
+    name = tensor_name(0, "q_proj", "B")
+    tensors[name][3, 1] = 255.0  # below the bound: valid
+    assert check(write_adapter(root / "ok", tensors=tensors), base_config, root).rank == 4
+    tensors[name][3, 1] = -1e30
+    assert (f"tensor '{name}' holds a value of 256 or more in magnitude"
+            in refusal(write_adapter(root / "big", tensors=tensors), base_config, root))
+
+
+@pytest.mark.parametrize("dtype", ["F32", "F16", "BF16"])
+def test_all_within_reads_the_magnitude_from_the_bit_patterns(dtype):
+    def encoded(values):
+        array = np.array(values, np.float32)
+        if dtype == "F32":
+            return array.astype("<f4").tobytes()
+        if dtype == "F16":
+            return array.astype("<f2").tobytes()
+        return (array.view(np.uint32) >> 16).astype("<u2").tobytes()
+
+    inside = [0.0, -0.0, 1e-30, 0.5, -3.0, 128.0, 255.0, -255.0]
+    assert all_within(encoded(inside), dtype) and all_within(b"", dtype)
+    for bad in (256.0, -256.0, 300.0, 6e4, math.inf, math.nan):
+        for at in (0, 4, len(inside) - 1):
+            spoiled = list(inside)
+            spoiled[at] = bad
+            assert not all_within(encoded(spoiled), dtype), (bad, at)

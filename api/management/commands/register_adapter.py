@@ -1,16 +1,21 @@
 """``manage.py register_adapter --base M --name N --folder PATH (--tenant SLUG | --shared)``:
-register a LoRA adapter from a folder under ``ADAPTER_ROOT`` and check it at once."""
+register a LoRA adapter from a folder under ``ADAPTER_ROOT`` and check it at once; a refused
+one is not registered (no row is left)."""
 
 from __future__ import annotations
 
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
-from django.db import IntegrityError
+from django.db import IntegrityError, transaction
 
-from gateway import adapter_validation
+from gateway import adapter_validation, adapters
 from gateway.model_registry import read_served_models
 from tenants.adapters import inside_root, root_folder
 from tenants.models import LoraAdapter, Tenant
+
+
+class Refused(Exception):
+    """The adapter's check refused it (the message says why); its row is rolled back."""
 
 
 class Command(BaseCommand):
@@ -41,17 +46,26 @@ class Command(BaseCommand):
         if not any(m.name == options["base"] for m in read_served_models()):
             raise CommandError(f"no served base model {options['base']!r}")
         try:
-            row = LoraAdapter.objects.create(name=options["name"], base_model=options["base"],
-                                             owner=owner, folder=str(folder))
+            # The row, and its check, in one transaction: a refused adapter leaves no row (so
+            # the same name may be registered again once its files are fixed), and no
+            # ``post_delete`` ever runs for it (which would remove a tenant's adapter's folder).
+            with transaction.atomic():
+                row = LoraAdapter.objects.create(name=options["name"],
+                                                 base_model=options["base"], owner=owner,
+                                                 folder=str(folder))
+                checked = adapter_validation.validate(row.pk)
+                if checked is None or checked.state != LoraAdapter.State.READY:
+                    reason = (checked.refusal if checked is not None
+                              else "it changed while checked")
+                    raise Refused(f"{row.api_name}: refused: {reason}")
         except ValidationError as exc:
             raise CommandError(f"adapter not registered: {' '.join(exc.messages)}") from exc
         except IntegrityError as exc:
             raise CommandError(f"an adapter {options['base']}:{options['name']} exists "
                                "already") from exc
-        checked = adapter_validation.validate(row.pk)
-        if checked is None or checked.state != LoraAdapter.State.READY:
-            reason = checked.refusal if checked is not None else "it changed while checked"
-            raise CommandError(f"{row.api_name}: refused: {reason}")
+        except Refused as exc:
+            adapters.forget()  # nothing of the rolled back row is kept
+            raise CommandError(f"{exc} (nothing was registered)") from exc
         self.stdout.write(f"{checked.api_name}: ready (rank {checked.rank}, "
                           f"{checked.target_modules}, {checked.size_bytes} bytes, sha256 "
                           f"{checked.digest})")
