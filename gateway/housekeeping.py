@@ -64,7 +64,7 @@ def sweep(client: redis.Redis | None = None, *, sight: RedisSight) -> list[str]:
     expired = _ids(WITHDRAW_LUA.run(client, 0, prefix, EVENTS_TTL_S, "expired", EXPIRE_BATCH))
     sight.answered()
     return _reclaimed(RECLAIM_LUA.run(client, 0, prefix, ttl, EVENTS_TTL_S,
-                                  sight.seconds())) + expired
+                                  sight.seconds(), time.time())) + expired
 
 
 async def asweep(client: aioredis.Redis, *, sight: RedisSight) -> list[str]:
@@ -74,7 +74,7 @@ async def asweep(client: aioredis.Redis, *, sight: RedisSight) -> list[str]:
                                      EXPIRE_BATCH))
     sight.answered()
     ended = _reclaimed(await RECLAIM_LUA.arun(client, 0, prefix, ttl, EVENTS_TTL_S,
-                                         sight.seconds())) + expired
+                                         sight.seconds(), time.time())) + expired
     await end_unattended(client)
     return ended
 

@@ -302,7 +302,8 @@ class FairQueue:
             ended: their usage entries are in the ledger).
         """
         extra = [self.worker_id] if include_self else []
-        reply = self._run("reclaim", ttl_s, events_ttl_s, min(float(sight_s), 1e9), *extra)
+        reply = self._run("reclaim", ttl_s, events_ttl_s, min(float(sight_s), 1e9),
+                          time.time(), *extra)
         workers = json.loads(reply[1])  # cjson writes an empty list as {}
         return int(reply[0]), list(workers or []), _ids(reply[2:])
 

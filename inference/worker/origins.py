@@ -54,6 +54,7 @@ class WebOrigins:
         sight_s = self.state.sight.seconds()
         if not origin or sight_s < self.web_ttl_s:
             return True  # (just after an outage, no web process could beat: not judged)
+        asked = time.monotonic()
         beat = self.client.zscore(self.keys.web, origin)
         now = time.time()
         if beat is not None:
@@ -62,6 +63,10 @@ class WebOrigins:
             if age <= self.web_ttl_s:
                 return True
             freshest = self.client.zrevrange(self.keys.web, 0, 0, withscores=True)
+            if time.monotonic() - asked > self.web_ttl_s / 2:
+                # Answers that long in coming crossed an outage (Redis stopped with the calls
+                # sent): the sight measured before them says nothing of it.
+                return True
             freshest_age = now - float(freshest[0][1]) if freshest else age
             return not declares_dead(age, freshest_age, sight_s, self.web_ttl_s)
         first = self._missing.setdefault(origin, time.monotonic())

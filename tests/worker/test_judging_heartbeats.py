@@ -130,3 +130,58 @@ def test_a_worker_resumed_with_a_hung_redis_stops_no_answer_of_a_live_web_proces
     finally:
         web.stopped = True
         worker.stop()
+
+
+def test_a_reclaim_sent_as_redis_stops_declares_no_death_when_it_runs_after(private_redis,
+                                                                             keys):
+    """A judge measured a long sight of Redis and sent its reclaim just as Redis stopped: the
+    script runs when Redis goes on, every heartbeat older than the TTL by then. The sight it
+    carries is of before the outage, so it declares nobody dead (a worker whose call had hung
+    that way reclaimed every other worker at once)."""
+    client = redis.Redis.from_url(private_redis.url)
+    client.zadd(keys.workers, {"other": time.time()})
+    judge = FairQueue(redis.Redis.from_url(private_redis.url), keys, "judge", "vtc")
+    replies: list = []
+    private_redis.proc.send_signal(signal.SIGSTOP)
+    try:
+        call = threading.Thread(target=lambda: replies.append(
+            judge.reclaim(ttl_s=TTL_S, events_ttl_s=60, sight_s=1e6)), daemon=True)
+        call.start()
+        time.sleep(OUTAGE_S)  # "other" beats no more: Redis is stopped
+    finally:
+        private_redis.proc.send_signal(signal.SIGCONT)
+    call.join(timeout=10)
+    assert replies == [(0, [], [])]
+    assert client.zscore(keys.workers, "other") is not None
+    # Measured now, the same sight declares the silent worker dead (it beat no more after).
+    assert judge.reclaim(ttl_s=TTL_S, events_ttl_s=60, sight_s=1e6)[1] == ["other"]
+
+
+def test_a_web_process_judged_across_a_redis_stop_is_not_taken_for_gone(private_redis, keys):
+    """The worker's judge of web processes: its sight measured, its calls sent as Redis stopped
+    and answered after, every web heartbeat stale by then: the web process stays alive."""
+    from inference.worker.live import WorkerState
+    from inference.worker.origins import WebOrigins
+
+    client = redis.Redis.from_url(private_redis.url)
+    client.zadd(keys.web, {"web-1": time.time()})
+    state = WorkerState(sight_gap_s=TTL_S / 2)
+    clock = [0.0]
+    state.sight = type(state.sight)(TTL_S / 2, clock=lambda: clock[0])
+    for step in range(41):  # an unbroken sight of 10 TTLs up to now
+        clock[0] = step * TTL_S / 4
+        state.sight.answered()
+    origins = WebOrigins(state, redis.Redis.from_url(private_redis.url), keys, TTL_S)
+    answers: list[bool] = []
+    private_redis.proc.send_signal(signal.SIGSTOP)
+    try:
+        call = threading.Thread(target=lambda: answers.append(origins.alive("web-1")),
+                                daemon=True)
+        call.start()
+        time.sleep(OUTAGE_S)
+    finally:
+        private_redis.proc.send_signal(signal.SIGCONT)
+    call.join(timeout=10)
+    assert answers == [True]
+    # Asked now, with the same sight, the web process that beat no more is gone.
+    assert origins.alive("web-1") is False

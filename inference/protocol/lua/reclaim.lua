@@ -18,20 +18,30 @@
 -- its last beat by a judge whose sight was continuous (a web process's monitor, another
 -- worker), and within 2 TTL of the end of an outage that came between.
 --
+-- The judge's sight holds when it was measured (ARGV[5]: the judge's wall clock then, the clock
+-- its heartbeats are written with): a call that reaches Redis more than half a TTL later (sent
+-- as Redis stopped, and run when it went on: every heartbeat aged meanwhile, the judge's sight
+-- of it did not) declares no death.
+--
 -- A worker starting under the id of one that died (a restart with a fixed WORKER_ID) reclaims
--- what that one left under its id first, naming it as ARGV[5] (whatever its heartbeat and the
+-- what that one left under its id first, naming it as ARGV[6] (whatever its heartbeat and the
 -- judge's sight: the earlier process under this id is gone).
 -- Heartbeats are the deployment's, whatever the base model: a dead worker's requests are
 -- looked for in the queue it served ({p}:worker_queue), whichever queue the judge serves.
 -- ARGV: a queue name (fair_queue.lua), the heartbeat TTL (s), the events' TTL (s), the judge's
--- sight (s), optionally a worker id to reclaim whatever its heartbeat. Returns {requeued count,
+-- sight (s), when it was measured (Unix s), optionally a worker id to reclaim whatever its
+-- heartbeat. Returns {requeued count,
 -- worker ids reclaimed (JSON list), then the ids of the requests ended}.
 local p, ttl, events_ttl = fq_root(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local sight = tonumber(ARGV[4]) or 0
+local measured = tonumber(ARGV[5])
 -- How long a reclaimed worker's mark is kept (s): a worker paused longer finds itself reclaimed
 -- by its heartbeat instead (inference.worker.bridge.WorkerBridge.publish_stats).
 local MARK_TTL_S = 86400
 local now = fq_now()
+if not measured or now - measured > ttl / 2 then
+  sight = 0
+end
 local dead = {}
 if sight >= ttl then
   local freshest = redis.call('ZREVRANGE', p .. ':workers', 0, 0, 'WITHSCORES')
@@ -40,13 +50,13 @@ if sight >= ttl then
     dead = redis.call('ZRANGEBYSCORE', p .. ':workers', '-inf', now - ttl)
   end
 end
-if ARGV[5] then
+if ARGV[6] then
   local known = false
   for _, worker in ipairs(dead) do
-    known = known or worker == ARGV[5]
+    known = known or worker == ARGV[6]
   end
   if not known then
-    dead[#dead + 1] = ARGV[5]
+    dead[#dead + 1] = ARGV[6]
   end
 end
 local requeued, out = 0, {}
