@@ -21,6 +21,9 @@ that was read already; so the limit acts here, on the headers, in :class:`Platfo
   upload leases first (``FILES_MAX_CONCURRENT_UPLOADS``,
   :func:`api.file_views.take_upload_lease`: 429 when none is free, the body unread), held
   while the body arrives and the view stores it, ended with the request.
+- **Chunked bodies.** A body sent chunked reaches the application with a ``Content-Length`` of
+  what it held, and without its ``Transfer-Encoding`` (Django reads a form up to the length: a
+  chunked upload to ``/v1/files`` or ``/v1/adapters`` is read as one with a length).
 - **Request targets.** An absolute-form target (``GET http://host/v1/models``, RFC 9112 3.2.2) is
   served as its path, with its host in place of the ``Host`` header; a target that is neither a
   path nor such a URL (``*``, ``host:443``, ``v1/models``), or holds bytes that are not ASCII,
@@ -412,6 +415,16 @@ class PlatformRequest(WebRequest):
                 # RFC 9112 3.2.2: the target's host, not the Host header.
                 self.requestHeaders.setRawHeaders(b"Host", [self.target.authority])
         super().requestReceived(command, path, version)
+
+    def process(self) -> None:
+        # The body is whole by now. A chunked one is handed on with its length instead of its
+        # framing (as a proxy may, RFC 9112 6.1): Django parses a form only up to the request's
+        # Content-Length, so a chunked upload would otherwise reach the view without any field.
+        headers = self.requestHeaders
+        if headers.hasHeader(b"transfer-encoding") and not headers.hasHeader(b"content-length"):
+            headers.removeHeader(b"transfer-encoding")
+            headers.setRawHeaders(b"content-length", [str(self.body_received).encode()])
+        super().process()
 
     def finish(self) -> None:
         super().finish()

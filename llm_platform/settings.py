@@ -51,17 +51,20 @@ INSTALLED_APPS = [
     "dashboard",
 ]
 
+# Django's and django-csp's middlewares, each run on the event loop where it does no I/O, and the
+# pages' ones (sessions, CSRF, login, messages) not at all for the REST API
+# (llm_platform.middleware).
 MIDDLEWARE = [
-    "django.middleware.security.SecurityMiddleware",
+    "llm_platform.middleware.SecurityMiddleware",
     # A NUL in the path or query string is read as U+FFFD, not a 500 from PostgreSQL.
-    "llm_platform.request_text.NulCharacterMiddleware",
-    "csp.middleware.CSPMiddleware",
-    "django.contrib.sessions.middleware.SessionMiddleware",
-    "django.middleware.common.CommonMiddleware",
-    "django.middleware.csrf.CsrfViewMiddleware",
-    "django.contrib.auth.middleware.AuthenticationMiddleware",
-    "django.contrib.messages.middleware.MessageMiddleware",
-    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "llm_platform.middleware.NulCharacterMiddleware",
+    "llm_platform.middleware.CSPMiddleware",
+    "llm_platform.middleware.SessionMiddleware",
+    "llm_platform.middleware.CommonMiddleware",
+    "llm_platform.middleware.CsrfViewMiddleware",
+    "llm_platform.middleware.AuthenticationMiddleware",
+    "llm_platform.middleware.MessageMiddleware",
+    "llm_platform.middleware.XFrameOptionsMiddleware",
     # A database outage raised by a page is a retryable 503, not a 500 (llm_platform.outages).
     "llm_platform.outages.DatabaseOutageMiddleware",
 ]

@@ -24,6 +24,8 @@ GATE1_LUA = queue_script("gate1")
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
+# The Celery worker's flags beyond the pool and log level: no heartbeat events, gossip or mingle.
+CELERY_QUIET = ("--without-heartbeat", "--without-gossip", "--without-mingle")
 
 
 def free_port() -> int:
@@ -102,8 +104,10 @@ class Stack:
         self.others.append(self._spawn("daphne", [sys.executable, "-m", "llm_platform.serve",
                                                   "-b", "127.0.0.1", "-p", str(self.port),
                                                   "llm_platform.asgi:application"]))
+        # As scripts/supervisord.conf starts it: no worker-to-worker chatter (docs/platform.md).
         self.others.append(self._spawn("celery", [str(BIN / "celery"), "-A", "llm_platform",
-                                                  "worker", "-P", "solo", "-l", "info"]))
+                                                  "worker", "-P", "solo", "-l", "info",
+                                                  *CELERY_QUIET]))
         for _ in range(self.num_workers):
             self.start_worker()
         if self.beat:

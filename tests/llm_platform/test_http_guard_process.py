@@ -13,6 +13,7 @@ import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import httpx
 import openai
 import pytest
 import websocket
@@ -113,6 +114,39 @@ def test_a_body_at_the_limit_reaches_the_api(web):
         answer = exchange(web.port, raw)
         assert answer.status == 400, framing  # read whole, then refused as not JSON
         assert answer.json_error()["code"] == "invalid_json"
+
+
+def upload(web: Web, path: str, framing: str, data: dict, files: dict) -> dict:
+    """The error of a multipart upload to ``path`` sent with a length or chunked."""
+    form = httpx.Request("POST", f"http://127.0.0.1:{web.port}{path}", data=data, files=files)
+    body = form.read()
+    headers = [f"Authorization: Bearer {web.key}", f"Content-Type: {form.headers['content-type']}"]
+    if framing == "length":
+        raw = request("POST", path, *headers, f"Content-Length: {len(body)}", body=body)
+    else:
+        raw = request("POST", path, *headers, "Transfer-Encoding: chunked",
+                      body=chunked(body, piece=50))
+    return exchange(web.port, raw).json_error()
+
+
+# Each form has every part, one of them refused: the answer names that part whatever the framing
+# (a form read as empty would name the first part missing). The tests write nothing.
+def test_a_chunked_file_upload_is_read_as_the_same_upload_with_a_length(web):
+    lines = b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}\n'
+    errors = [upload(web, "/v1/files", framing, {"purpose": "assistants"},
+                     {"file": ("lines.jsonl", lines, "application/jsonl")})
+              for framing in ("length", "chunked")]
+    assert errors[0] == errors[1]
+    assert (errors[1]["param"], errors[1]["code"]) == ("purpose", "unsupported_value")
+
+
+def test_a_chunked_adapter_upload_is_read_as_the_same_upload_with_a_length(web):
+    errors = [upload(web, "/v1/adapters", framing, {"name": "chunky", "model": MODEL},
+                     {"adapter_config": ("adapter_config.json", b"{}", "application/json"),
+                      "adapter_model": ("adapter_model.bin", b"x" * 64, "application/x")})
+              for framing in ("length", "chunked")]
+    assert errors[0] == errors[1]
+    assert (errors[1]["param"], errors[1]["code"]) == ("adapter_model", "invalid_file")
 
 
 def test_the_openai_client_gets_a_413_naming_the_limit_and_goes_on(web):
