@@ -17,7 +17,9 @@ and ITL differences (ms), and the CPU time each process spent during the measure
 user + system seconds of daphne, Redis, Celery, the worker and this client process), which shows
 what the platform costs independently of the machine's run-to-run noise in throughput, and the
 same per streamed token (ms; the web tier, daphne + Redis + Celery, aims at 0.1 ms at 16
-streams). Repeats alternate the two systems.
+streams). Between its warm-up and its load, each REST run measures the same processes' CPU
+time for ``--idle-s`` seconds with nothing in flight: what each costs a second whatever the
+load, and that cost per token at the run's output rate. Repeats alternate the two systems.
 
 Usage::
 
@@ -67,12 +69,14 @@ def workload(args: argparse.Namespace, maker: PromptMaker,
 
 
 async def drive(target: Any, args: argparse.Namespace, maker: PromptMaker,
-                name: str, processes: dict[str, int]
+                name: str, processes: dict[str, int], idle_s: float = 0.0
                 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The measured run's summary (with ``cpu_s``, CPU seconds per process during the measured
+    run, and with ``idle_s`` ``idle_cpu_ms_per_s``: :func:`idle_cpu` between the warm-up and the
     run) and its per-request records (the warm-up is left out)."""
     await run_load(target, workload(args, maker, args.warmup, args.seed + 1),
                    max_concurrency=args.concurrency, desc=f"{name} warm-up")
+    idle = await idle_cpu(processes, idle_s)
     before = cpu_seconds(processes)
     results, duration = await run_load(target, workload(args, maker, args.requests,
                                                         args.seed),
@@ -81,6 +85,8 @@ async def drive(target: Any, args: argparse.Namespace, maker: PromptMaker,
     summary = summarize(results, duration)
     summary["cpu_s"] = {k: round(after[k] - before[k], 2) for k in processes}
     summary["all_failed"] = warn_if_all_failed(results, name)
+    if idle:
+        summary["idle_cpu_ms_per_s"] = idle
     return summary, records(results)
 
 
@@ -103,7 +109,19 @@ async def run_rest(args: argparse.Namespace, maker: PromptMaker
         if redis_pid is not None:
             processes["redis"] = redis_pid
         async with RestTarget(platform.url, platform.keys) as target:
-            return await drive(target, args, maker, "rest", processes)
+            return await drive(target, args, maker, "rest", processes, idle_s=args.idle_s)
+
+
+async def idle_cpu(processes: dict[str, int], seconds: float) -> dict[str, float]:
+    """Each process's CPU time per second (ms) over ``seconds`` with nothing in flight (the
+    platform's timers and polls, and Redis's own; empty for 0): what it costs whatever the load."""
+    if seconds <= 0:
+        return {}
+    await asyncio.sleep(1.0)  # the warm-up's last writes and usage records
+    before = cpu_seconds(processes)
+    await asyncio.sleep(seconds)
+    after = cpu_seconds(processes)
+    return {k: round(1000 * (after[k] - before[k]) / seconds, 2) for k in processes}
 
 
 # The latency figures of the table and of the plot, (metric, statistic): the same in both.
@@ -217,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=positive_int, default=3,
                         help="repeats of each system, alternating which goes first")
     parser.add_argument("--seed", type=int, default=6, help="workload seed")
+    parser.add_argument("--idle-s", type=float, default=10.0,
+                        help="seconds each REST run first measures the processes' CPU time "
+                             "with nothing in flight (0: not measured)")
     add_out_dir_flag(parser)
     args = parser.parse_args(argv)
     before = machine()
@@ -257,6 +278,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  repeat {i + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in per_token.items())
               + f" (web tier target {WEB_TIER_MS_PER_TOKEN}; throughput ratio "
               f"{run['throughput_ratio']:.3f})")
+    for i, run in enumerate(runs):
+        idle = run["rest"].get("idle_cpu_ms_per_s") or {}
+        if idle:
+            rate = run["rest"]["output_throughput"] or 1
+            web = sum(v for k, v in idle.items() if k in ("daphne", "celery", "redis"))
+            print(f"  repeat {i + 1} at idle, CPU ms per second: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in idle.items())
+                  + f"; the web tier's {web:.2f} ms/s is {web / rate:.3f} ms a token at this "
+                  f"run's {rate:.0f} tok/s")
     print("median over repeats: " + ", ".join(f"{k} {v:.3g}" for k, v in overall.items())
           + " (added_*: REST minus engine, of the means)")
     path = write_json("overhead", {"args": vars(args), "machine_before": before, "runs": runs,
