@@ -236,8 +236,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="repeats of each system, alternating which goes first")
     parser.add_argument("--seed", type=int, default=6, help="workload seed")
     parser.add_argument("--idle-s", type=float, default=10.0,
-                        help="seconds each REST run first measures the processes' CPU time "
-                             "with nothing in flight (0: not measured)")
+                        help="seconds each REST run measures the processes' CPU time with "
+                             "nothing in flight, between its warm-up and its load (0: not "
+                             "measured)")
     add_out_dir_flag(parser)
     args = parser.parse_args(argv)
     before = machine()
