@@ -7,7 +7,7 @@ message's ``origin``) knows what its client was sent, and it says so in Redis tw
 - **The delivered checkpoint** of each streaming request it relays: ``{prefix}:delivery:{web
   id}`` (hash: request id -> the tokens its client was sent, the last ``seq`` sent + 1). The
   event loop's reader (:mod:`gateway.event_reader`) writes the fields that changed in the
-  pipeline of an ``XREAD`` it sends anyway, at most every :data:`CHECKPOINT_INTERVAL_S` for the
+  round trip of an ``XREAD`` it sends anyway, at most every :data:`CHECKPOINT_INTERVAL_S` for the
   whole loop (one ``HSET`` of the changed fields, whatever the number of streams and tokens), and
   drops the fields of the requests that ended. The hash expires :data:`KEEP_S` after its last
   write. A checkpoint never runs ahead of what was handed to the client's connection: it lags
@@ -195,17 +195,16 @@ class Checkpoints:
         self._next_at = now + CHECKPOINT_INTERVAL_S
         return Batch(changed, ended)
 
-    def queue(self, pipe, batch: Batch) -> int:
-        """Add ``batch``'s commands to ``pipe``; returns how many (their replies come first)."""
-        n = 0
+    def commands(self, batch: Batch) -> list[tuple]:
+        """``batch``'s commands (``HSET``, ``HDEL``, ``EXPIRE``), for the read's round trip."""
+        commands: list[tuple] = []
         if batch.changed:
-            pipe.hset(self.key, mapping=batch.changed)
-            n += 1
+            commands.append(("HSET", self.key, *(x for item in batch.changed.items()
+                                                  for x in item)))
         if batch.ended:
-            pipe.hdel(self.key, *batch.ended)
-            n += 1
-        pipe.expire(self.key, KEEP_S)
-        return n + 1
+            commands.append(("HDEL", self.key, *batch.ended))
+        commands.append(("EXPIRE", self.key, KEEP_S))
+        return commands
 
     def written(self, batch: Batch) -> None:
         """``batch`` is in Redis (its read succeeded)."""

@@ -4,8 +4,10 @@ Each request of a web process that waits for its events (:func:`gateway.events.e
 :class:`Subscription`: its stream (``{prefix}:events:{request_id}``) and the id of the last entry
 handed to it. The loop's :class:`EventReader` task reads every subscribed stream with one
 ``XREAD BLOCK ... STREAMS k1 k2 ... id1 id2 ...`` at a time, on a connection of its own (no
-request's call can hold it, and it never blocks a shared one), and hands each subscription its new
-entries in order, each once: a tick that writes to 16 streams costs a read or two, not 16.
+request's call can hold it, and it never blocks a shared one; :mod:`gateway.redis_wire`, which
+sends a round trip without redis-py's per-command layers: a lone stream makes one a token), and
+hands each subscription its new entries in order, each once: a tick that writes to 16 streams
+costs a read or two, not 16.
 
 - A read returns at most :data:`COUNT` entries per stream and names at most
   :data:`MAX_KEYS_PER_READ` streams; more streams are read by several commands sent in one round
@@ -18,10 +20,10 @@ entries in order, each once: a tick that writes to 16 streams costs a read or tw
 - A subscription whose taker lags (:data:`MAX_BACKLOG` entries handed over and not taken) is
   left out of the reads until it catches up, so a slow client costs no unbounded memory.
 - A read's round trip also carries the loop's delivered checkpoints (:mod:`gateway.delivery`).
-- A failed read (``redis.ConnectionError`` or ``redis.TimeoutError``, after the client's own
-  retries on a lost connection) is raised by every subscription's next :meth:`Subscription.read`,
-  and the reader retries with backoff. Each subscription keeps its position: once Redis answers
-  again, nothing is lost or repeated.
+- A failed read (``redis.ConnectionError`` or ``redis.TimeoutError``; a connection lost once
+  established is made anew and the read sent again first) is raised by every subscription's
+  next :meth:`Subscription.read`, and the reader retries with backoff. Each subscription keeps
+  its position: once Redis answers again, nothing is lost or repeated.
 - A reader that dies of anything else is logged, its subscriptions' next read raises
   :class:`ReaderFailed` (an outage to them), and the next read or subscription starts a new one.
 """
@@ -30,14 +32,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import time
 import uuid
 import weakref
 from dataclasses import dataclass, field
 
-import redis.asyncio as aioredis
 import redis.exceptions
 from django.conf import settings
 
@@ -45,7 +45,7 @@ from gateway import delivery
 from gateway.clients import aredis, raise_if_cancelled
 from gateway.conf import redis_keys
 from gateway.monitor import WEB_ID
-from inference.protocol.keys import redis_retry_options
+from gateway.redis_wire import WireConnection
 
 log = logging.getLogger(__name__)
 
@@ -311,28 +311,29 @@ class EventReader:
         reads[-1].streams[self._wake_key] = self._wake_id
         return reads
 
-    async def _xread(self, client: aioredis.Redis, reads: list[_Read]) -> list:
+    async def _xread(self, connection: WireConnection, reads: list[_Read]) -> list:
         # One round trip: the loop's checkpoints when due, then the reads. A read alone blocks;
         # of several, only the last, and only after a round that found nothing (else the others'
         # streams would wait for its block).
         self._block_s = BLOCK_S if len(reads) == 1 else 0.0 if self._found else SHORT_BLOCK_S
         batch = self.checkpoints.due(time.monotonic())
-        pipe = client.pipeline(transaction=False)
-        skip = 0 if batch is None else self.checkpoints.queue(pipe, batch)
+        commands = [] if batch is None else self.checkpoints.commands(batch)
         for i, read in enumerate(reads):
-            block = (int(self._block_s * 1000) or None) if i == len(reads) - 1 else None
-            pipe.xread(read.streams, count=COUNT, block=block)
-        replies = await pipe.execute()
+            block = int(self._block_s * 1000) if i == len(reads) - 1 else 0
+            commands.append(("XREAD", "COUNT", COUNT, *(("BLOCK", block) if block else ()),
+                             "STREAMS", *read.streams, *read.streams.values()))
+        replies = await connection.round_trip(commands)
         if batch is not None:
             self.checkpoints.written(batch)
-        return replies[skip:]
+        return replies[len(commands) - len(reads):]
 
     def _dispatch(self, reads: list[_Read], replies: list) -> None:
         now = time.monotonic()
         found: dict[bytes, list[Entry]] = {}
-        for reply in replies:
+        for reply in replies:  # XREAD's, as RESP2 sends it: [[key, [[id, [f, v, ...]], ...]]]
             for key, entries in reply or ():
-                found[key] = entries
+                found[key] = [(entry_id, dict(zip(flat[::2], flat[1::2], strict=True)))
+                              for entry_id, flat in entries]
         wake = found.pop(self._wake_key, None)
         if wake:
             self._wake_id = wake[-1][0]
@@ -348,9 +349,7 @@ class EventReader:
                 sub.give(entries, now)
 
     async def _run(self) -> None:
-        client = aioredis.Redis.from_url(self._url, max_connections=1,
-                                         client_name=self.client_name,
-                                         **redis_retry_options(asyncio=True))
+        connection = WireConnection(self._url, self.client_name)
         failures = 0
         try:
             while True:
@@ -361,7 +360,7 @@ class EventReader:
                 reads = self._plan()
                 self._sent_at, self._woken = time.monotonic(), False
                 try:
-                    replies = await self._xread(client, reads)
+                    replies = await self._xread(connection, reads)
                 except REDIS_DOWN as exc:
                     raise_if_cancelled()
                     self._ok = False
@@ -377,8 +376,7 @@ class EventReader:
                 self._dispatch(reads, replies)
         finally:
             self._sent_at = None
-            with contextlib.suppress(Exception):
-                await client.aclose()
+            connection.close()
 
 
 _readers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, EventReader] = (
