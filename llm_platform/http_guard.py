@@ -31,7 +31,9 @@ that was read already; so the limit acts here, on the headers, in :class:`Platfo
 - **JSON errors.** What twisted refuses (a malformed request line, header or chunked framing:
   400; a request line over 16 KiB: 414; headers over 16 KiB: 431) and daphne's own errors (a
   header it rejects, an application that failed before answering) get the platform's error
-  body (:class:`gateway.errors.APIError`) instead of an empty or an HTML body.
+  body (:class:`gateway.errors.APIError`) instead of an empty or an HTML body, with the headers
+  every other response carries (``nosniff``, the Content-Security-Policy, ``X-Frame-Options``:
+  :func:`security_headers`).
 
 After a refusal the connection is closed: the answer is written, then the write side is closed,
 and whatever the client still sends is read and dropped (never kept) for up to
@@ -172,12 +174,32 @@ def server_error(status: int, detail: str) -> APIError:
         status, b"error").decode("ascii").lower().replace(" ", "_"))
 
 
+@functools.cache
+def security_headers() -> dict[str, str]:
+    """The headers Django's middlewares give every response (``nosniff``, ``Referrer-Policy``,
+    ``Cross-Origin-Opener-Policy``, ``X-Frame-Options``, the Content-Security-Policy), from the
+    same settings, for the answers this layer writes itself."""
+    from csp.utils import build_policy
+    from django.conf import settings
+
+    headers = {"Content-Security-Policy": build_policy()}
+    if settings.SECURE_CONTENT_TYPE_NOSNIFF:
+        headers["X-Content-Type-Options"] = "nosniff"
+    if settings.SECURE_REFERRER_POLICY:
+        headers["Referrer-Policy"] = settings.SECURE_REFERRER_POLICY
+    if settings.SECURE_CROSS_ORIGIN_OPENER_POLICY:
+        headers["Cross-Origin-Opener-Policy"] = settings.SECURE_CROSS_ORIGIN_OPENER_POLICY
+    headers["X-Frame-Options"] = getattr(settings, "X_FRAME_OPTIONS", "DENY").upper()
+    return headers
+
+
 def raw_response(error: APIError, *, head: bool = False) -> bytes:
     """A whole HTTP/1.1 response of ``error``, for a connection that closes after it (without the
-    body for a ``HEAD`` request, whose ``Content-Length`` still counts it)."""
+    body for a ``HEAD`` request, whose ``Content-Length`` still counts it), with the headers
+    every response of the platform carries (:func:`security_headers`)."""
     body = json.dumps(error.body()).encode()
     headers = {"Content-Type": "application/json", "Content-Length": str(len(body)),
-               "Connection": "close", **error.headers()}
+               "Connection": "close", **security_headers(), **error.headers()}
     lines = b"".join(f"{name}: {value}\r\n".encode("latin-1") for name, value in headers.items())
     reason = http.RESPONSES.get(error.status, b"Error")
     return b"HTTP/1.1 %d %s\r\n%s\r\n%s" % (error.status, reason, lines, b"" if head else body)
@@ -445,7 +467,7 @@ class PlatformRequest(WebRequest):
         error = server_error(status, body)
         headers = [(b"Content-Type", b"application/json"),
                    *((name.encode("latin-1"), value.encode("latin-1"))
-                     for name, value in error.headers().items())]
+                     for name, value in {**security_headers(), **error.headers()}.items())]
         self.handle_reply({"type": "http.response.start", "status": status, "headers": headers})
         self.handle_reply({"type": "http.response.body",
                            "body": json.dumps(error.body()).encode()})

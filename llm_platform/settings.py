@@ -56,6 +56,8 @@ INSTALLED_APPS = [
 # (llm_platform.middleware).
 MIDDLEWARE = [
     "llm_platform.middleware.SecurityMiddleware",
+    # Above CommonMiddleware: its own answers (the APPEND_SLASH redirect, a Host refused) too.
+    "llm_platform.middleware.XFrameOptionsMiddleware",
     # A NUL in the path or query string is read as U+FFFD, not a 500 from PostgreSQL.
     "llm_platform.middleware.NulCharacterMiddleware",
     "llm_platform.middleware.CSPMiddleware",
@@ -64,7 +66,6 @@ MIDDLEWARE = [
     "llm_platform.middleware.CsrfViewMiddleware",
     "llm_platform.middleware.AuthenticationMiddleware",
     "llm_platform.middleware.MessageMiddleware",
-    "llm_platform.middleware.XFrameOptionsMiddleware",
     # A database outage raised by a page is a retryable 503, not a 500 (llm_platform.outages).
     "llm_platform.outages.DatabaseOutageMiddleware",
 ]

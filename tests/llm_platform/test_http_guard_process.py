@@ -292,6 +292,27 @@ def test_a_request_line_or_headers_too_long_get_414_and_431(web):
     assert many.json_error()["code"] == "request_header_fields_too_large"
 
 
+def test_the_answers_of_this_layer_carry_every_security_header(web):
+    """What the HTTP layer answers itself (before Django) carries the headers every response
+    of the platform carries."""
+    answers = {
+        "413": exchange(web.port, request("POST", "/v1/completions",
+                                          f"Content-Length: {LIMIT + 1}")),
+        "400": exchange(web.port, b"GET  /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"),
+        "414": exchange(web.port, request("GET", "/v1/models?" + "a" * 20_000)),
+        "431": exchange(web.port, request("GET", "/v1/models", "X-Big: " + "a" * 20_000)),
+        "401": exchange(web.port, request("POST", "/v1/files", f"Content-Length: {4 * 2**20}")),
+    }
+    for status, answer in answers.items():
+        assert str(answer.status) == status, answer.raw[:300]
+        assert answer.headers["x-content-type-options"] == "nosniff", status
+        assert answer.headers["x-frame-options"] == "DENY", status
+        assert answer.headers["referrer-policy"] == "same-origin", status
+        assert answer.headers["cross-origin-opener-policy"] == "same-origin", status
+        assert "frame-ancestors 'none'" in answer.headers["content-security-policy"], status
+        answer.json_error()
+
+
 # -- websockets -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("path", ["/ws/", "/ws/chat", "/ws/chat/more", "/v1/models", "/",

@@ -95,3 +95,18 @@ def test_a_path_beside_the_api_is_a_page(client):
     assert "Content-Security-Policy" in page.headers
     api = run(AsyncClient().get("/v1/no/such/thing"))
     assert api.status_code == 404 and api.json()["error"]["code"] == "not_found"
+
+
+@pytest.mark.parametrize("path, host, status", [
+    ("/admin", "127.0.0.1", 301),  # CommonMiddleware's APPEND_SLASH redirect
+    ("/v1/models", "evil.example", 400),  # a Host not allowed, refused by CommonMiddleware
+    ("/chat/login/", "evil.example", 400),
+])
+def test_the_answers_common_middleware_gives_itself_carry_every_security_header(
+        settings, path, host, status):
+    settings.ALLOWED_HOSTS = ["127.0.0.1"]
+    response = Client(HTTP_HOST=host).get(path)
+    assert response.status_code == status
+    assert_security_headers(response)
+    assert response.headers["X-Frame-Options"] == "DENY"
+    assert "frame-ancestors 'none'" in response.headers["Content-Security-Policy"]
