@@ -172,6 +172,8 @@ class WireConnection:
             protocol.transport.write(pack(commands))
         except RuntimeError as exc:  # uvloop's transport, closed before connection_lost ran
             raise redis.exceptions.ConnectionError(f"Connection closed: {exc}") from exc
+        if self._timeout is None:  # the event reader's URL: no timeout set (the usual)
+            return await waiter
         try:
             async with asyncio.timeout(self._timeout):
                 return await waiter

@@ -16,6 +16,7 @@ import pytest
 import redis
 import redis.exceptions
 
+from benchmarks.harness.stack import free_port
 from gateway.redis_wire import WireConnection, pack
 
 pytestmark = pytest.mark.anyio
@@ -39,12 +40,6 @@ def sync_client(settings, key) -> redis.Redis:
     yield client
     client.delete(key, f"{key}:s")
     client.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_commands_are_packed_as_arrays_of_bulk_strings():
