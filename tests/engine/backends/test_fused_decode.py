@@ -302,3 +302,67 @@ def test_a_pass_with_a_slot_or_position_out_of_range_is_refused_before_anything_
     # The engine keeps serving: a good chunk after the refusals.
     logits = bf16.prefill([PrefillChunk("r", corpus_ids[:20], 0, [1, 2])])
     assert logits.shape == (1, bf16.vocab_size) and torch.isfinite(logits).all()
+
+
+def steps_run(b: TransformersBackend, corpus_ids: list[int], *,
+              native: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """:func:`chunked_run` through the layer loop (no one-call-per-layer pass), its elementwise
+    steps native (``native_steps``) or in PyTorch; also how many native RMSNorms ran."""
+    calls = 0
+    lib = b._native
+    norm = lib.bf16_add_rms_norm
+
+    def counted(*args):
+        nonlocal calls
+        calls += 1
+        return norm(*args)
+
+    b.native_steps = native
+    b.fused_prefill = False
+    lib.bf16_add_rms_norm = counted
+    try:
+        logits, kv, _ = chunked_run(b, corpus_ids, fused=False)
+    finally:
+        lib.bf16_add_rms_norm = norm
+        b.native_steps = True
+    return logits, kv, calls
+
+
+@pytest.mark.model
+def test_passes_through_the_layer_loop_take_native_elementwise_steps_with_the_same_results(
+        bf16, corpus_ids):
+    # Where the products run on PyTorch (AMX), a pass with prompt chunks keeps the layer loop;
+    # its norms, rotary embedding, K/V writes and gating run natively, and give what the
+    # PyTorch operations give.
+    native_logits, native_kv, calls = steps_run(bf16, corpus_ids, native=True)
+    torch_logits, torch_kv, none = steps_run(bf16, corpus_ids, native=False)
+    assert calls == 3 * 2 * len(bf16._layers) and none == 0
+    assert_same_as_the_pytorch_pass(native_logits, native_kv, torch_logits, torch_kv,
+                                     "layer loop")
+
+
+@pytest.mark.model
+def test_a_native_rotary_step_with_a_position_or_slot_out_of_range_writes_nothing(bf16):
+    from inference.engine.backends.native import elementwise as native_elementwise
+
+    bf16.allocate_kv_pool(4, 16)
+    assert bf16._kv is not None
+    pool = bf16._kv[0]
+    before = pool.clone()
+    steps = native_elementwise.Elementwise(bf16._native, bf16._cos, bf16._sin, 2)
+    heads, kv_heads, dim = bf16.num_heads, bf16.num_kv_heads, bf16.head_dim
+    qkv = torch.randn(2, (heads + 2 * kv_heads) * dim).bfloat16()
+    qkv_before = qkv.clone()
+    for positions, slots in (([0, 1], [3, 4 * 16]), ([0, 1], [-1, 3]),
+                             ([0, bf16.max_model_len], [3, 4]), ([-1, 0], [3, 4])):
+        with pytest.raises(ValueError, match="rotary tables or a slot outside the pool"):
+            steps.rope_kv_write(qkv, torch.tensor(positions), torch.tensor(slots), pool, heads,
+                                kv_heads, dim)
+        assert torch.equal(pool, before) and torch.equal(qkv, qkv_before)
+    q = steps.rope_kv_write(qkv, torch.tensor([0, 5]), torch.tensor([3, 4]), pool, heads,
+                            kv_heads, dim)
+    # Position 0 rotates nothing: its queries and keys are the projection's.
+    assert torch.equal(q[0].flatten(), qkv_before[0, :heads * dim])
+    assert torch.equal(pool[:kv_heads, 0, 3].flatten(),
+                       qkv_before[0, heads * dim:(heads + kv_heads) * dim])
+    assert torch.equal(pool[kv_heads:, 0, 4].flatten(), qkv_before[1, (heads + kv_heads) * dim:])

@@ -66,7 +66,8 @@ def _gathered_attention(b: _AttnPart, q: torch.Tensor, pool: torch.Tensor, n_hea
                 v.expand(kv_heads, group, g.ctx_len, dim), is_causal=True, scale=scale)
             parts.append(o_g.view(kv_heads, 1, group * length, dim))
             continue
-        parts.append(F.scaled_dot_product_attention(q_g, k, v, attn_mask=g.mask,
+        parts.append(F.scaled_dot_product_attention(q_g, k, v,
+                                                    attn_mask=g.additive_mask(q.dtype),
                                                     scale=scale))
     o = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [KV, R, G * T, D]
     o = o.view(kv_heads, rows, group, t_max, dim).permute(1, 3, 0, 2, 4)

@@ -33,6 +33,7 @@ from inference.engine.backends.hf.loading import (
 from inference.engine.backends.hf.lora_rows import _LoraRows
 from inference.engine.backends.hf.quantized import load_q4_1
 from inference.engine.backends.native import decode as native_decode
+from inference.engine.backends.native import elementwise as native_elementwise
 from inference.engine.backends.native import gemm as native_gemm
 from inference.engine.backends.native import lora as native_lora
 from inference.engine.backends.native import prefill as prefill_kernel
@@ -213,6 +214,7 @@ class TransformersBackend(_LoraRows, _Forward, ModelBackend):
         self.native_attention = bool(self._native)
         if self._native:
             native_lora.declare(self._native)
+            native_elementwise.declare(self._native)
         # On a CPU with AMX, PyTorch's attention over the gathered K/V (its bf16 products on
         # AMX tiles) beats the native prefill kernel: a 1,024-token prompt pass took 0.35 s
         # against 0.57 on a 2-core Xeon with AMX (family 6 model 167).

@@ -21,6 +21,7 @@ from inference.engine.backends.base import PassYielded
 from inference.engine.backends.hf.attention import _attend
 from inference.engine.backends.hf.batch import _Batch
 from inference.engine.backends.hf.loading import _Layer
+from inference.engine.backends.native import elementwise as native_elementwise
 from inference.engine.backends.native import gemm as native_gemm
 from inference.engine.backends.native import lora as native_lora_kernel
 from inference.engine.lora import add_deltas
@@ -131,6 +132,8 @@ class _Forward:
     # prefill attention kernel runs them (native.decode.DecodeLayers.run_pass)
     fused_prefill: bool = True
     _decode_layers: Any = None
+    # bf16 passes through the layer loop below: the elementwise steps native (native.elementwise)
+    native_steps: bool = True
 
     def _forward(self, b: _Batch) -> torch.Tensor:
         """Run the decoder over batch ``b``: write its new tokens' K/V into the pool and return
@@ -140,8 +143,6 @@ class _Forward:
         assert self._kv is not None
         n_heads, kv_heads, dim, group = self.num_heads, self.num_kv_heads, self.head_dim, self.group
         num_tokens = b.tokens.shape[0]
-        qk_heads = n_heads + kv_heads
-        half = dim // 2
         kv_all = self._kv  # [layers, 2 * kv_heads, blocks, block_size, D]
         native_lib, block_size, scale = self._native, self.block_size, self.scale
 
@@ -181,51 +182,88 @@ class _Forward:
                 fused.run_pass(i, h, described, native_lora)
             return self._logits(h.index_select(0, b.logit_index), linear)
 
-        cos = self._cos[b.positions][:, None, :]  # [N, 1, D]
-        sin = self._sin[b.positions][:, None, :]
+        # bf16 on a CPU with AVX512-BF16: the elementwise steps as three native calls a layer
+        # (native.elementwise), the products and attention as below.
+        ew = (native_elementwise.Elementwise(native_lib, self._cos, self._sin,
+                                             torch.get_num_threads())
+              if self.native_steps and self._layers and native_elementwise.supported(
+                  native_lib, h, kv_all, self._layers[0], self._cos, self._act) else None)
+        if ew is None:
+            cos = self._cos[b.positions][:, None, :]  # [N, 1, D]
+            sin = self._sin[b.positions][:, None, :]
         slot_rows = kv_all[0].numel() // dim
+        slots = b.write_index[:num_tokens]
+        pending = None  # the last residual delta not yet added to h (native steps)
         for i, layer in enumerate(self._layers):
             if give_way is not None and give_way():
                 raise PassYielded(f"stopped before layer {i}")
             packed = layer.packed if packed_gemm else None
-            x = _rms_norm(h, layer.ln1_w, layer.ln1_eps)
+            x = (ew.add_rms_norm(h, pending, layer.ln1_w, layer.ln1_eps) if ew
+                 else _rms_norm(h, layer.ln1_w, layer.ln1_eps))
             # [N, (H + 2 KV) * D]
             qkv = packed[0](x) if packed else linear(x, layer.w_qkv, layer.b_qkv)
             if lora:
                 qkv = self._lora(qkv, x, lora, native_lora, i, "qkv")
-            qk = qkv[:, : qk_heads * dim].reshape(num_tokens, qk_heads, dim)
-            if layer.q_norm is not None and layer.k_norm is not None:
-                qk = torch.cat([
-                    _rms_norm(qk[:, :n_heads], *layer.q_norm),
-                    _rms_norm(qk[:, n_heads:], *layer.k_norm),
-                ], dim=1)
-            rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
-            qk = qk * cos + rotated * sin  # [N, H + KV, D]
-            q = qk[:, :n_heads]
-            kv_new = torch.cat(
-                [qk[:, n_heads:], qkv[:, qk_heads * dim:].reshape(num_tokens, kv_heads, dim)], dim=1
-            )  # [N, 2 KV, D]
-
             pool = kv_all[i]  # [2 KV, blocks, block_size, D]
-            kv_new = kv_new.transpose(0, 1).reshape(-1, dim)  # [2 KV * N, D]
-            pool.view(slot_rows, dim).index_copy_(0, b.write_index, kv_new.to(pool.dtype))
+            if ew:
+                q = ew.rope_kv_write(qkv.contiguous(), b.positions, slots, pool, n_heads,
+                                     kv_heads, dim)
+            else:
+                q = self._rope_kv_write(layer, qkv, cos, sin, pool, b.write_index, slot_rows)
 
             o = _attend(native_lib, b, q, pool, n_heads, kv_heads, group, dim, block_size,
                         scale)  # [N, H * D]
             o_out = packed[1](o) if packed else linear(o, layer.w_o, layer.b_o)
-            h = h + (self._lora(o_out, o, lora, native_lora, i, "o") if lora else o_out)
-
-            x = _rms_norm(h, layer.ln2_w, layer.ln2_eps)
+            if lora:
+                o_out = self._lora(o_out, o, lora, native_lora, i, "o")
+            if ew:
+                x = ew.add_rms_norm(h, o_out.contiguous(), layer.ln2_w, layer.ln2_eps)
+            else:
+                h = h + o_out
+                x = _rms_norm(h, layer.ln2_w, layer.ln2_eps)
             gate_up = (packed[2](x) if packed
                        else linear(x, layer.w_gate_up, layer.b_gate_up))
             if lora:
                 gate_up = self._lora(gate_up, x, lora, native_lora, i, "gate_up")
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = self._act(gate) * up
+            if ew:
+                act = ew.silu_mul(gate_up.contiguous())
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = self._act(gate) * up
             down = packed[3](act) if packed else linear(act, layer.w_down, layer.b_down)
-            h = h + (self._lora(down, act, lora, native_lora, i, "down") if lora else down)
+            if lora:
+                down = self._lora(down, act, lora, native_lora, i, "down")
+            if ew:
+                pending = down.contiguous()
+            else:
+                h = h + down
+        if pending is not None:
+            h = h + pending
 
         return self._logits(h.index_select(0, b.logit_index), linear)  # [R + extra, vocab]
+
+    def _rope_kv_write(self, layer: _Layer, qkv: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, pool: torch.Tensor, write_index: torch.Tensor,
+                       slot_rows: int) -> torch.Tensor:
+        """The rotary embedding of ``qkv [N, (H + 2 KV) * D]``'s q and k heads (after the
+        layer's q/k norms, if any), its K/V written to ``pool`` at ``write_index``; returns the
+        queries ``[N, H, D]``."""
+        n_heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        num_tokens, qk_heads, half = qkv.shape[0], n_heads + kv_heads, dim // 2
+        qk = qkv[:, : qk_heads * dim].reshape(num_tokens, qk_heads, dim)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            qk = torch.cat([
+                _rms_norm(qk[:, :n_heads], *layer.q_norm),
+                _rms_norm(qk[:, n_heads:], *layer.k_norm),
+            ], dim=1)
+        rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
+        qk = qk * cos + rotated * sin  # [N, H + KV, D]
+        kv_new = torch.cat(
+            [qk[:, n_heads:], qkv[:, qk_heads * dim:].reshape(num_tokens, kv_heads, dim)], dim=1
+        )  # [N, 2 KV, D]
+        kv_new = kv_new.transpose(0, 1).reshape(-1, dim)  # [2 KV * N, D]
+        pool.view(slot_rows, dim).index_copy_(0, write_index, kv_new.to(pool.dtype))
+        return qk[:, :n_heads]
 
     def _lora(self, y: torch.Tensor, x: torch.Tensor, lora: list[Any], native: Any, layer: int,
               proj: str) -> torch.Tensor:

@@ -578,3 +578,80 @@ int pass_layer_bf16(const layer_t *L, const dims_t *M, uint16_t *h, const uint16
     return 0;
 #endif
 }
+
+/*
+ * The elementwise steps of a bf16 pass whose products and attention run elsewhere (forward.py's
+ * layer loop on a CPU with AMX, where F.linear and scaled_dot_product_attention run on oneDNN's
+ * AMX tiles), one call each instead of several PyTorch operations, with the roundings above.
+ * Each returns 5 when built without AVX512-BF16 (nothing written).
+ *
+ *   bf16_add_rms_norm(h, d, w, y, rows, n, eps, threads)
+ *     h [rows][n] bf16; d NULL or [rows][n]: h = bf16(h + d) first; y [rows][n] = RMSNorm(h) w
+ *   bf16_silu_mul(gu, act, rows, I, threads)
+ *     gu [rows][2 I] (gate, then up); act [rows][I] = bf16(bf16(SiLU(gate)) up)
+ *   bf16_rope_kv_write(qkv, positions, slots, cos, sin, q, pool, tokens, n_heads, kv_heads,
+ *                      head_dim, slot_count, max_positions, threads)
+ *     qkv [tokens][(n_heads + 2 kv_heads) head_dim]: q and k heads rotated in place at each
+ *     token's position; q [tokens][n_heads head_dim] gets the rotated q heads; each token's K
+ *     and V heads are written to slot slots[t] of pool [2 kv_heads][slot_count][head_dim].
+ *     Returns 1 (nothing written) for a position outside [0, max_positions) or a slot outside
+ *     [0, slot_count), 4 for an odd head size or one above 1,024.
+ */
+int bf16_add_rms_norm(uint16_t *h, const uint16_t *d, const uint16_t *w, uint16_t *y,
+                      int64_t rows, int64_t n, double eps, int64_t threads)
+{
+#ifndef __AVX512BF16__
+    (void)h; (void)d; (void)w; (void)y; (void)rows; (void)n; (void)eps; (void)threads;
+    return 5;
+#else
+    add_rms_norm_rows(h, d, w, y, rows, n, eps, threads < 1 ? 1 : (int)threads);
+    return 0;
+#endif
+}
+
+int bf16_silu_mul(const uint16_t *gu, uint16_t *act, int64_t rows, int64_t I, int64_t threads)
+{
+#ifndef __AVX512BF16__
+    (void)gu; (void)act; (void)rows; (void)I; (void)threads;
+    return 5;
+#else
+    silu_mul_rows(gu, act, rows, I, threads < 1 ? 1 : (int)threads);
+    return 0;
+#endif
+}
+
+int bf16_rope_kv_write(uint16_t *qkv, const int64_t *positions, const int64_t *slots,
+                       const uint16_t *cos, const uint16_t *sin, uint16_t *q, uint16_t *pool,
+                       int64_t tokens, int64_t n_heads, int64_t kv_heads, int64_t head_dim,
+                       int64_t slot_count, int64_t max_positions, int64_t threads)
+{
+#ifndef __AVX512BF16__
+    (void)qkv; (void)positions; (void)slots; (void)cos; (void)sin; (void)q; (void)pool;
+    (void)tokens; (void)n_heads; (void)kv_heads; (void)head_dim; (void)slot_count;
+    (void)max_positions; (void)threads;
+    return 5;
+#else
+    const int64_t D = head_dim, NH = n_heads, KV = kv_heads;
+    if (D < 2 || D % 2 != 0 || D > 1024 || NH < 1 || KV < 1) return 4;
+    for (int64_t t = 0; t < tokens; t++)
+        if (positions[t] < 0 || positions[t] >= max_positions || slots[t] < 0
+            || slots[t] >= slot_count)
+            return 1;
+    const int64_t width = (NH + 2 * KV) * D, nhd = NH * D, head_stride = slot_count * D;
+    const int nt = threads < 1 ? 1 : (int)threads;
+#pragma omp parallel for num_threads(nt) schedule(static) if (tokens * width >= PARALLEL_MIN)
+    for (int64_t t = 0; t < tokens; t++) {
+        uint16_t *row = qkv + t * width;
+        const int64_t pos = positions[t];
+        if (D % 32 == 0)
+            rotate16(row, NH + KV, D, cos + pos * D, sin + pos * D);
+        else
+            rotate(row, NH + KV, D, cos + pos * D, sin + pos * D);
+        memcpy(q + t * nhd, row, sizeof(uint16_t) * (size_t)nhd);
+        for (int64_t j = 0; j < 2 * KV; j++)  /* K heads, then V heads */
+            memcpy(pool + j * head_stride + slots[t] * D, row + (NH + j) * D,
+                   sizeof(uint16_t) * (size_t)D);
+    }
+    return 0;
+#endif
+}
