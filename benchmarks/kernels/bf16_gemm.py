@@ -7,18 +7,23 @@ memory, not from cache), at each number of rows (tokens in the pass):
 
 * ``F.linear``: bf16 ``F.linear`` over the plain ``[out, in]`` weights (oneDNN), what the
   backend runs without the kernel;
-* ``packed``: :class:`inference.engine.backends.native.gemm.PackedLinear` over the weights packed at
-  load time, what the backend runs on a CPU with AVX512-BF16.
+* ``reordered``: oneDNN's product over the weights reordered once into its blocked layout
+  (:func:`inference.engine.backends.native.gemm.onednn_weight`), where this PyTorch has it;
+* ``kernel``: the native packed kernel (``bf16_packed_matmul``) over the weights packed at load
+  time;
+* ``backend``: :class:`inference.engine.backends.native.gemm.PackedLinear`, what the backend runs
+  on a CPU with AVX512-BF16: the kernel, or on a CPU with AMX ``reordered`` for passes of
+  ``AMX_MIN_ROWS`` rows or more.
 
 Beside them, the LM head (49,152 x 576) at the same rows with fp32 input and output: the packed
 kernel over the input split in bf16 hi and lo parts, against
 :func:`inference.engine.backends.native.bf16_weight_matmul` (the plain layout, 4 by 4 blocks).
 
 Each figure is the median of ``--repeats`` passes after a warm-up (ms per pass of all 30 layers;
-ms per call for the head), with the ratio ``F.linear / packed`` and the achieved GFLOPS of the
-packed projections (``2 x rows x 106,168,320``), and the largest |difference| between the two
-paths' gate/up outputs relative to their largest value (bf16 results: up to about 2^-8 where the
-order of the sums makes them round apart). Prints the table only.
+ms per call for the head), with the ratio ``F.linear / backend`` and the achieved GFLOPS of the
+backend's projections (``2 x rows x 106,168,320``), and the largest |difference| between the
+backend's and ``F.linear``'s gate/up outputs relative to their largest value (bf16 results: up to
+about 2^-8 where the order of the sums makes them round apart). Prints the table only.
 
 Usage::
 
@@ -68,9 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     packed = [[gemm.PackedLinear(lib, w) for w in layer] for layer in weights]
     head_w = (torch.randn(*HEAD, generator=gen) * 0.05).bfloat16()
     head_packed = gemm.PackedLinear(lib, head_w)
+    reordered = [[gemm.onednn_weight(w) for w in layer] for layer in weights]
+    if any(w is None for layer in reordered for w in layer):
+        reordered = []
     params = sum(out * inp for out, inp in SHAPES) * LAYERS
-    print(f"{'rows':>5} {'F.linear':>10} {'packed':>10} {'ratio':>6} {'GFLOPS':>7}   "
-          f"{'head: plain':>12} {'packed':>8} {'ratio':>6} {'rel |diff|':>10}")
+    print(f"{'rows':>5} {'F.linear':>10} {'reordered':>10} {'kernel':>10} {'backend':>10} "
+          f"{'ratio':>6} {'GFLOPS':>7}   {'head: plain':>12} {'packed':>8} {'ratio':>6} "
+          f"{'rel |diff|':>10}")
     with torch.inference_mode():
         for rows in rows_list:
             xs = [torch.randn(rows, inp, generator=gen).bfloat16() for _, inp in SHAPES]
@@ -80,12 +89,25 @@ def main(argv: list[str] | None = None) -> int:
                     for w, x in zip(layer, xs, strict=True):
                         F.linear(x, w)
 
+            def onednn(xs: list = xs) -> None:
+                for layer in reordered:
+                    for w, x in zip(layer, xs, strict=True):
+                        gemm.onednn_linear(x, w, None)
+
+            def kernel(xs: list = xs) -> None:
+                for layer in packed:
+                    for p, x in zip(layer, xs, strict=True):
+                        gemm.bf16_packed_matmul(lib, x, p.packed)
+
             def fast(xs: list = xs) -> None:
                 for layer in packed:
                     for p, x in zip(layer, xs, strict=True):
                         p(x)
 
             t_plain = 1e3 * median_time(plain, args.repeats)
+            t_reordered = (f"{1e3 * median_time(onednn, args.repeats):>8.1f}ms" if reordered
+                           else f"{'-':>10}")
+            t_kernel = 1e3 * median_time(kernel, args.repeats)
             t_fast = 1e3 * median_time(fast, args.repeats)
             h = torch.randn(rows, HEAD[1], generator=gen)
             t_head = 1e3 * median_time(
@@ -94,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                 lambda h=h: head_packed(gemm.split_fp32(h), out_fp32=True), args.repeats)
             ref = F.linear(xs[2], weights[0][2]).float()
             diff = ((packed[0][2](xs[2]).float() - ref).abs().max() / ref.abs().max()).item()
-            print(f"{rows:>5} {t_plain:>8.1f}ms {t_fast:>8.1f}ms {t_plain / t_fast:>6.2f} "
+            print(f"{rows:>5} {t_plain:>8.1f}ms {t_reordered} {t_kernel:>8.1f}ms "
+                  f"{t_fast:>8.1f}ms {t_plain / t_fast:>6.2f} "
                   f"{2 * rows * params / t_fast / 1e6:>7.0f}   {t_head:>10.2f}ms "
                   f"{t_head_p:>6.2f}ms {t_head / t_head_p:>6.2f} {diff:>10.1e}")
     return 0

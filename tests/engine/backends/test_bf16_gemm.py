@@ -86,10 +86,11 @@ def test_products_are_the_exact_bf16_products_summed_in_fp32(packed_lib, out_fea
                                atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 15, 16, 97])
+@pytest.mark.parametrize("rows", [1, 7, 8, 16, 97])
 def test_with_amx_larger_passes_take_onednns_product_the_same_bf16_sums(packed_lib, rows):
-    # On a CPU with AMX, passes of AMX_MIN_ROWS rows or more run F.linear over the plain weight
-    # (oneDNN's AMX tiles): the same exact products summed in fp32 and rounded once.
+    # On a CPU with AMX, passes of AMX_MIN_ROWS rows or more run oneDNN's product (its AMX
+    # tiles) over the weight reordered once: the same exact products summed in fp32 and rounded
+    # once.
     cpuinfo = Path("/proc/cpuinfo")
     flags = cpuinfo.read_text().split() if cpuinfo.exists() else []
     assert gemm.amx_available() == ({"amx_bf16", "amx_tile"} <= set(flags))
@@ -98,14 +99,15 @@ def test_with_amx_larger_passes_take_onednns_product_the_same_bf16_sums(packed_l
     x = torch.randn(rows, 576, generator=gen).bfloat16()
     bias = torch.randn(960, generator=gen)
     layer = gemm.PackedLinear(packed_lib, w, bias)
-    assert (layer.weight is not None) == gemm.amx_available()
+    assert (layer.onednn is not None) == gemm.amx_available()
+    assert layer.weight is None  # the plain weight only where oneDNN's reorder is missing
     calls = []
-    real = F.linear
+    real = gemm.onednn_linear
     try:
-        gemm.F.linear = lambda *a: calls.append(a[0].shape[0]) or real(*a)
+        gemm.onednn_linear = lambda *a: calls.append(a[0].shape[0]) or real(*a)
         got = layer(x)
     finally:
-        gemm.F.linear = real
+        gemm.onednn_linear = real
     assert calls == ([rows] if gemm.amx_available() and rows >= gemm.AMX_MIN_ROWS else [])
     ref = reference(x, w, bias.bfloat16().float() if calls else bias)  # F.linear's: bf16
     step = 2.0 ** (torch.floor(torch.log2(ref.abs().clamp_min(1e-30))) - 7)

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from inference.engine.backends.native import gemm as native_gemm
+
 SYMBOLS = {torch.bfloat16: "decode_layer_bf16", torch.float32: "decode_layer_q4_1"}
 
 _ERRORS = {
@@ -132,6 +134,10 @@ class DecodeLayers:
                              else min(p.fused_max_rows for layer in layers for p in layer.packed))
         whole = not quantized or all(d is not None for row in dense for d in row)
         self.max_rows = sys.maxsize if whole else self._dense_above
+        if not quantized and all(getattr(p, "onednn", None) is not None
+                                 for layer in layers for p in layer.packed):
+            # AMX: passes of more rows run faster through the layer loop's oneDNN products
+            self.max_rows = native_gemm.AMX_MIN_ROWS - 1
         if (cos.dtype != self.dtype or sin.dtype != self.dtype or cos.dim() != 2
                 or cos.shape != sin.shape or cos.shape[1] != head_dim):
             raise ValueError(f"decode layers: rotary tables must be [positions, {head_dim}] "

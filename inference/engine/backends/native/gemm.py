@@ -14,18 +14,50 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
 
 from inference.engine.backends import native as native_kernels
 
+logger = logging.getLogger(__name__)
+
 TILE = 64  # output features per packed tile (bf16_gemm.c's TILE)
-# On a CPU with AMX, passes of at least this many rows run F.linear over the plain weight
-# (oneDNN's AMX tiles) instead of the packed kernel: on a 2-core Xeon with AMX (family 6 model
-# 167) a pass of the default model's projections took 19.0 against 26.7 ms at 16 rows, 46.6
-# against 270 at 256 (``python -m benchmarks.kernels.bf16_gemm``); at 8 rows they were even.
-AMX_MIN_ROWS = 16
+# On a CPU with AMX, passes of at least this many rows run oneDNN's product (its AMX tiles)
+# instead of the packed kernel, and decode passes the layer loop instead of one native call a
+# layer (native.decode): on a 2-core Xeon with AMX (family 6 model 167) a pass of the default
+# model's projections took 19.0 against 26.7 ms at 16 rows, 46.6 against 270 at 256 (plain
+# ``F.linear``, ``python -m benchmarks.kernels.bf16_gemm``; even at 8 rows); over the reordered
+# weight (onednn_weight) a decode step of 8 rows took 34.1 ms against 37.2 in one native call
+# a layer, of 4 rows 27.4 against 26.1, of 1 row 22.7 against 17.8
+# (``python -m benchmarks.kernels.decode_step --dtype bfloat16``).
+AMX_MIN_ROWS = 8
+
+
+def onednn_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight [out, in]`` reordered once into oneDNN's blocked layout for its products
+    (``torch.ops.mkldnn._reorder_linear_weight``, as PyTorch's Inductor prepacks a linear
+    layer's weight), or None where this PyTorch has no oneDNN ops.
+
+    ``F.linear`` over the plain weight reorders it on every call: on a 2-core Xeon with AMX
+    (family 6 model 167) the default model's four projections of a layer took 0.45-0.7 of
+    ``F.linear``'s time from 1 to 256 rows over the reordered weight (0.87 at 1,024), with the
+    same sums (``python -m benchmarks.kernels.bf16_gemm``).
+    """
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+    except (AttributeError, RuntimeError) as exc:  # no oneDNN ops, or they refuse the weight
+        logger.info("oneDNN's weight reorder is not available (%s): F.linear over the plain "
+                    "weight", exc)
+        return None
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [rows, in] W^T (+ bias)`` over ``weight`` from :func:`onednn_weight`: ``[rows, out]``
+    in ``x``'s dtype."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 @functools.cache
@@ -139,9 +171,13 @@ class PackedLinear:
         packed: ``[out / 64, in / 2, 64, 2]`` bf16.
         bias: ``[out]`` fp32, or None.
         out_features, in_features: ``W``'s shape.
+        onednn: on a CPU with AMX, ``W`` reordered for oneDNN (:func:`onednn_weight`), which
+            passes of :data:`AMX_MIN_ROWS` rows or more run on; else None.
+        weight: on a CPU with AMX where the reorder is unavailable, ``W`` for ``F.linear``;
+            else None.
     """
 
-    __slots__ = ("_bias_bf16", "_fn", "bias", "in_features", "out_features", "packed",
+    __slots__ = ("_bias_bf16", "_fn", "bias", "in_features", "onednn", "out_features", "packed",
                  "weight")
 
     def __init__(self, lib: ctypes.CDLL, weight: torch.Tensor,
@@ -162,9 +198,11 @@ class PackedLinear:
                              f"weight {tuple(weight.shape)}")
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self._fn = getattr(lib, native_kernels.GEMM_SYMBOL)
-        # With AMX, the plain weight too (the caller's tensor: no copy), for passes of at least
-        # AMX_MIN_ROWS rows (F.linear, oneDNN's AMX tiles); None elsewhere.
-        self.weight = weight.detach() if amx_available() else None
+        # With AMX, for passes of at least AMX_MIN_ROWS rows (oneDNN's AMX tiles): the weight
+        # reordered for oneDNN (onednn_weight: a copy), else the plain weight (the caller's
+        # tensor, F.linear); both None elsewhere.
+        self.onednn = onednn_weight(weight) if amx_available() else None
+        self.weight = weight.detach() if amx_available() and self.onednn is None else None
         self._bias_bf16 = None if bias is None else bias.detach().to(torch.bfloat16)
 
     def __call__(self, x: torch.Tensor, *, out_fp32: bool = False) -> torch.Tensor:
@@ -181,9 +219,12 @@ class PackedLinear:
                              f"{tuple(x.shape)} {x.dtype} on {x.device}")
         x = x.contiguous()
         rows = x.shape[0]
-        if (self.weight is not None and rows >= AMX_MIN_ROWS and x.dim() == 2
-                and not out_fp32):  # fp32 sums rounded once, as the kernel's
-            return F.linear(x, self.weight, self._bias_bf16)
+        if rows >= AMX_MIN_ROWS and x.dim() == 2 and not out_fp32:
+            # fp32 sums rounded once, as the kernel's
+            if self.onednn is not None:
+                return onednn_linear(x, self.onednn, self._bias_bf16)
+            if self.weight is not None:
+                return F.linear(x, self.weight, self._bias_bf16)
         y = torch.empty(rows, self.out_features,
                         dtype=torch.float32 if out_fp32 else torch.bfloat16)
         rc = self._fn(self.packed.data_ptr(), x.data_ptr(),
