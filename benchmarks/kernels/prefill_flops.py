@@ -37,7 +37,8 @@ attend the keys before them) plus one LM-head row per chunk, not counted.
 Beside them, the same dtype's matrix-product peak, measured in the same process: GFLOPS of
 ``torch.mm`` on (a) a large square product (``--gemm-size``, 2,048 by default: ``2 n^3`` FLOPs)
 and (b) the model's own projections at ``--tokens`` rows (q/k/v fused, o, gate/up fused, down),
-each in its faster orientation (``F.linear(x, W)`` or ``torch.mm(W, x^T)``), combined as one
+each in its fastest form (``F.linear(x, W)``, ``torch.mm(W, x^T)``, or in bf16 oneDNN's product
+over the weight reordered once, ``gemm.onednn_weight``, where this PyTorch has it), combined as one
 layer's FLOPs over one layer's time. The shares achieved/peak are printed against the aim of
 60 % of the matmul peak.
 
@@ -152,11 +153,13 @@ def gemm_peak(dtype: Any, size: int, repeats: int) -> dict[str, float]:
 
 
 def projection_peak(dtype: Any, shape: ModelShape, rows: int, repeats: int) -> dict[str, Any]:
-    """GFLOPS of the model's projection products at ``rows`` rows, each in its faster
-    orientation (``F.linear(x, W)`` or ``torch.mm(W, x^T)``); ``combined`` is one layer's FLOPs
-    over the sum of the four best times."""
+    """GFLOPS of the model's projection products at ``rows`` rows, each in its fastest form
+    (``F.linear(x, W)``, ``torch.mm(W, x^T)``, or in bf16 over the weight reordered for oneDNN);
+    ``combined`` is one layer's FLOPs over the sum of the four best times."""
     import torch
     import torch.nn.functional as F
+
+    from inference.engine.backends.native.gemm import onednn_linear, onednn_weight
 
     gen = torch.Generator().manual_seed(SEED)
     per_shape: dict[str, Any] = {}
@@ -167,6 +170,10 @@ def projection_peak(dtype: Any, shape: ModelShape, rows: int, repeats: int) -> d
             x = torch.randn(rows, inp, generator=gen).to(dtype)
             times = {"F.linear": median_time(lambda w=w, x=x: F.linear(x, w), repeats),
                      "W @ x^T": median_time(lambda w=w, x=x: torch.mm(w, x.t()), repeats)}
+            reordered = onednn_weight(w) if dtype == torch.bfloat16 else None
+            if reordered is not None:
+                times["reordered"] = median_time(
+                    lambda r=reordered, x=x: onednn_linear(x, r, None), repeats)
             best = min(times, key=times.get)
             flops = 2 * rows * out * inp
             per_shape[name] = {"out": out, "in": inp, "seconds": times, "best": best,
