@@ -252,3 +252,44 @@ def test_weights_the_kernel_cannot_take_stay_plain_and_give_the_same_logits(pack
         plain = b.prefill(chunk)
         assert fast.dtype == plain.dtype == torch.float32
         torch.testing.assert_close(fast, plain, atol=0.05, rtol=0.02)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 33, 100])
+def test_with_amx_the_kernels_tile_path_gives_the_vector_paths_sums(packed_lib, rows):
+    # On a CPU with AMX the packed kernel runs passes of 4 or more rows times parts on AMX
+    # tiles (TDPBF16PS over the same packed weight): the same exact products, summed in fp32 in
+    # another order, so fp32 results agree to a few ulp and bf16 ones to a bf16 step; the
+    # last block of rows is zero-padded, never read past.
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    if not gemm.amx_kernel(packed_lib):
+        assert not {"amx_bf16", "amx_tile"} <= set(flags) or not HAS_COMPILER, (
+            "this CPU has AMX but the packed kernel has no AMX path")
+        pytest.skip("no AMX here: the packed kernel runs its AVX512-BF16 path only")
+    assert gemm.amx_kernel_min_rows(packed_lib) == 4
+    gen = torch.Generator().manual_seed(100 + rows)
+    for out, inp in ((960, 576), (576, 1536), (64, 32)):
+        w = (torch.randn(out, inp, generator=gen) / 24).bfloat16()
+        packed = gemm.pack_bf16_weight(w)
+        bias = torch.randn(out, generator=gen)
+        x = torch.randn(rows, inp, generator=gen)
+        for parts_x in (x.bfloat16(), gemm.split_fp32(x)):
+            for out_fp32 in (True, False):
+                before = gemm.amx_kernel_min_rows(packed_lib, 0)  # the vector path
+                try:
+                    vector = gemm.bf16_packed_matmul(packed_lib, parts_x, packed, bias,
+                                                     out_fp32=out_fp32)
+                    gemm.amx_kernel_min_rows(packed_lib, 1)  # the tiles at any size
+                    tiles = gemm.bf16_packed_matmul(packed_lib, parts_x, packed, bias,
+                                                    out_fp32=out_fp32)
+                finally:
+                    gemm.amx_kernel_min_rows(packed_lib, before)
+                assert tiles.shape == (rows, out) and tiles.dtype == vector.dtype
+                ref = reference(parts_x, w, bias)
+                if out_fp32:
+                    bound = 1e-5 * (parts_x.double().abs().sum(1) if parts_x.dim() == 3
+                                    else parts_x.double().abs()) @ w.double().abs().t()
+                    assert ((tiles.double() - ref).abs() <= bound + 1e-6).all()
+                    assert ((tiles.double() - vector.double()).abs() <= 2 * bound + 1e-6).all()
+                else:
+                    step = 2.0 ** (torch.floor(torch.log2(ref.abs().clamp_min(1e-30))) - 7)
+                    assert ((tiles.double() - vector.double()).abs() <= 2 * step + 1e-6).all()

@@ -28,10 +28,18 @@
  * Return codes: 0 done; 1 a size below 1 or not a multiple of the tile (out_features % 64,
  * in_features % 2) or parts not 1 or 2; 3 built without AVX512-BF16 (nothing computed).
  */
+#define _GNU_SOURCE /* syscall() */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef __AVX512BF16__
 #include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define HAVE_AMX 1
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #define TILE 64          /* output features per tile: 4 vectors of 16 fp32 lanes */
@@ -109,6 +117,138 @@ static void item(const uint16_t *wp, const uint16_t *x, const float *bias, void 
 }
 #endif
 
+#ifdef HAVE_AMX
+/*
+ * The same product on AMX tiles (TDPBF16PS), where the CPU has them: x is read as a matrix of
+ * rows * parts rows, in blocks of 32 (two A tiles of 16 rows by 32 inputs, zero-padded past the
+ * last row), against two B tiles of 16 features each read straight from the packed weight (a
+ * tile row is one pair of inputs for 16 features: 64 bytes, 256 bytes apart), into four C tiles
+ * of 16 by 16 fp32 sums; each packed tile of 64 features takes two such passes. The parts of a
+ * row (hi, lo) are adjacent rows of the matrix, summed in fp32 with the bias before the one
+ * rounding. Every product of two bf16 numbers is exact in fp32 and summed in fp32, as above.
+ */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define AMX_BLOCK 32 /* matrix rows per work item */
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config_t;
+
+static int amx_state = -1;         /* -1 not asked, 0 refused, 1 granted */
+static int64_t amx_min_rows = 4;   /* rows * parts from which the AMX path runs; 0: never */
+
+static int amx_ready(void)
+{
+    int state = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
+    if (state < 0) {
+        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+        __atomic_store_n(&amx_state, state, __ATOMIC_RELEASE);
+    }
+    return state;
+}
+
+static void amx_item(const uint16_t *wp, const uint16_t *x, const float *bias, void *y,
+                     int64_t a0, int64_t a_rows, int64_t t, int64_t V, int64_t K, int parts,
+                     int y_f32, uint16_t *pad, float *cbuf)
+{
+    const int64_t m = a_rows - a0 < AMX_BLOCK ? a_rows - a0 : AMX_BLOCK;
+    const uint16_t *a = x + a0 * K;
+    if (m < AMX_BLOCK) {  /* the last block: its rows, then zeros */
+        memcpy(pad, a, sizeof(uint16_t) * (size_t)(m * K));
+        memset(pad + m * K, 0, sizeof(uint16_t) * (size_t)((AMX_BLOCK - m) * K));
+        a = pad;
+    }
+    const uint16_t *wt = wp + t * TILE * K;
+    for (int half = 0; half < 2; half++) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t k = 0; k < K; k += 32) {
+            const uint16_t *b = wt + (k / 2) * (TILE * 2) + half * 64;
+            _tile_loadd(4, a + k, K * 2);
+            _tile_loadd(5, a + 16 * K + k, K * 2);
+            _tile_loadd(6, b, TILE * 4);
+            _tile_loadd(7, b + 32, TILE * 4);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, cbuf, 32 * 4);
+        _tile_stored(1, cbuf + 16, 32 * 4);
+        _tile_stored(2, cbuf + 16 * 32, 32 * 4);
+        _tile_stored(3, cbuf + 16 * 32 + 16, 32 * 4);
+        const int64_t f0 = t * TILE + half * 32;
+        for (int64_t j = 0; j < m; j += parts) {
+            const int64_t row = (a0 + j) / parts;
+            for (int c = 0; c < 32; c += 16) {
+                __m512 v = _mm512_loadu_ps(cbuf + j * 32 + c);
+                if (parts == 2) v = _mm512_add_ps(v, _mm512_loadu_ps(cbuf + (j + 1) * 32 + c));
+                if (bias != NULL) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + f0 + c));
+                if (y_f32)
+                    _mm512_storeu_ps((float *)y + row * V + f0 + c, v);
+                else
+                    _mm256_storeu_si256((__m256i *)((uint16_t *)y + row * V + f0 + c),
+                                        (__m256i)_mm512_cvtneps_pbh(v));
+            }
+        }
+    }
+}
+
+/* 0 done, 2 out of memory for the padded rows (nothing written: the caller falls back) */
+static int amx_matmul(const uint16_t *wp, const uint16_t *x, const float *bias, void *y,
+                      int64_t rows, int parts, int64_t V, int64_t K, int y_f32, int64_t threads)
+{
+    const int64_t a_rows = rows * parts, tiles = V / TILE;
+    const int64_t blocks = (a_rows + AMX_BLOCK - 1) / AMX_BLOCK, items = tiles * blocks;
+    const int nthreads = threads < 1 ? 1 : (int)(threads < items ? threads : items);
+    uint16_t *pads = NULL;
+    if (a_rows % AMX_BLOCK) {  /* a padded last block for each thread */
+        pads = malloc(sizeof(uint16_t) * (size_t)(nthreads * AMX_BLOCK * K));
+        if (pads == NULL) return 2;
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+        uint16_t *pad = pads ? pads + (int64_t)omp_get_thread_num() * AMX_BLOCK * K : NULL;
+        float cbuf[AMX_BLOCK * 32] __attribute__((aligned(64)));
+        tile_config_t cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette_id = 1;
+        for (int i = 0; i < 8; i++) {
+            cfg.rows[i] = 16;
+            cfg.colsb[i] = 64;
+        }
+        _tile_loadconfig(&cfg);
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < items; n++)
+            amx_item(wp, x, bias, y, (n % blocks) * AMX_BLOCK, a_rows, n / blocks, V, K, parts,
+                     y_f32, pad, cbuf);
+        _tile_release();
+    }
+    free(pads);
+    return 0;
+}
+#endif
+
+/* Rows * parts from which bf16_packed_matmul runs on AMX tiles (0: never); returns the setting
+ * before, or -1 where this build has no AMX path (the CPU lacks it, or the OS refused it). */
+int64_t bf16_packed_matmul_amx_min_rows(int64_t min_rows)
+{
+#ifdef HAVE_AMX
+    if (!amx_ready()) return -1;
+    const int64_t before = amx_min_rows;
+    if (min_rows >= 0) amx_min_rows = min_rows;
+    return before;
+#else
+    (void)min_rows;
+    return -1;
+#endif
+}
+
 int bf16_packed_matmul(const uint16_t *wp, const uint16_t *x, const float *bias, void *y,
                        int64_t rows, int64_t parts, int64_t out_features, int64_t in_features,
                        int64_t y_f32, int64_t threads)
@@ -118,6 +258,13 @@ int bf16_packed_matmul(const uint16_t *wp, const uint16_t *x, const float *bias,
         || in_features % 2 != 0 || (parts != 1 && parts != 2))
         return 1;
 #ifdef __AVX512BF16__
+#ifdef HAVE_AMX
+    if (amx_min_rows > 0 && rows * parts >= amx_min_rows && in_features % 32 == 0
+        && amx_ready()
+        && amx_matmul(wp, x, bias, y, rows, (int)parts, out_features, in_features, (int)y_f32,
+                      threads) == 0)
+        return 0;
+#endif
     const int64_t tiles = out_features / TILE;
     const int64_t row_items = (rows + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
     const int64_t items = tiles * row_items;

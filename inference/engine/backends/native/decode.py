@@ -134,9 +134,11 @@ class DecodeLayers:
                              else min(p.fused_max_rows for layer in layers for p in layer.packed))
         whole = not quantized or all(d is not None for row in dense for d in row)
         self.max_rows = sys.maxsize if whole else self._dense_above
-        if not quantized and all(getattr(p, "onednn", None) is not None
-                                 for layer in layers for p in layer.packed):
-            # AMX: passes of more rows run faster through the layer loop's oneDNN products
+        if (not quantized and not native_gemm.amx_kernel(lib)
+                and all(getattr(p, "onednn", None) is not None
+                        for layer in layers for p in layer.packed)):
+            # AMX without the kernel's AMX path: passes of more rows run faster through the
+            # layer loop's oneDNN products
             self.max_rows = native_gemm.AMX_MIN_ROWS - 1
         if (cos.dtype != self.dtype or sin.dtype != self.dtype or cos.dim() != 2
                 or cos.shape != sin.shape or cos.shape[1] != head_dim):

@@ -73,6 +73,24 @@ def amx_available() -> bool:
     return {"amx_bf16", "amx_tile"} <= set(flags)
 
 
+def amx_kernel(lib: ctypes.CDLL | None) -> bool:
+    """Whether ``lib``'s packed kernel runs its AMX path (``bf16_gemm.c``: built on a CPU with
+    AMX, and the OS lets this process use the tiles) for passes of at least
+    :func:`amx_kernel_min_rows` rows times parts."""
+    return amx_kernel_min_rows(lib) > 0
+
+
+def amx_kernel_min_rows(lib: ctypes.CDLL | None, min_rows: int = -1) -> int:
+    """The packed kernel's AMX threshold (rows times parts of a pass: an fp32 input split in
+    two bf16 parts counts twice); with ``min_rows >= 0`` set it (0: never) and return the one
+    before. -1 where ``lib`` has no AMX path."""
+    if not lib:
+        return -1
+    fn = lib.bf16_packed_matmul_amx_min_rows
+    fn.restype, fn.argtypes = ctypes.c_int64, [ctypes.c_int64]
+    return int(fn(min_rows))
+
+
 def packed_matmul_available(lib: ctypes.CDLL | None) -> bool:
     """Whether ``lib`` (from :func:`inference.engine.backends.native.load`) was built with
     AVX512-BF16, so that :func:`bf16_packed_matmul` computes; ``False`` for no library."""
