@@ -10,7 +10,8 @@ memory, not from cache), at each number of rows (tokens in the pass):
 * ``reordered``: oneDNN's product over the weights reordered once into its blocked layout
   (:func:`inference.engine.backends.native.gemm.onednn_weight`), where this PyTorch has it;
 * ``kernel``: the native packed kernel (``bf16_packed_matmul``) over the weights packed at load
-  time;
+  time, its AVX512-BF16 path; ``tiles``: the same kernel's AMX path, where it has one (from 4
+  rows times parts; below that the vector path runs);
 * ``backend``: :class:`inference.engine.backends.native.gemm.PackedLinear`, what the backend runs
   on a CPU with AVX512-BF16: the kernel, or on a CPU with AMX ``reordered`` for passes of
   ``AMX_MIN_ROWS`` rows or more.
@@ -77,9 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     if any(w is None for layer in reordered for w in layer):
         reordered = []
     params = sum(out * inp for out, inp in SHAPES) * LAYERS
-    print(f"{'rows':>5} {'F.linear':>10} {'reordered':>10} {'kernel':>10} {'backend':>10} "
-          f"{'ratio':>6} {'GFLOPS':>7}   {'head: plain':>12} {'packed':>8} {'ratio':>6} "
-          f"{'rel |diff|':>10}")
+    amx = gemm.amx_kernel(lib)
+    print(f"{'rows':>5} {'F.linear':>10} {'reordered':>10} {'kernel':>10} {'tiles':>10} "
+          f"{'backend':>10} {'ratio':>6} {'GFLOPS':>7}   {'head: plain':>12} {'packed':>8} "
+          f"{'ratio':>6} {'rel |diff|':>10}")
     with torch.inference_mode():
         for rows in rows_list:
             xs = [torch.randn(rows, inp, generator=gen).bfloat16() for _, inp in SHAPES]
@@ -107,7 +109,11 @@ def main(argv: list[str] | None = None) -> int:
             t_plain = 1e3 * median_time(plain, args.repeats)
             t_reordered = (f"{1e3 * median_time(onednn, args.repeats):>8.1f}ms" if reordered
                            else f"{'-':>10}")
+            before = gemm.amx_kernel_min_rows(lib, 0)  # the vector path alone (-1: no AMX)
             t_kernel = 1e3 * median_time(kernel, args.repeats)
+            gemm.amx_kernel_min_rows(lib, before)
+            t_tiles = (f"{1e3 * median_time(kernel, args.repeats):>8.1f}ms" if amx
+                       else f"{'-':>10}")
             t_fast = 1e3 * median_time(fast, args.repeats)
             h = torch.randn(rows, HEAD[1], generator=gen)
             t_head = 1e3 * median_time(
@@ -116,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                 lambda h=h: head_packed(gemm.split_fp32(h), out_fp32=True), args.repeats)
             ref = F.linear(xs[2], weights[0][2]).float()
             diff = ((packed[0][2](xs[2]).float() - ref).abs().max() / ref.abs().max()).item()
-            print(f"{rows:>5} {t_plain:>8.1f}ms {t_reordered} {t_kernel:>8.1f}ms "
+            print(f"{rows:>5} {t_plain:>8.1f}ms {t_reordered} {t_kernel:>8.1f}ms {t_tiles} "
                   f"{t_fast:>8.1f}ms {t_plain / t_fast:>6.2f} "
                   f"{2 * rows * params / t_fast / 1e6:>7.0f}   {t_head:>10.2f}ms "
                   f"{t_head_p:>6.2f}ms {t_head / t_head_p:>6.2f} {diff:>10.1e}")

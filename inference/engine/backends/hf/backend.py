@@ -239,8 +239,9 @@ class TransformersBackend(_LoraRows, _Forward, ModelBackend):
                        (layer.w_gate_up, layer.b_gate_up), (layer.w_down, layer.b_down))
             if all(native_gemm.can_pack(w) for w, _ in weights):
                 layer.packed = tuple(pack(w, b) for w, b in weights)  # type: ignore[assignment]
-        if native_gemm.can_pack(self._lm_head_w):
-            self._lm_head_packed = pack(self._lm_head_w, self._lm_head_b)
+        if native_gemm.can_pack(self._lm_head_w):  # fp32 logits: the kernel's sums only
+            self._lm_head_packed = native_gemm.PackedLinear(lib, self._lm_head_w,
+                                                            self._lm_head_b, onednn=False)
         self.packed_gemm = (self._lm_head_packed is not None
                             or any(layer.packed is not None for layer in self._layers))
         logger.info("bf16 projections on the native packed kernel: %d of %d layers%s",

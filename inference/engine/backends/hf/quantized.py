@@ -161,7 +161,7 @@ def _dense_product(lib: Any, values: torch.Tensor, bias: torch.Tensor | None, *,
     rounded = values.to(torch.bfloat16)
     if not native_gemm.can_pack(rounded):
         return _linear_cpu
-    packed = native_gemm.PackedLinear(lib, rounded, bias)
+    packed = native_gemm.PackedLinear(lib, rounded, bias, onednn=False)  # fp32 sums only
 
     def product(x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return packed(native_gemm.split_fp32(x) if split_input else x.to(torch.bfloat16),

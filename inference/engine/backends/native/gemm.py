@@ -24,14 +24,14 @@ from inference.engine.backends import native as native_kernels
 logger = logging.getLogger(__name__)
 
 TILE = 64  # output features per packed tile (bf16_gemm.c's TILE)
-# On a CPU with AMX, passes of at least this many rows run oneDNN's product (its AMX tiles)
-# instead of the packed kernel, and decode passes the layer loop instead of one native call a
-# layer (native.decode): on a 2-core Xeon with AMX (family 6 model 167) a pass of the default
-# model's projections took 19.0 against 26.7 ms at 16 rows, 46.6 against 270 at 256 (plain
-# ``F.linear``, ``python -m benchmarks.kernels.bf16_gemm``; even at 8 rows); over the reordered
-# weight (onednn_weight) a decode step of 8 rows took 34.1 ms against 37.2 in one native call
-# a layer, of 4 rows 27.4 against 26.1, of 1 row 22.7 against 17.8
-# (``python -m benchmarks.kernels.decode_step --dtype bfloat16``).
+# On a CPU with AMX, passes of at least this many rows through PackedLinear (the layer loop's
+# passes with prompt chunks) run oneDNN's product (its AMX tiles) over the reordered weight
+# (onednn_weight) instead of the packed kernel. On a 2-core Xeon with AMX (family 6 model 167),
+# the default model's projections of 30 layers streamed from memory
+# (``python -m benchmarks.kernels.bf16_gemm``): the reordered weight took 14.4 ms at 8 rows and
+# 34.0 at 256 against the packed kernel's AMX path's 16.4 and 39.8 (its AVX512-BF16 path: 23.6
+# and 291). Decode passes stay one native call a layer (native.decode) on the kernel's AMX
+# path; where the kernel has none, those of this many rows or more take the layer loop too.
 AMX_MIN_ROWS = 8
 
 
@@ -199,8 +199,10 @@ class PackedLinear:
                  "weight")
 
     def __init__(self, lib: ctypes.CDLL, weight: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> None:
-        """Pack ``weight [out, in]`` (bf16, CPU) for ``lib``.
+                 bias: torch.Tensor | None = None, *, onednn: bool = True) -> None:
+        """Pack ``weight [out, in]`` (bf16, CPU) for ``lib``; on a CPU with AMX also reorder it
+        for oneDNN unless ``onednn`` is false (a caller that only asks for fp32 sums, which
+        only the kernel gives).
 
         Raises:
             ValueError: if :func:`can_pack` is false for ``weight``, the bias is not ``[out]``,
@@ -219,8 +221,9 @@ class PackedLinear:
         # With AMX, for passes of at least AMX_MIN_ROWS rows (oneDNN's AMX tiles): the weight
         # reordered for oneDNN (onednn_weight: a copy), else the plain weight (the caller's
         # tensor, F.linear); both None elsewhere.
-        self.onednn = onednn_weight(weight) if amx_available() else None
-        self.weight = weight.detach() if amx_available() and self.onednn is None else None
+        amx = onednn and amx_available()
+        self.onednn = onednn_weight(weight) if amx else None
+        self.weight = weight.detach() if amx and self.onednn is None else None
         self._bias_bf16 = None if bias is None else bias.detach().to(torch.bfloat16)
 
     def __call__(self, x: torch.Tensor, *, out_fp32: bool = False) -> torch.Tensor:
