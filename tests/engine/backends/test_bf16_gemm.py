@@ -87,28 +87,36 @@ def test_products_are_the_exact_bf16_products_summed_in_fp32(packed_lib, out_fea
 
 
 @pytest.mark.parametrize("rows", [1, 7, 8, 16, 97])
-def test_with_amx_larger_passes_take_onednns_product_the_same_bf16_sums(packed_lib, rows):
-    # On a CPU with AMX, passes of AMX_MIN_ROWS rows or more run oneDNN's product (its AMX
-    # tiles) over the weight reordered once: the same exact products summed in fp32 and rounded
-    # once.
+@pytest.mark.parametrize("kernel_amx", [True, False])
+def test_with_amx_larger_passes_take_amx_tiles_the_same_bf16_sums(packed_lib, rows, kernel_amx):
+    # On a CPU with AMX, passes of 4 or more rows run on AMX tiles: the packed kernel's own
+    # AMX path, or where the kernel has none (here: switched off) oneDNN's product over the
+    # weight reordered once, from AMX_MIN_ROWS rows. Either way the same exact products summed
+    # in fp32 and rounded once.
     cpuinfo = Path("/proc/cpuinfo")
     flags = cpuinfo.read_text().split() if cpuinfo.exists() else []
     assert gemm.amx_available() == ({"amx_bf16", "amx_tile"} <= set(flags))
+    if kernel_amx and not gemm.amx_kernel(packed_lib):
+        pytest.skip("the packed kernel has no AMX path here")
     gen = torch.Generator().manual_seed(rows)
     w = (torch.randn(960, 576, generator=gen) / 24).bfloat16()
     x = torch.randn(rows, 576, generator=gen).bfloat16()
     bias = torch.randn(960, generator=gen)
-    layer = gemm.PackedLinear(packed_lib, w, bias)
-    assert (layer.onednn is not None) == gemm.amx_available()
-    assert layer.weight is None  # the plain weight only where oneDNN's reorder is missing
+    before = gemm.amx_kernel_min_rows(packed_lib, -1 if kernel_amx else 0)
     calls = []
     real = gemm.onednn_linear
     try:
+        layer = gemm.PackedLinear(packed_lib, w, bias)
+        fallback = gemm.amx_available() and not kernel_amx
+        assert (layer.onednn is not None) == fallback
+        assert layer.weight is None  # the plain weight only where oneDNN's reorder is missing
         gemm.onednn_linear = lambda *a: calls.append(a[0].shape[0]) or real(*a)
         got = layer(x)
     finally:
         gemm.onednn_linear = real
-    assert calls == ([rows] if gemm.amx_available() and rows >= gemm.AMX_MIN_ROWS else [])
+        if before >= 0:
+            gemm.amx_kernel_min_rows(packed_lib, before)
+    assert calls == ([rows] if fallback and rows >= gemm.AMX_MIN_ROWS else [])
     ref = reference(x, w, bias.bfloat16().float() if calls else bias)  # F.linear's: bf16
     step = 2.0 ** (torch.floor(torch.log2(ref.abs().clamp_min(1e-30))) - 7)
     bound = 1e-5 * (x.double().abs() @ w.double().abs().t() + bias.double().abs())

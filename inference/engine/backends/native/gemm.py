@@ -24,14 +24,14 @@ from inference.engine.backends import native as native_kernels
 logger = logging.getLogger(__name__)
 
 TILE = 64  # output features per packed tile (bf16_gemm.c's TILE)
-# On a CPU with AMX, passes of at least this many rows through PackedLinear (the layer loop's
-# passes with prompt chunks) run oneDNN's product (its AMX tiles) over the reordered weight
-# (onednn_weight) instead of the packed kernel. On a 2-core Xeon with AMX (family 6 model 167),
-# the default model's projections of 30 layers streamed from memory
-# (``python -m benchmarks.kernels.bf16_gemm``): the reordered weight took 14.4 ms at 8 rows and
-# 34.0 at 256 against the packed kernel's AMX path's 16.4 and 39.8 (its AVX512-BF16 path: 23.6
-# and 291). Decode passes stay one native call a layer (native.decode) on the kernel's AMX
-# path; where the kernel has none, those of this many rows or more take the layer loop too.
+# On a CPU with AMX whose packed kernel has no AMX path (amx_kernel: the OS refused the tiles),
+# passes of at least this many rows through PackedLinear run oneDNN's product over the reordered
+# weight (onednn_weight), and decode passes of this many rows the layer loop. On a 2-core Xeon
+# with AMX (family 6 model 167), the default model's projections of 30 layers streamed from
+# memory (``python -m benchmarks.kernels.bf16_gemm``): the reordered weight 13.8 ms a pass at 8
+# rows and 33.6 at 256 against the kernel's AVX512-BF16 path's 23.1 and 286; a decode step of 8
+# rows 34.1 ms through the layer loop against 37.2 in one native call a layer on that path, of
+# 4 rows 27.4 against 26.1 (``python -m benchmarks.kernels.decode_step --dtype bfloat16``).
 AMX_MIN_ROWS = 8
 
 
@@ -189,10 +189,10 @@ class PackedLinear:
         packed: ``[out / 64, in / 2, 64, 2]`` bf16.
         bias: ``[out]`` fp32, or None.
         out_features, in_features: ``W``'s shape.
-        onednn: on a CPU with AMX, ``W`` reordered for oneDNN (:func:`onednn_weight`), which
-            passes of :data:`AMX_MIN_ROWS` rows or more run on; else None.
-        weight: on a CPU with AMX where the reorder is unavailable, ``W`` for ``F.linear``;
+        onednn: on a CPU with AMX whose kernel has no AMX path, ``W`` reordered for oneDNN
+            (:func:`onednn_weight`), which passes of :data:`AMX_MIN_ROWS` rows or more run on;
             else None.
+        weight: there, where the reorder is unavailable, ``W`` for ``F.linear``; else None.
     """
 
     __slots__ = ("_bias_bf16", "_fn", "bias", "in_features", "onednn", "out_features", "packed",
@@ -200,9 +200,9 @@ class PackedLinear:
 
     def __init__(self, lib: ctypes.CDLL, weight: torch.Tensor,
                  bias: torch.Tensor | None = None, *, onednn: bool = True) -> None:
-        """Pack ``weight [out, in]`` (bf16, CPU) for ``lib``; on a CPU with AMX also reorder it
-        for oneDNN unless ``onednn`` is false (a caller that only asks for fp32 sums, which
-        only the kernel gives).
+        """Pack ``weight [out, in]`` (bf16, CPU) for ``lib``; on a CPU with AMX whose kernel has
+        no AMX path also reorder it for oneDNN, unless ``onednn`` is false (a caller that only
+        asks for fp32 sums, which only the kernel gives).
 
         Raises:
             ValueError: if :func:`can_pack` is false for ``weight``, the bias is not ``[out]``,
@@ -218,12 +218,14 @@ class PackedLinear:
                              f"weight {tuple(weight.shape)}")
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self._fn = getattr(lib, native_kernels.GEMM_SYMBOL)
-        # With AMX, for passes of at least AMX_MIN_ROWS rows (oneDNN's AMX tiles): the weight
-        # reordered for oneDNN (onednn_weight: a copy), else the plain weight (the caller's
-        # tensor, F.linear); both None elsewhere.
-        amx = onednn and amx_available()
-        self.onednn = onednn_weight(weight) if amx else None
-        self.weight = weight.detach() if amx and self.onednn is None else None
+        # On a CPU with AMX whose kernel has no AMX path (amx_kernel), oneDNN's AMX tiles for
+        # passes of AMX_MIN_ROWS rows or more: over the weight reordered for it, else the plain
+        # weight. With the kernel's own AMX path neither: its products were as fast in a
+        # prompt's pass (0.43 s against 0.44 for a 1,024-token prompt in 256-token chunks on a
+        # 2-core Xeon family 6 model 167), without another copy of the weights.
+        fallback = onednn and amx_available() and not amx_kernel(lib)
+        self.onednn = onednn_weight(weight) if fallback else None
+        self.weight = weight.detach() if fallback and self.onednn is None else None
         self._bias_bf16 = None if bias is None else bias.detach().to(torch.bfloat16)
 
     def __call__(self, x: torch.Tensor, *, out_fp32: bool = False) -> torch.Tensor:
