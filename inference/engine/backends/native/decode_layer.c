@@ -255,6 +255,31 @@ static void rotate16(uint16_t *x, int64_t heads, int64_t D, const uint16_t *cos,
         }
     }
 }
+
+/* Tokens [0, n) of qkv [n][(NH + 2 KV) D]: q and k heads rotated in place at each token's
+ * position, the rotated q heads copied to q [n][NH D], the K and V heads written to slot
+ * slots[t] of pool [2 KV][slots][D] (head_stride = slots * D). Positions and slots checked by
+ * the caller. */
+static void rope_kv_rows(uint16_t *qkv, const int64_t *positions, const int64_t *slots,
+                         const uint16_t *cos, const uint16_t *sin, uint16_t *q, uint16_t *pool,
+                         int64_t n, int64_t NH, int64_t KV, int64_t D, int64_t head_stride,
+                         int threads)
+{
+    const int64_t width = (NH + 2 * KV) * D, nhd = NH * D;
+#pragma omp parallel for num_threads(threads) schedule(static) if (n * width >= PARALLEL_MIN)
+    for (int64_t t = 0; t < n; t++) {
+        uint16_t *row = qkv + t * width;
+        const int64_t pos = positions[t];
+        if (D % 32 == 0)
+            rotate16(row, NH + KV, D, cos + pos * D, sin + pos * D);
+        else
+            rotate(row, NH + KV, D, cos + pos * D, sin + pos * D);
+        memcpy(q + t * nhd, row, sizeof(uint16_t) * (size_t)nhd);
+        for (int64_t j = 0; j < 2 * KV; j++)  /* K heads, then V heads */
+            memcpy(pool + j * head_stride + slots[t] * D, row + (NH + j) * D,
+                   sizeof(uint16_t) * (size_t)D);
+    }
+}
 #endif
 
 int decode_layer_bf16(const layer_t *L, const dims_t *M, uint16_t *h, const uint16_t *cos,
@@ -537,19 +562,7 @@ int pass_layer_bf16(const layer_t *L, const dims_t *M, uint16_t *h, const uint16
     if (lora && (rc = lora_add_bf16(lora, layer, 0, x, H, qkv, qkv_w, N, nt))) return rc;
     const int64_t head_stride = nb * bs * D;
     uint16_t *pool = (uint16_t *)L->pool;
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t t = 0; t < N; t++) {
-        uint16_t *row = qkv + t * qkv_w;
-        const int64_t pos = P->positions[t];
-        if (D % 32 == 0)
-            rotate16(row, NH + KV, D, cos + pos * D, sin + pos * D);
-        else
-            rotate(row, NH + KV, D, cos + pos * D, sin + pos * D);
-        memcpy(q + t * nhd, row, sizeof(uint16_t) * (size_t)nhd);
-        for (int64_t j = 0; j < 2 * KV; j++)  /* K heads, then V heads */
-            memcpy(pool + j * head_stride + P->slots[t] * D, row + (NH + j) * D,
-                   sizeof(uint16_t) * (size_t)D);
-    }
+    rope_kv_rows(qkv, P->positions, P->slots, cos, sin, q, pool, N, NH, KV, D, head_stride, nt);
     if (P->p_rows) {
         rc = prefill_attention_bf16(q, pool, P->p_tables, P->p_token_start, P->p_pos_start, o,
                                     P->p_rows, KV, NH / KV, D, nb, bs, P->p_max_blocks,
@@ -637,21 +650,9 @@ int bf16_rope_kv_write(uint16_t *qkv, const int64_t *positions, const int64_t *s
         if (positions[t] < 0 || positions[t] >= max_positions || slots[t] < 0
             || slots[t] >= slot_count)
             return 1;
-    const int64_t width = (NH + 2 * KV) * D, nhd = NH * D, head_stride = slot_count * D;
+    const int64_t head_stride = slot_count * D;
     const int nt = threads < 1 ? 1 : (int)threads;
-#pragma omp parallel for num_threads(nt) schedule(static) if (tokens * width >= PARALLEL_MIN)
-    for (int64_t t = 0; t < tokens; t++) {
-        uint16_t *row = qkv + t * width;
-        const int64_t pos = positions[t];
-        if (D % 32 == 0)
-            rotate16(row, NH + KV, D, cos + pos * D, sin + pos * D);
-        else
-            rotate(row, NH + KV, D, cos + pos * D, sin + pos * D);
-        memcpy(q + t * nhd, row, sizeof(uint16_t) * (size_t)nhd);
-        for (int64_t j = 0; j < 2 * KV; j++)  /* K heads, then V heads */
-            memcpy(pool + j * head_stride + slots[t] * D, row + (NH + j) * D,
-                   sizeof(uint16_t) * (size_t)D);
-    }
+    rope_kv_rows(qkv, positions, slots, cos, sin, q, pool, tokens, NH, KV, D, head_stride, nt);
     return 0;
 #endif
 }
